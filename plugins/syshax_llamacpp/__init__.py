@@ -1,0 +1,1 @@
+"""syshax's llama.cpp backend: q4_0 CPU engine with continuous batching (built-in plugin)."""

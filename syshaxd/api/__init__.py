@@ -1,0 +1,1 @@
+"""The daemon's HTTP side: the OpenAI-compatible API and health."""

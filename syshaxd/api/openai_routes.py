@@ -1,0 +1,248 @@
+"""The OpenAI-compatible endpoints: completions, chat completions (JSON or SSE), models, health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from syshaxd import __version__
+from syshaxd.api.errors import APIError
+from syshaxd.api.keys import CONFIG, MODEL_NAME, SCHEDULER, STARTED
+from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion, parse_json_body
+from syshaxd.engine.scheduler import Overloaded
+from syshaxd.engine.supervisor import EngineUnavailable, RequestStream
+from syshaxd.engine.types import Accepted, Delta, Rejected
+
+log = logging.getLogger(__name__)
+routes = web.RouteTableDef()
+
+SYSTEM_FINGERPRINT = f"syshax-{__version__}"
+_DISCONNECT_POLL = 1.0  # seconds between checks that a waiting client is still there
+
+
+class _ClientGone(Exception):
+    """The client closed the connection while we waited; nobody is left to answer."""
+
+
+class _Exchange:
+    """The shapes of one endpoint's bodies and stream chunks."""
+
+    def __init__(self, chat: bool, parsed: ParsedRequest, model: str) -> None:
+        self.chat = chat
+        self.id = parsed.generate.request_id
+        self.created = int(time.time())
+        self.model = model
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT}
+
+    def body(self, text: str, finish: str, usage: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._head(self.object) | {"choices": [choice], "usage": usage}
+
+    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return self._head("chat.completion.chunk") | {"choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return self._head("text_completion") | {"choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
+            "choices": [], "usage": usage}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _next_event(request: web.Request, stream: RequestStream, deadline: float | None):
+    """The stream's next event; None if the client left. Raises APIError past the deadline."""
+    while True:
+        timeout = _DISCONNECT_POLL
+        if deadline is not None:
+            timeout = min(timeout, max(deadline - time.monotonic(), 0.0))
+        try:
+            return await asyncio.wait_for(stream.next_event(), timeout)
+        except asyncio.TimeoutError:
+            if _client_gone(request):
+                return None
+            if deadline is not None and time.monotonic() >= deadline:
+                raise APIError(503, "The request waited too long for the engine (request_timeout); retry later.",
+                               type="server_error", code="timeout") from None
+
+
+def _rejected(event: Rejected) -> APIError:
+    kind = "invalid_request_error" if event.status < 500 else "server_error"
+    return APIError(event.status, event.message, type=kind, param=event.param, code=event.code)
+
+
+async def _start(request: web.Request, parsed: ParsedRequest) -> tuple[RequestStream, Accepted]:
+    scheduler = request.app[SCHEDULER]
+    try:
+        stream = scheduler.submit(parsed.generate)
+    except Overloaded as exc:
+        raise APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+    except EngineUnavailable as exc:
+        raise APIError(503, str(exc), type="server_error", code="engine_unavailable",
+                       headers={"Retry-After": "5"}) from None
+    event = await _next_event(request, stream, time.monotonic() + 30.0)
+    if event is None:
+        stream.cancel()
+        raise _ClientGone()
+    if isinstance(event, Rejected):
+        raise _rejected(event)
+    if isinstance(event, Delta):  # the worker died before it could accept
+        raise APIError(503, event.error or "the engine failed", type="server_error", code="engine_error")
+    return stream, event
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    cfg = request.app[CONFIG]
+    body = parse_json_body(await request.read())
+    parser = parse_chat if chat else parse_completion
+    parsed = parser(body, request.app[MODEL_NAME], cfg.default_max_tokens)
+    try:
+        stream, accepted = await _start(request, parsed)
+    except _ClientGone:
+        return web.Response(status=499, text="client closed the request")
+    exchange = _Exchange(chat, parsed, request.app[MODEL_NAME])
+    try:
+        if parsed.stream:
+            return await _respond_stream(request, stream, accepted, exchange, parsed.include_usage)
+        return await _respond_json(request, stream, accepted, exchange)
+    except _ClientGone:
+        log.info("%s: client left before the answer was ready", parsed.generate.request_id)
+        return web.Response(status=499, text="client closed the request")
+    finally:
+        stream.cancel()  # no-op once finished; frees the sequence if the client left
+
+
+async def _respond_json(request, stream: RequestStream, accepted: Accepted, ex: _Exchange) -> web.Response:
+    deadline = time.monotonic() + request.app[CONFIG].request_timeout
+    parts: list[str] = []
+    n = 0
+    while True:
+        event = await _next_event(request, stream, deadline if n == 0 else None)
+        if event is None:
+            raise _ClientGone()
+        if isinstance(event, Rejected):
+            raise _rejected(event)
+        parts.append(event.text)
+        n += event.n_tokens
+        if event.finish_reason == "error":
+            raise APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
+        if event.finish_reason:
+            return web.json_response(ex.body("".join(parts), event.finish_reason, _usage(accepted.prompt_tokens, n)))
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex: _Exchange,
+                          include_usage: bool) -> web.StreamResponse:
+    # Hold the headers until the first token: an error before it is still a proper HTTP error.
+    deadline = time.monotonic() + request.app[CONFIG].request_timeout
+    first = await _next_event(request, stream, deadline)
+    if first is None:
+        raise _ClientGone()
+    if isinstance(first, Rejected):
+        raise _rejected(first)
+    if first.finish_reason == "error":
+        raise APIError(500, f"generation failed: {first.error}", type="server_error", code="engine_error")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    n = 0
+    event = first
+    try:
+        if ex.chat:
+            await resp.write(_sse(ex.chunk("", None, role=True)))
+        while True:
+            n += event.n_tokens
+            if event.finish_reason == "error":
+                err = APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
+                await resp.write(_sse(err.body()))
+                break
+            if event.text:
+                await resp.write(_sse(ex.chunk(event.text, None)))
+            if event.finish_reason:
+                await resp.write(_sse(ex.chunk(None if ex.chat else "", event.finish_reason)))
+                if include_usage:
+                    await resp.write(_sse(ex.usage_chunk(_usage(accepted.prompt_tokens, n))))
+                break
+            event = await _next_event(request, stream, None)
+            if event is None:
+                return resp
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, ConnectionError):
+        log.info("%s: client disconnected mid-stream after %d tokens", ex.id, n)
+    return resp
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+def _model_card(request: web.Request) -> dict:
+    return {"id": request.app[MODEL_NAME], "object": "model", "created": int(request.app[STARTED]),
+            "owned_by": "syshax"}
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+@routes.get("/v1/models/{model}")
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    if name != request.app[MODEL_NAME]:
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    return web.json_response(_model_card(request))
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    scheduler = request.app[SCHEDULER]
+    workers = [{"name": w.name, "state": w.state, "error": w.error or None} for w in scheduler.workers]
+    if scheduler.is_ready():
+        return web.json_response({"status": "ok", "mode": scheduler.mode, "workers": workers})
+    failed = any(w.state == "failed" for w in scheduler.workers)
+    return web.json_response({"status": "failed" if failed else "loading", "mode": scheduler.mode,
+                              "workers": workers}, status=503)
+
+
+@routes.get("/v1/syshax/status")
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SCHEDULER].status())

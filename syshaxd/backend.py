@@ -1,0 +1,44 @@
+"""What a backend plugin declares: its roles, its device, whether it runs here, how to build it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from syshaxd.engine.types import Engine, EngineSpec
+
+ROLES = ("prefill", "decode", "generate")
+DEVICES = ("cpu", "gpu", "npu")
+
+
+@dataclass(frozen=True)
+class Availability:
+    available: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One engine kind. `create_engine` runs inside a worker process, never in the daemon."""
+
+    name: str
+    device: str
+    roles: frozenset[str]
+    description: str
+    check: Callable[[], Availability]
+    factory: Callable[["EngineSpec"], "Engine"]
+
+    def __post_init__(self) -> None:
+        bad = set(self.roles) - set(ROLES)
+        if bad or self.device not in DEVICES:
+            raise ValueError(f"backend {self.name}: roles must be in {ROLES}, device in {DEVICES}")
+
+    def availability(self) -> Availability:
+        try:
+            return self.check()
+        except Exception as exc:  # a plugin's probe must not take the daemon down
+            return Availability(False, f"availability check failed: {exc}")
+
+    def create_engine(self, spec: "EngineSpec") -> "Engine":
+        return self.factory(spec)

@@ -1,0 +1,163 @@
+"""The daemon's configuration: one typed object, read from TOML once, validated, passed down."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+MODES = ("cpu", "gpu", "hetero", "auto")
+QUANTIZE_TYPES = ("", "q4_0")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration key has a bad value; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every key of etc/syshax.toml; the file documents each one."""
+
+    # HTTP endpoint
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+
+    # what to serve
+    mode: str = "cpu"
+    model: str = ""  # a GGUF path; empty serves the prepared default model
+    model_name: str = ""  # the id clients send as "model"; empty: derived from the file
+    model_dir: str = "models"  # where the default model is prepared and quantized copies cached
+    quantize: str = "q4_0"  # quantize the GGUF at first load (llama.cpp's quantizer), cached
+
+    # CPU engine (llama.cpp)
+    n_ctx: int = 4096  # the most tokens one request may hold (prompt + completion), per sequence
+    cpu_max_batch_size: int = 8  # sequences decoded together in one llama_decode
+    threads: int = 0  # 0: OMP_NUM_THREADS, else the number of CPUs in the worker's set
+    cpu_affinity: str = ""  # cpulists, ";" between workers ("0-3;4-7"); CUSTOM_CPU_AFFINITY overrides it
+    prefill_chunk_size: int = 256  # prompt tokens per step, so a long prompt does not stall the batch
+
+    # requests
+    default_max_tokens: int = 1024  # chat requests without max_tokens
+    max_queue_size: int = 64  # requests waiting for a batch slot before 429
+    request_timeout: float = 600.0  # seconds a request may wait for a slot before 503
+
+    # worker supervision
+    worker_start_timeout: float = 300.0
+    worker_restart_delay: float = 1.0
+
+    log_level: str = "info"
+
+    # where this config came from (not a TOML key)
+    source: str = field(default="", compare=False)
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some keys changed, validated like the file is."""
+        merged = {f.name: getattr(self, f.name) for f in fields(self)}
+        merged.update(changes)
+        return from_mapping(merged, source=self.source)
+
+    def model_dir_path(self) -> Path:
+        return Path(self.model_dir).expanduser()
+
+
+KEYS: dict[str, dataclasses.Field] = {f.name: f for f in fields(Config) if f.name != "source"}
+
+
+def _check_type(key: str, value: Any) -> Any:
+    expected = KEYS[key].type
+    if expected == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    elif expected == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        value = float(value)
+    elif expected == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def _validate(cfg: Config) -> None:
+    def at_least(key: str, low: float) -> None:
+        if getattr(cfg, key) < low:
+            raise ConfigError(f"{key}: must be at least {low}, got {getattr(cfg, key)!r}")
+
+    if cfg.mode not in MODES:
+        raise ConfigError(f"mode: must be one of {', '.join(MODES)}; got {cfg.mode!r}")
+    if cfg.quantize not in QUANTIZE_TYPES:
+        raise ConfigError(f'quantize: must be "" (load as is) or "q4_0"; got {cfg.quantize!r}')
+    if cfg.log_level not in LOG_LEVELS:
+        raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}; got {cfg.log_level!r}")
+    if not 0 <= cfg.port <= 65535:
+        raise ConfigError(f"port: must be 0..65535, got {cfg.port}")
+    at_least("max_body_bytes", 1024)
+    at_least("n_ctx", 64)
+    at_least("cpu_max_batch_size", 1)
+    at_least("threads", 0)
+    at_least("prefill_chunk_size", 1)
+    at_least("default_max_tokens", 1)
+    at_least("max_queue_size", 0)
+    at_least("request_timeout", 0.001)
+    at_least("worker_start_timeout", 1)
+    at_least("worker_restart_delay", 0)
+    if cfg.cpu_affinity:
+        from syshaxd.numa import parse_cpulist
+
+        try:
+            for part in cfg.cpu_affinity.split(";"):
+                parse_cpulist(part, what="cpu_affinity")
+        except ValueError as exc:
+            raise ConfigError(f"cpu_affinity: {exc}") from None
+
+
+def coerce(key: str, text: str) -> Any:
+    """Turn a command-line string into the type `key` holds (for `syshax config KEY VALUE`)."""
+    if key not in KEYS:
+        raise ConfigError(f"unknown key {key!r}; known keys: {', '.join(sorted(KEYS))}")
+    kind = KEYS[key].type
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"{key}: expected {'an integer' if kind == 'int' else 'a number'}, got {text!r}") from None
+    return text
+
+
+def from_mapping(data: Mapping[str, Any], source: str = "") -> Config:
+    """Build and validate a Config from a flat mapping of keys (a parsed TOML document)."""
+    unknown = sorted(set(data) - set(KEYS) - {"source"})
+    if unknown:
+        raise ConfigError(
+            f"{source or 'config'}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(KEYS))}"
+        )
+    values = {k: _check_type(k, v) for k, v in data.items() if k != "source"}
+    cfg = Config(source=source, **values)
+    _validate(cfg)
+    return cfg
+
+
+def load(path: str | os.PathLike | None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read a TOML file (None: built-in defaults), apply overrides (command-line flags), validate."""
+    data: dict[str, Any] = {}
+    source = ""
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {source} does not exist; create one with `syshax init {source}`") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+    return from_mapping(data, source=source)

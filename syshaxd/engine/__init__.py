@@ -1,0 +1,1 @@
+"""Engines and their workers: the scheduler, the supervisor, the worker loop, and their messages."""

@@ -1,0 +1,145 @@
+"""The small, picklable messages between the daemon and its engine workers, and the Engine protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a worker needs to build its engine; crosses the process boundary once."""
+
+    backend: str
+    role: str  # "generate" (prefill and decode), "prefill" or "decode"
+    model_path: str
+    model_name: str
+    n_ctx: int = 4096
+    max_batch_size: int = 8
+    threads: int = 1
+    prefill_chunk_size: int = 256
+    placement: object = None  # a syshaxd.numa.Placement, applied in the worker before the model loads
+    quantize: str = ""
+    cache_dir: str = ""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One sequence to generate. Exactly one of prompt, prompt_tokens, messages is set."""
+
+    request_id: str
+    max_tokens: int | None  # None: up to the context limit, capped by default_max_tokens
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt: str | None = None
+    prompt_tokens: tuple[int, ...] | None = None
+    messages: tuple[dict, ...] | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    default_max_tokens: int = 1024
+
+
+# --- worker -> daemon events -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The engine tokenized the prompt and queued the sequence."""
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The request cannot run as sent; status/code/param become the OpenAI error body."""
+
+    request_id: str
+    status: int
+    message: str
+    code: str | None = None
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output for one sequence: text (may be empty while a stop string is pending)."""
+
+    request_id: str
+    text: str
+    n_tokens: int
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    info: dict
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    stats: dict
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """The engine could not be built; the supervisor reports this instead of restarting forever."""
+
+    message: str
+
+
+# --- daemon -> worker commands -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Submit:
+    request: GenerateRequest
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+class Engine(Protocol):
+    """What a backend builds inside its worker. All methods run on the worker's one thread."""
+
+    def info(self) -> dict:
+        """Model id, context size, batch size, and whatever status should show."""
+
+    def submit(self, request: GenerateRequest) -> list:
+        """Queue a request; return [Accepted] or [Rejected]."""
+
+    def cancel(self, request_id: str) -> list:
+        """Drop a request and free its sequence; return its final Delta if it was live."""
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list:
+        """Run one batched forward pass and return the Deltas it produced."""
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,107 @@
+"""The engine worker process: builds one engine through its plugin and runs its busy loop."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+
+from syshaxd.engine.types import (
+    Cancel,
+    EngineSpec,
+    Shutdown,
+    Submit,
+    WorkerFailed,
+    WorkerReady,
+    WorkerStats,
+)
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL = 0.5  # seconds; doubles as the worker's heartbeat
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this worker if the daemon dies (even by kill -9)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _setup_logging(name: str, level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
+    )
+    # llama-cpp-python prints llama.cpp's own log to stderr below this level
+    logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if level == "debug" else logging.ERROR)
+
+
+def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -> None:
+    """Entry point of the worker process (multiprocessing 'spawn' target)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when workers stop
+    _setup_logging(name, log_level)
+    applied = None
+    if spec.placement is not None:
+        from syshaxd.numa import apply_placement
+
+        # before the model loads, so its pages and threads land on this node
+        applied = apply_placement(spec.placement)
+    try:
+        from syshaxd.plugins import find_backend, make_plugin_manager
+
+        backend = find_backend(make_plugin_manager(), spec.backend)
+        availability = backend.availability()
+        if not availability.available:
+            raise RuntimeError(f"backend {spec.backend} is unavailable here: {availability.reason}")
+        engine = backend.create_engine(spec)
+    except Exception as exc:
+        log.exception("could not build the %s engine", spec.backend)
+        conn.send(WorkerFailed(f"{type(exc).__name__}: {exc}"))
+        return
+    info = engine.info() | {
+        "pid": os.getpid(),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "mempolicy": applied.mempolicy if applied else "default",
+        "mem_nodes": list(applied.mem_nodes) if applied else [],
+    }
+    conn.send(WorkerReady(info))
+    try:
+        _loop(conn, engine)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        log.info("daemon went away; exiting")
+    finally:
+        engine.close()
+
+
+def _loop(conn: Connection, engine) -> None:
+    next_stats = 0.0
+    while True:
+        busy = engine.has_work()
+        out: list = []
+        if conn.poll(0 if busy else STATS_INTERVAL):
+            while conn.poll():
+                msg = conn.recv()
+                if isinstance(msg, Submit):
+                    out += engine.submit(msg.request)
+                elif isinstance(msg, Cancel):
+                    out += engine.cancel(msg.request_id)
+                elif isinstance(msg, Shutdown):
+                    if out:
+                        conn.send(out)
+                    return
+        if engine.has_work():
+            out += engine.step()
+        if out:
+            conn.send(out)
+        now = time.monotonic()
+        if now >= next_stats:
+            conn.send(WorkerStats(engine.stats()))
+            next_stats = now + STATS_INTERVAL

@@ -1,0 +1,391 @@
+"""Codec between llama.cpp sequence-state bytes (llama-cpp-python 0.3.36) and the neutral KV record.
+
+Layout of `llama_state_seq_get_data` for one sequence, all little-endian (llama-context.cpp
+state_seq_get_data, llama-kv-cache.cpp state_write / state_write_meta / state_write_data):
+
+    u32 magic 0xAF143CD8, i32 source seq_id
+    u32 n_stream                          1 for a unified cache or a 1-sequence context, else n_seq_max
+    per stream: u32 cell_count            0 for every stream but the sequence's own, then nothing more
+      per cell: i32 pos, u32 n_seq_id (1), [12-byte cell ext: M-RoPE/PLE models only], i32 seq_id
+      u32 v_trans, u32 n_layer
+      per layer: i32 k_type, u64 k_row_bytes, K[cell_count][n_head_kv * head_dim]
+      v_trans=0, per layer: i32 v_type, u64 v_row_bytes, V[cell_count][n_head_kv * head_dim]
+      v_trans=1, per layer: i32 v_type, u32 v_elem_bytes, u32 n_embd_v_gqa, V[n_embd_v_gqa][cell_count]
+
+A K row of a cell is already `[kv_head, head_dim]`, so K and untransposed V map to the record's
+`[token, kv_head, head_dim]` rows one to one. v_trans is fixed when the context is created:
+`v_trans = flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED` (auto counts as flash attention then).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from .record import DType, KVRecord, ModelFingerprint, convert_into, layout_into, seal
+
+STATE_MAGIC = 0xAF143CD8
+_FLASH_ATTN_DISABLED = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
+
+
+class StateFormatError(ValueError):
+    """The state bytes are not the single-sequence layout this codec knows."""
+
+
+class StateImportError(RuntimeError):
+    """llama.cpp refused the state (no free cells, layout or type mismatch); see its log."""
+
+
+def v_trans_for(flash_attn_type: int) -> bool:
+    """Whether a context created with this flash_attn_type keeps V transposed."""
+    return flash_attn_type == _FLASH_ATTN_DISABLED
+
+
+@dataclass(frozen=True)
+class SeqState:
+    """Numpy views into parsed state bytes (no copies)."""
+
+    src_seq_id: int
+    n_stream: int
+    positions: np.ndarray  # int32 [n_tokens]
+    dtype: DType
+    v_trans: bool
+    k: list  # per layer [n_tokens, n_head_kv, head_dim]
+    v: list  # per layer, same shape; a transposed (strided) view when v_trans
+    nbytes: int
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.positions)
+
+
+class _Reader:
+    def __init__(self, buf):
+        self.mv = memoryview(buf).cast("B")
+        self.pos = 0
+
+    def take(self, fmt: str):
+        try:
+            values = struct.unpack_from(fmt, self.mv, self.pos)
+        except struct.error:
+            raise StateFormatError(f"state ends early at byte {self.pos}") from None
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def array(self, dtype, count: int) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        end = self.pos + dtype.itemsize * count
+        if end > self.mv.nbytes:
+            raise StateFormatError(f"state ends early: {end} bytes needed, {self.mv.nbytes} present")
+        a = np.frombuffer(self.mv, dtype, count, self.pos)
+        self.pos = end
+        return a
+
+
+def _ggml_dtype(type_id: int, what: str) -> DType:
+    try:
+        return DType(type_id)
+    except ValueError:
+        raise StateFormatError(f"{what} cache type {type_id} (ggml) is not f32/f16/bf16: "
+                               "quantized KV caches cannot be carried") from None
+
+
+def parse_seq_state(buf, fingerprint: ModelFingerprint) -> SeqState:
+    """Split one sequence's state bytes into positions and per-layer K, V views."""
+    fp = fingerprint
+    r = _Reader(buf)
+    magic, src_seq = r.take("<Ii")
+    if magic != STATE_MAGIC:
+        raise StateFormatError(f"bad sequence-state magic 0x{magic:08x}")
+    (n_stream,) = r.take("<I")
+    found = None
+    for _ in range(n_stream):
+        (cells,) = r.take("<I")
+        if cells == 0:
+            continue
+        if found is not None:
+            raise StateFormatError("cells in more than one stream: not a single-sequence state")
+        found = _parse_stream(r, fp, cells)
+    if found is None:  # an empty sequence
+        empty = np.zeros((0, fp.n_head_kv, fp.head_dim), np.float16)
+        found = (np.zeros(0, np.int32), DType.F16, False, [empty] * fp.n_layer, [empty] * fp.n_layer)
+    positions, dtype, v_trans, k, v = found
+    return SeqState(src_seq, n_stream, positions, dtype, v_trans, k, v, r.pos)
+
+
+def _parse_stream(r: _Reader, fp: ModelFingerprint, n: int):
+    meta = r.array(np.int32, 3 * n).reshape(n, 3)
+    v_trans, n_layer = r.take("<II")
+    if not (meta[:, 1] == 1).all() or v_trans > 1 or n_layer != fp.n_layer:
+        raise StateFormatError(
+            f"unexpected cell table (v_trans={v_trans}, n_layer={n_layer}, fingerprint says "
+            f"{fp.n_layer}): a whole-context state, another model, or cell extensions (M-RoPE)")
+    width = fp.n_head_kv * fp.head_dim
+    shape = (n, fp.n_head_kv, fp.head_dim)
+    dtype = None
+    k = []
+    for layer in range(n_layer):
+        type_id, row = r.take("<iQ")
+        dtype = _check_type(dtype, _ggml_dtype(type_id, "K"), layer)
+        if row != width * dtype.numpy.itemsize:
+            raise StateFormatError(f"layer {layer}: K row of {row} bytes, fingerprint gives {width} elements")
+        k.append(r.array(dtype.numpy, n * width).reshape(shape))
+    v = []
+    for layer in range(n_layer):
+        if v_trans:
+            type_id, elem, n_embd = r.take("<iII")
+            dtype = _check_type(dtype, _ggml_dtype(type_id, "V"), layer)
+            if n_embd != width or elem != dtype.numpy.itemsize:
+                raise StateFormatError(f"layer {layer}: transposed V of {n_embd} x {elem}-byte elements")
+            v.append(r.array(dtype.numpy, width * n).reshape(width, n).T.reshape(shape))
+        else:
+            type_id, row = r.take("<iQ")
+            dtype = _check_type(dtype, _ggml_dtype(type_id, "V"), layer)
+            if row != width * dtype.numpy.itemsize:
+                raise StateFormatError(f"layer {layer}: V row of {row} bytes")
+            v.append(r.array(dtype.numpy, n * width).reshape(shape))
+    return meta[:, 0], dtype, bool(v_trans), k, v
+
+
+def _check_type(seen: DType | None, got: DType, layer: int) -> DType:
+    if seen is not None and seen != got:
+        raise StateFormatError(f"layer {layer}: cache type {got.name} differs from {seen.name}")
+    return got
+
+
+def seq_state_size(fingerprint: ModelFingerprint, n_tokens: int, dtype: DType | str, *,
+                   n_stream: int = 1) -> int:
+    """Bytes of the state that write_seq_state produces (the same with or without v_trans)."""
+    size = 12 + 4 * n_stream
+    if n_tokens:
+        rows = n_tokens * fingerprint.n_head_kv * fingerprint.head_dim * DType.parse(dtype).numpy.itemsize
+        size += 12 * n_tokens + 8 + 2 * fingerprint.n_layer * (12 + rows)
+    return size
+
+
+def write_seq_state(buf, record: KVRecord, *, v_trans: bool, seq_id: int = 0, n_stream: int = 1,
+                    cache_dtype: DType | str | None = None) -> int:
+    """Write the record as llama.cpp state bytes into buf (one copy of the payload); returns the size.
+
+    v_trans, n_stream and cache_dtype describe the destination context, not the record's source.
+    """
+    fp, n = record.fingerprint, record.n_tokens
+    dtype = DType.parse(cache_dtype) if cache_dtype is not None else record.dtype
+    size = seq_state_size(fp, n, dtype, n_stream=n_stream)
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes < size:
+        raise ValueError(f"buffer of {mv.nbytes} bytes is smaller than the {size}-byte state")
+    struct.pack_into("<IiII", mv, 0, STATE_MAGIC, seq_id, n_stream, n)
+    # the cells go in the first stream; llama.cpp puts them in seq_id's own stream whichever it was.
+    # Each stream's count is followed by its cells, so the other (empty) streams' counts come last.
+    mv[size - 4 * (n_stream - 1):size] = bytes(4 * (n_stream - 1))
+    if not n:
+        return size
+    pos = 16
+    meta = np.frombuffer(mv, np.int32, 3 * n, pos).reshape(n, 3)
+    meta[:, 0] = record.positions
+    meta[:, 1] = 1
+    meta[:, 2] = seq_id
+    pos += 12 * n
+    struct.pack_into("<II", mv, pos, int(v_trans), fp.n_layer)
+    pos += 8
+    width = fp.n_head_kv * fp.head_dim
+    item = dtype.numpy.itemsize
+    for layer in range(fp.n_layer):
+        struct.pack_into("<iQ", mv, pos, int(dtype), width * item)
+        pos += 12
+        dst = np.frombuffer(mv, dtype.numpy, n * width, pos).reshape(n, fp.n_head_kv, fp.head_dim)
+        convert_into(dst, dtype, record.k(layer), record.dtype)
+        pos += n * width * item
+    for layer in range(fp.n_layer):
+        if v_trans:
+            struct.pack_into("<iII", mv, pos, int(dtype), item, width)
+            pos += 12
+            dst = np.frombuffer(mv, dtype.numpy, n * width, pos).reshape(width, n).T
+            convert_into(dst, dtype, record.v(layer).reshape(n, width), record.dtype)
+        else:
+            struct.pack_into("<iQ", mv, pos, int(dtype), width * item)
+            pos += 12
+            dst = np.frombuffer(mv, dtype.numpy, n * width, pos).reshape(n, fp.n_head_kv, fp.head_dim)
+            convert_into(dst, dtype, record.v(layer), record.dtype)
+        pos += n * width * item
+    assert pos == size - 4 * (n_stream - 1)
+    return size
+
+
+def encode_state_into(buf, fingerprint: ModelFingerprint, state: SeqState, tokens,
+                      dtype: DType | str | None = None) -> int:
+    """Write parsed state as a neutral record into buf (e.g. a ring reservation); returns its size."""
+    tokens = np.asarray(tokens)
+    if len(tokens) != state.n_tokens:
+        raise ValueError(f"{len(tokens)} token ids for a state of {state.n_tokens} cells")
+    dtype = DType.parse(dtype) if dtype is not None else state.dtype
+    rec = layout_into(buf, fingerprint, state.n_tokens, dtype)
+    rec.tokens[:] = tokens
+    rec.positions[:] = state.positions
+    for layer in range(fingerprint.n_layer):
+        convert_into(rec.k(layer), dtype, state.k[layer], state.dtype)
+        convert_into(rec.v(layer), dtype, state.v[layer], state.dtype)
+    seal(buf)
+    return rec.nbytes
+
+
+class StateBuffer:
+    """A reusable, page-aligned scratch buffer for state bytes, handed to llama.cpp by pointer."""
+
+    def __init__(self, nbytes: int = 0):
+        self._mm = None
+        self._array = np.empty(0, np.uint8)
+        self.ensure(nbytes)
+
+    def ensure(self, nbytes: int) -> np.ndarray:
+        if nbytes > len(self._array):
+            size = max(nbytes, 2 * len(self._array))
+            size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+            self._array = np.empty(0, np.uint8)  # drop the export before the old map goes
+            self._mm = mmap.mmap(-1, size)
+            self._array = np.frombuffer(self._mm, np.uint8)
+        return self._array[:nbytes]
+
+    @staticmethod
+    def pointer(array: np.ndarray):
+        return ctypes.cast(array.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+
+
+def export_seq(ctx, seq_id: int, scratch: StateBuffer | None = None) -> np.ndarray:
+    """Copy sequence seq_id's state out of a llama context into scratch; returns those bytes (a view)."""
+    import llama_cpp
+
+    scratch = StateBuffer() if scratch is None else scratch
+    size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
+    out = scratch.ensure(size)
+    got = llama_cpp.llama_state_seq_get_data(ctx, StateBuffer.pointer(out), size, seq_id)
+    if got != size:
+        raise StateFormatError(f"llama_state_seq_get_data wrote {got} of {size} bytes")
+    return out
+
+
+def import_record(ctx, seq_id: int, record: KVRecord, *, v_trans: bool, scratch: StateBuffer | None = None,
+                  n_stream: int = 1, cache_dtype: DType | str | None = None) -> int:
+    """Load a record into sequence seq_id of a llama context; returns the bytes llama.cpp read.
+
+    The record's K and V are copied once, into scratch, in the destination's layout; llama.cpp
+    reads scratch through a pointer. Whatever seq_id held before is replaced.
+    """
+    import llama_cpp
+
+    scratch = StateBuffer() if scratch is None else scratch
+    dtype = DType.parse(cache_dtype) if cache_dtype is not None else record.dtype
+    buf = scratch.ensure(seq_state_size(record.fingerprint, record.n_tokens, dtype, n_stream=n_stream))
+    size = write_seq_state(buf, record, v_trans=v_trans, seq_id=seq_id, n_stream=n_stream,
+                           cache_dtype=dtype)
+    got = llama_cpp.llama_state_seq_set_data(ctx, StateBuffer.pointer(buf), size, seq_id)
+    if got != size:
+        raise StateImportError(f"llama_state_seq_set_data took {got} of {size} bytes for sequence {seq_id}")
+    return got
+
+
+# -- model fingerprint from a GGUF file ----------------------------------------------------------
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# llama.cpp's rope type per architecture (llama_model_rope_type), for the families we expect
+_ROPE_TYPES = {"llama": "norm", "mistral": "norm", "granite": "norm", "qwen2": "neox", "qwen3": "neox",
+               "qwen2moe": "neox", "qwen3moe": "neox", "phi3": "neox", "gemma": "neox", "gemma2": "neox",
+               "gemma3": "neox", "olmo2": "neox", "falcon": "neox", "stablelm": "neox"}
+
+
+def _gguf_value(mv, pos: int, vtype: int):
+    if vtype == _GGUF_STRING:
+        (n,) = struct.unpack_from("<Q", mv, pos)
+        return bytes(mv[pos + 8:pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+    if vtype == _GGUF_ARRAY:
+        etype, count = struct.unpack_from("<IQ", mv, pos)
+        pos += 12
+        if etype in _GGUF_SCALARS:  # numbers: skip in one step, keep only short arrays
+            fmt = "<" + _GGUF_SCALARS[etype]
+            size = struct.calcsize(fmt) * count
+            values = list(struct.iter_unpack(fmt, mv[pos:pos + size])) if count <= 1024 else None
+            return values and [v[0] for v in values], pos + size
+        for _ in range(count):
+            _, pos = _gguf_value(mv, pos, etype)
+        return None, pos  # string arrays (the vocabulary) are not needed
+    fmt = "<" + _GGUF_SCALARS[vtype]
+    return struct.unpack_from(fmt, mv, pos)[0], pos + struct.calcsize(fmt)
+
+
+def read_gguf_header(path: str | os.PathLike) -> tuple[dict, list[tuple[str, tuple[int, ...], int]]]:
+    """The metadata (long arrays left out) and the tensor table (name, shape, ggml type) of a GGUF file."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        mv = memoryview(mm)
+        try:
+            magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", mv, 0)
+            if magic != b"GGUF" or version < 2:
+                raise StateFormatError(f"{path}: not a GGUF v2+ file")
+            pos, meta = 24, {}
+            for _ in range(n_kv):
+                key, pos = _gguf_value(mv, pos, _GGUF_STRING)
+                (vtype,) = struct.unpack_from("<I", mv, pos)
+                meta[key], pos = _gguf_value(mv, pos + 4, vtype)
+            tensors = []
+            for _ in range(n_tensors):
+                name, pos = _gguf_value(mv, pos, _GGUF_STRING)
+                (n_dims,) = struct.unpack_from("<I", mv, pos)
+                dims = struct.unpack_from(f"<{n_dims}Q", mv, pos + 4)
+                ttype, _ = struct.unpack_from("<IQ", mv, pos + 4 + 8 * n_dims)
+                pos += 4 + 8 * n_dims + 12
+                tensors.append((name, dims, ttype))
+        finally:
+            mv.release()
+    return meta, tensors
+
+
+def fingerprint_from_gguf(path: str | os.PathLike) -> ModelFingerprint:
+    """The model fingerprint of a GGUF file; any engine loading weights made from it can compute it."""
+    meta, tensors = read_gguf_header(path)
+    arch = meta["general.architecture"]
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise StateFormatError(f"{Path(path).name}: no {arch}.{key} in the GGUF metadata")
+        if isinstance(value, list):  # per-layer values: the widest layer decides the row size
+            value = max(value)
+        return value
+
+    n_head = get("attention.head_count")
+    head_dim = get("attention.key_length", get("embedding_length") // n_head)
+    scale = meta.get(f"{arch}.rope.scaling.factor") or 1.0
+    table = xxhash.xxh3_64()
+    for name, dims, ttype in tensors:
+        table.update(f"{name}:{','.join(map(str, dims))}:{ttype};".encode())
+    return ModelFingerprint(
+        arch=arch, n_layer=get("block_count"), n_head_kv=get("attention.head_count_kv", n_head),
+        head_dim=head_dim, rope_type=_ROPE_TYPES.get(arch, "arch-default"),
+        rope_dim=get("rope.dimension_count", head_dim), rope_freq_base=float(get("rope.freq_base", 10000.0)),
+        rope_freq_scale=1.0 / float(scale), tensor_table_hash=table.intdigest())
+
+
+def widen_streams(buf: np.ndarray, size: int, n_stream: int) -> int:
+    """Re-address a one-stream state in place for a context with n_stream KV streams; returns its new size.
+
+    A 1-sequence context exports one stream; a non-unified context with N sequences has N
+    streams and refuses any other count. Only the count changes, and the other streams'
+    (empty) cell counts follow the data, so buf needs 4 * (n_stream - 1) spare bytes.
+    """
+    head = np.frombuffer(buf, np.uint32, 3)
+    if head[0] != STATE_MAGIC or head[2] != 1:
+        raise StateFormatError("not a one-stream sequence state")
+    extra = 4 * (n_stream - 1)
+    if len(buf) < size + extra:
+        raise ValueError(f"need {size + extra} bytes of buffer, have {len(buf)}")
+    np.frombuffer(buf, np.uint32, 3)[2] = n_stream
+    buf[size:size + extra] = 0
+    return size + extra

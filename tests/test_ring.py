@@ -1,0 +1,271 @@
+"""The shared-memory KV ring against real /dev/shm segments and real processes."""
+
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from syshaxd.kv.ring import (KVRing, RingBusy, RingError, RingFull, StaleRecord, ring_path,
+                             sweep_stale)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def instance(request):
+    """A segment name no other test or daemon uses; whatever is left of it is removed afterwards."""
+    name = f"test{os.getpid()}-{request.node.name[:40]}"
+    yield name
+    ring_path(name).unlink(missing_ok=True)
+
+
+def payload(seq: int, size: int) -> bytes:
+    return random.Random(seq).randbytes(size)
+
+
+def spawn(code: str) -> subprocess.Popen:
+    """A separate Python process running code, talking back over its stdout."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def wait_until_zombie(pid: int) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not die")
+
+
+def test_wraparound_over_200_handoffs_with_every_payload_verified(instance):
+    rng = random.Random(7)
+    with KVRing.create(instance, 32 * 1024) as ring, KVRing.attach(instance) as reader:
+        outstanding = []  # (offset, seq, size)
+
+        def consume_one():
+            off, s, n = outstanding.pop(rng.randrange(len(outstanding)))  # out of order on purpose
+            assert bytes(reader.read(off)) == payload(s, n)
+            reader.release(off)
+
+        for seq in range(200):
+            size = rng.choice([1, 63, 64, 65, 1000, rng.randrange(1, 20_000)])
+            while True:
+                try:
+                    res = ring.reserve(size)
+                    break
+                except RingFull:
+                    consume_one()
+            res.view[:] = payload(seq, size)
+            outstanding.append((res.commit(), seq, size))
+            if len(outstanding) > rng.randrange(1, 5):
+                consume_one()
+        for off, s, n in outstanding:
+            assert bytes(reader.read(off)) == payload(s, n)
+            reader.release(off)
+        st = ring.stats()
+        assert st.records_written == 200 and st.records_released == 200
+        assert st.used_bytes == 0 and st.records_skipped == 0
+        assert st.bytes_written > 5 * st.capacity  # wrapped many times
+        assert reader.stats().records_read == 200
+
+
+def test_out_of_order_release_is_remembered_until_the_tail_reaches_it(instance):
+    with KVRing.create(instance, 8192) as ring:
+        a, b, c = (ring.write(bytes([i]) * 100) for i in range(3))
+        used = ring.stats().used_bytes
+        ring.release(b)
+        assert ring.stats().used_bytes == used  # a still holds the tail
+        assert [r.state for r in ring.records()] == ["committed", "released", "committed"]
+        ring.release(a)
+        assert [r.offset for r in ring.records()] == [c]
+        ring.release(c)
+        assert ring.stats().used_bytes == 0
+        with pytest.raises(RingError, match="cannot release"):
+            ring.release(c)
+
+
+def test_a_record_that_does_not_fit_before_the_end_wraps_to_offset_zero(instance):
+    with KVRing.create(instance, 8192) as ring:
+        first = ring.write(b"a" * 5000)
+        ring.release(first)
+        second = ring.write(b"b" * 5000)  # 5064 bytes from offset 5120 would run past 8192
+        assert second == 0
+        assert bytes(ring.read(second)) == b"b" * 5000
+
+
+def test_reading_an_uncommitted_offset_is_refused(instance):
+    with KVRing.create(instance, 8192) as ring:
+        res = ring.reserve(100)
+        with pytest.raises(RingError, match="state reserved"):
+            ring.read(res.offset)
+        with pytest.raises(RingError, match="not a record offset"):
+            ring.read(3)
+
+
+def test_a_full_ring_makes_the_producer_wait_then_raise_at_the_deadline(instance):
+    with KVRing.create(instance, 8192) as ring:
+        offsets = [ring.write(b"x" * 1900) for _ in range(4)]
+        t0 = time.monotonic()
+        with pytest.raises(RingFull, match="bytes in use"):
+            ring.reserve(1900, timeout=0.2)
+        waited = time.monotonic() - t0
+        assert 0.2 <= waited < 1.0
+        with pytest.raises(RingFull, match="can never fit"):
+            ring.reserve(9000, timeout=5.0)  # raises at once: waiting cannot help
+        assert ring.stats().used_bytes == 4 * 1984
+
+
+def test_a_full_ring_succeeds_when_space_frees_before_the_deadline(instance):
+    with KVRing.create(instance, 8192) as ring, KVRing.attach(instance) as consumer:
+        offsets = [ring.write(b"x" * 1900) for _ in range(4)]
+        releaser = threading.Timer(0.1, consumer.release, args=(offsets[0],))
+        releaser.start()
+        t0 = time.monotonic()
+        res = ring.reserve(1900, timeout=3.0)
+        waited = time.monotonic() - t0
+        releaser.join()
+        assert 0.09 <= waited < 2.0
+        res.view[:] = b"y" * 1900
+        assert bytes(consumer.read(res.commit())) == b"y" * 1900
+
+
+def test_a_producer_killed_mid_write_does_not_wedge_the_ring(instance):
+    capacity = 32 * 1024
+    with KVRing.create(instance, capacity) as ring:
+        producer = spawn(f"""
+            import time
+            from syshaxd.kv.ring import KVRing
+            ring = KVRing.attach({instance!r})
+            print(ring.write(b"before" * 100), flush=True)
+            res = ring.reserve(10_000)
+            res.view[:5000] = b"h" * 5000   # half written, never committed
+            print(res.offset, flush=True)
+            time.sleep(60)
+        """)
+        try:
+            before = int(producer.stdout.readline())
+            stalled = int(producer.stdout.readline())
+            assert bytes(ring.read(before)) == b"before" * 100
+            # while the producer lives its record holds the ring, and nobody may take over writing
+            ring.release(before)
+            assert [r.state for r in ring.records()] == ["reserved"]
+            with pytest.raises(RingBusy):
+                ring.reserve(10)
+            with pytest.raises(RingError, match="state reserved"):
+                ring.read(stalled)
+
+            producer.send_signal(signal.SIGKILL)
+            wait_until_zombie(producer.pid)  # not reaped: a zombie must count as dead too
+            with KVRing.attach(instance) as consumer:
+                seq = 0
+                while ring.stats().bytes_written < 3 * capacity:
+                    off = ring.write(payload(seq, 3000), timeout=1.0)
+                    assert bytes(consumer.read(off)) == payload(seq, 3000)
+                    consumer.release(off)
+                    seq += 1
+            st = ring.stats()
+            assert st.records_skipped == 1
+            assert st.used_bytes == 0
+            assert st.writer_pid == os.getpid()
+        finally:
+            producer.kill()
+            producer.wait()
+
+
+def test_the_owner_can_reset_a_ring_whose_producer_died(instance):
+    with KVRing.create(instance, 8192) as ring:
+        producer = spawn(f"""
+            import os
+            from syshaxd.kv.ring import KVRing
+            ring = KVRing.attach({instance!r})
+            print(ring.write(b"z" * 3000), flush=True)   # committed, but never reported to anyone
+            ring.reserve(3000)
+            os._exit(0)
+        """)
+        orphan = int(producer.stdout.readline())
+        producer.wait()
+        assert ring.reclaim() == 0  # the committed record still holds the tail
+        assert [r.state for r in ring.records()] == ["committed", "reserved"]
+        ring.reset()
+        st = ring.stats()
+        assert (st.used_bytes, st.generation, st.records_skipped) == (0, 1, 2)
+        with pytest.raises(StaleRecord):
+            ring.read(orphan)
+        assert bytes(ring.read(ring.write(b"after"))) == b"after"
+
+
+def test_segment_is_private_and_unlink_leaves_nothing(instance):
+    path = ring_path(instance)
+    with KVRing.create(instance, 8192) as ring:
+        assert ring.path == path == Path(f"/dev/shm/syshax-{instance}-kv")
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with pytest.raises(FileExistsError, match="sweep_stale"):
+            KVRing.create(instance, 8192)
+        view = ring.read(ring.write(b"kept alive"))
+    assert not path.exists()
+    assert bytes(view) == b"kept alive"  # a view outlives the handle; the mapping goes with it
+
+
+def test_sweep_stale_removes_a_dead_owners_segment_and_keeps_a_live_one(instance):
+    prefix = f"syshax-{instance}"
+    live_name, dead_name = f"{instance}-live", f"{instance}-dead"
+    dead = spawn(f"""
+        import os
+        from syshaxd.kv.ring import KVRing
+        KVRing.create({dead_name!r}, 8192)
+        os.kill(os.getpid(), 9)   # like a daemon killed with -9: the segment stays behind
+    """)
+    dead.wait()
+    try:
+        assert ring_path(dead_name).exists()
+        with KVRing.create(live_name, 8192) as live:
+            assert sweep_stale(prefix) == [ring_path(dead_name)]
+            assert not ring_path(dead_name).exists()
+            assert live.path.exists()
+            assert sweep_stale(prefix) == []
+    finally:
+        ring_path(dead_name).unlink(missing_ok=True)
+        ring_path(live_name).unlink(missing_ok=True)
+
+
+def test_capacity_and_instance_are_validated(instance):
+    with pytest.raises(ValueError, match="capacity=1000"):
+        KVRing.create(instance, 1000)
+    with pytest.raises(ValueError, match="instance="):
+        KVRing.create("../etc", 8192)
+
+
+def test_attach_refuses_what_is_not_a_ring(instance):
+    path = ring_path(instance)
+    path.write_bytes(b"not a ring at all")
+    with pytest.raises(RingError, match="not a syshax KV ring"):
+        KVRing.attach(instance)
+    with pytest.raises(FileNotFoundError):
+        KVRing.attach(instance + "-missing")
+
+
+def test_an_aborted_reservation_gives_its_space_back(instance):
+    with KVRing.create(instance, 8192) as ring:
+        res = ring.reserve(3000)
+        res.abort()
+        with pytest.raises(RingError, match="already"):
+            res.commit()
+        kept = ring.reserve(3000)
+        kept.view[:] = b"k" * 3000
+        offset = kept.commit()
+        assert bytes(ring.read(offset, seq=kept.seq)) == b"k" * 3000
+        with pytest.raises(StaleRecord, match="holds record"):
+            ring.read(offset, seq=kept.seq + 1)
+        ring.release(offset)
+        st = ring.stats()
+        assert (st.used_bytes, st.records_skipped, st.records_released) == (0, 1, 1)
