@@ -17,9 +17,8 @@ from syshaxd.api.app import make_app
 from syshaxd.config import MODES, Config, ConfigError, load
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.engine.supervisor import WorkerHandle
-from syshaxd.engine.types import EngineSpec
+from syshaxd.engine.plan import PlanError, worker_specs
 from syshaxd.model import ModelError, resolve_model, served_name
-from syshaxd.numa import ENV_CPU_AFFINITY, ENV_THREADS, PlacementError, plan_cpu_workers, read_host_topology
 
 log = logging.getLogger("syshaxd")
 
@@ -56,40 +55,16 @@ def find_config(explicit: str | None) -> Path | None:
     return None
 
 
-def worker_specs(cfg: Config, model_path: Path, model_name: str, env: dict) -> list[EngineSpec]:
-    if cfg.mode != "cpu":
-        raise StartupError(
-            f"mode {cfg.mode!r} is not available in this build yet: only 'cpu' serves today "
-            "(hetero, gpu and auto arrive with the KV ring and GPU engines); start with --mode cpu"
-        )
-    # the environment overrides the config file, as the seed's CUSTOM_CPU_AFFINITY did
-    overrides = {}
-    if env.get(ENV_CPU_AFFINITY) or cfg.cpu_affinity:
-        overrides[ENV_CPU_AFFINITY] = env.get(ENV_CPU_AFFINITY) or cfg.cpu_affinity
-    if env.get(ENV_THREADS) or cfg.threads:
-        overrides[ENV_THREADS] = env.get(ENV_THREADS) or str(cfg.threads)
-    try:
-        placements = plan_cpu_workers(read_host_topology(), overrides, role="generate")
-    except PlacementError as exc:
-        raise StartupError(str(exc)) from None
-    return [
-        EngineSpec(
-            backend="llamacpp", role="generate", model_path=str(model_path), model_name=model_name,
-            n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=p.threads,
-            prefill_chunk_size=cfg.prefill_chunk_size, placement=p, quantize=cfg.quantize,
-            cache_dir=str(cfg.model_dir_path()),
-        )
-        for p in placements
-    ]
-
-
 async def serve(cfg: Config) -> int:
     try:
         model_path = resolve_model(cfg.model, cfg.model_dir_path())
     except ModelError as exc:
         raise StartupError(str(exc)) from None
     model_name = served_name(cfg.model_name, model_path)
-    specs = worker_specs(cfg, model_path, model_name, dict(os.environ))
+    try:
+        specs = worker_specs(cfg, model_path, model_name, dict(os.environ))
+    except PlanError as exc:
+        raise StartupError(str(exc)) from None
 
     workers = [WorkerHandle(f"cpu{i}", spec, cfg.log_level, cfg.worker_restart_delay) for i, spec in enumerate(specs)]
     scheduler = Scheduler(cfg, workers)
