@@ -1,15 +1,16 @@
-"""`syshax`: the command-line tool — plugins, config files, the default model, benchmarks."""
+"""`syshax`: the command-line tool — the running daemon (admin socket), plugins, config files, the model, benchmarks."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
 from syshaxd import __version__
-from syshaxd.config import KEYS, ConfigError, coerce, from_mapping
+from syshaxd.config import KEYS, MODES, ConfigError, coerce, from_mapping
 
 PACKAGED_CONFIG = Path(__file__).resolve().parent.parent / "etc" / "syshax.toml"
 
@@ -21,14 +22,9 @@ def _default_config_file() -> Path:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from syshaxd.plugins import all_backends, make_plugin_manager
+    from syshaxd.api.admin import list_plugins
 
-    pm = make_plugin_manager()
-    rows = []
-    for b in all_backends(pm):
-        a = b.availability()
-        rows.append({"name": b.name, "device": b.device, "roles": sorted(b.roles), "available": a.available,
-                     "reason": a.reason, "description": b.description})
+    rows = list_plugins()  # local: works with or without a running daemon
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -59,6 +55,29 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    words = list(args.words)
+    if words and words[0] in ("get", "set"):
+        if args.file:
+            return _usage("config", f"--file is for editing a file (syshax config KEY VALUE --file PATH); "
+                                    f"`syshax config {words[0]}` talks to the running daemon (--socket PATH)")
+        if words[0] == "get":
+            if len(words) > 2:
+                return _usage("config", "usage: syshax config get [KEY]")
+            return _live(args, _config_get, words[1] if len(words) > 1 else None)
+        if len(words) != 3:
+            return _usage("config", "usage: syshax config set KEY VALUE [--save]")
+        return _live(args, _config_set, words[1], words[2])
+    if args.save:
+        return _usage("config", "--save goes with `syshax config set KEY VALUE` (the running daemon); "
+                                "the file form writes the file anyway")
+    if len(words) > 2:
+        return _usage("config", "usage: syshax config [KEY [VALUE]] [--file PATH]")
+    args.key = words[0] if words else None
+    args.value = words[1] if len(words) > 1 else None
+    return _config_file(args)
+
+
+def _config_file(args: argparse.Namespace) -> int:
     import tomlkit
 
     path = Path(args.file) if args.file else _default_config_file()
@@ -92,6 +111,237 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- the running daemon, over its admin socket -----------------------------------------------
+
+
+def _usage(command: str, message: str) -> int:
+    print(f"syshax {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def _admin_client(args: argparse.Namespace):
+    """A connection to the daemon: --socket, else $SYSHAX_ADMIN_SOCKET, the config's admin_socket, the defaults."""
+    from syshaxd.api.admin import AdminClient, AdminUnreachable, client_candidates
+
+    if args.socket:
+        return AdminClient(args.socket)
+    try:
+        from syshaxd.config import load
+        from syshaxd.daemon import find_config
+
+        cfg = load(find_config(None))
+    except (ConfigError, OSError):
+        cfg = None
+    tried = client_candidates(cfg, os.environ)
+    for path in tried:
+        if path.exists():
+            return AdminClient(path)
+    raise AdminUnreachable(f"no admin socket found (looked at {', '.join(map(str, tried))}): is syshaxd running? "
+                           "(systemctl status syshaxd) Pass --socket PATH if it listens elsewhere")
+
+
+def _live(args: argparse.Namespace, action, *params) -> int:
+    """Run action(client, args, *params) against the daemon; turn its refusals into messages and exit codes."""
+    from syshaxd.api.admin import AdminError, AdminUnreachable
+
+    try:
+        with _admin_client(args) as client:
+            return action(client, args, *params)
+    except AdminUnreachable as exc:
+        print(f"syshax: {exc}", file=sys.stderr)
+        return 1
+    except AdminError as exc:
+        print(f"syshax: {exc.message}", file=sys.stderr)
+        return 2 if exc.code in ("invalid_value", "unknown_key", "bad_request") else 1
+
+
+def _show(args: argparse.Namespace, result, human) -> int:
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        human(result)
+    return 0
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    if seconds or not parts:
+        parts.append(f"{seconds}s")
+    return " ".join(parts[:2])
+
+
+def _print_status(st: dict) -> None:
+    from syshaxd.numa import format_cpulist
+
+    state = "draining" if st.get("draining") else ("ready" if st.get("ready") else "not ready")
+    print(f"syshaxd {st.get('version')}  pid {st.get('pid')}  up {_duration(st.get('uptime_s', 0))}  "
+          f"mode {st.get('mode')}  {state}")
+    print(f"model {st.get('model')} on {st.get('listen')}  config {st.get('config_source') or '(built-in defaults)'}")
+    print(f"requests in flight {st.get('in_flight', 0)} of capacity {st.get('capacity', 0)} "
+          f"(queue {st.get('max_queue_size')})  HTTP generations active {st.get('http_active', 0)}")
+    if st.get("draining"):
+        print(f"draining: {st.get('drain_reason')}  (syshax resume admits requests again)")
+    workers = st.get("workers") or []
+    print()
+    print(f"{'WORKER':<10} {'ROLE':<9} {'STATE':<11} {'PID':>7} {'CPUS':<10} {'RUN':>4} {'WAIT':>5} {'SLOTS':>5} "
+          f"{'KV':>6} {'TOK/S':>7} {'RESTARTS':>8}")
+    for w in workers:
+        stats = w.get("stats") or {}
+        kv = stats.get("kv_usage")
+        print(f"{w.get('name', ''):<10} {w.get('role', ''):<9} {w.get('state', ''):<11} {w.get('pid') or '-':>7} "
+              f"{format_cpulist(w.get('cpus') or []) or '-':<10} {stats.get('running', '-'):>4} "
+              f"{stats.get('waiting', '-'):>5} {stats.get('max_batch_size', '-'):>5} "
+              f"{'-' if kv is None else f'{kv:.1%}':>6} {stats.get('tokens_per_second', 0.0):>7.1f} "
+              f"{w.get('restarts', 0):>8}")
+        if w.get("error"):
+            print(f"{'':<10} error: {w['error']}")
+    for key in ("routes", "refused"):
+        if st.get(key):
+            print(f"{key}: " + ", ".join(f"{k}={v}" for k, v in st[key].items()))
+    kv = st.get("kv")
+    if kv:
+        ring = kv.get("ring") or {}
+        if ring:
+            print(f"kv ring: {ring.get('used_bytes', 0)} of {ring.get('capacity', 0)} bytes "
+                  f"({ring.get('occupancy', 0.0):.1%})")
+        rest = {k: v for k, v in kv.items() if k != "ring"}
+        if rest:
+            print("kv handoff: " + json.dumps(rest, default=str))
+    shown = {"version", "pid", "uptime_s", "mode", "ready", "draining", "drain_reason", "model", "listen",
+             "config_source", "in_flight", "capacity", "max_queue_size", "http_active", "workers", "routes",
+             "refused", "kv"}
+    for key, value in st.items():  # whatever else the scheduler reports (decider state, ...)
+        if key not in shown and value not in (None, {}, []):
+            print(f"{key}: {json.dumps(value, default=str)}")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    return _live(args, lambda c, a: _show(a, c.call("status"), _print_status))
+
+
+def _config_get(client, args: argparse.Namespace, key: str | None) -> int:
+    result = client.call("config.get", **({"key": key} if key else {}))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif key:
+        print(json.dumps(result["value"]))
+    else:
+        live = set(result["live_keys"])
+        print(f"# the running syshaxd's values (config file: {result['source'] or 'none'}); "
+              "* = can change live with `syshax config set`")
+        for k, v in result["values"].items():
+            print(f"{k} = {json.dumps(v)}{'   *' if k in live else ''}")
+    return 0
+
+
+def _config_set(client, args: argparse.Namespace, key: str, value: str) -> int:
+    if not args.save:
+        result = client.call("config.set", key=key, value=value)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print(f"{key} = {json.dumps(result['value'])} (was {json.dumps(result['old'])}; applied to the running "
+                  "syshaxd, not saved: add --save to keep it across restarts)")
+        return 0
+    check = client.call("config.set", key=key, value=value, dry_run=True)
+    source = check["source"]
+    if not source:
+        print("syshax: syshaxd was started without a config file, so --save has nowhere to write; "
+              "start it with --config PATH (or write one: syshax config KEY VALUE --file PATH)", file=sys.stderr)
+        return 1
+    result = client.call("config.set", key=key, value=value) if check["live"] else check
+    try:
+        _save_key(Path(source), key, check["value"])
+    except (OSError, ConfigError) as exc:
+        note = "it is applied to the running syshaxd but " if result.get("applied") else ""
+        print(f"syshax: cannot save {key} to {source}: {getattr(exc, 'strerror', None) or exc}; "
+              f"{note}not saved (run as root?)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result | {"saved": source}, indent=2))
+    elif check["live"]:
+        print(f"{key} = {json.dumps(check['value'])} (applied to the running syshaxd; saved to {source})")
+    else:
+        why = check.get("why_not_live") or f"{key} is read when syshaxd starts"
+        print(f"{key} = {json.dumps(check['value'])} saved to {source}; restart syshaxd to apply it "
+              f"(systemctl restart syshaxd): {why}")
+    return 0
+
+
+def _save_key(path: Path, key: str, value) -> None:
+    """Set one key in a TOML file, keeping its comments and layout; the whole file must stay valid."""
+    import tomlkit
+
+    try:
+        doc = tomlkit.parse(path.read_text())
+    except tomlkit.exceptions.ParseError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    from_mapping(doc.unwrap() | {key: value}, source=str(path))
+    doc[key] = value
+    path.write_text(tomlkit.dumps(doc))  # in place: the file keeps its owner and mode
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    def drain(client, a):
+        result = client.call("drain", wait=a.wait)
+        if a.json:
+            print(json.dumps(result, indent=2))
+        elif result["drained"]:
+            print("draining: new requests get 503; none in progress (syshax resume admits requests again)")
+        else:
+            waited = f" after waiting {a.wait:g}s" if a.wait else ""
+            print(f"draining: new requests get 503; {result['in_flight']} still in progress{waited} "
+                  "(syshax resume admits requests again)")
+        return 0
+
+    return _live(args, drain)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    def resume(client, a):
+        result = client.call("resume")
+        return _show(a, result, lambda r: print("admitting requests" + ("" if r["was_draining"] else
+                                                                       " (it was not draining)")))
+
+    return _live(args, resume)
+
+
+def cmd_mode(args: argparse.Namespace) -> int:
+    def mode(client, a):
+        result = client.call("mode", mode=a.mode)
+        return _show(a, result, lambda r: print(f"mode {r['mode']}" + (f" (was {r['previous']})" if r["changed"]
+                                                                        else " (unchanged)")))
+
+    return _live(args, mode)
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    from syshaxd.api.admin import AdminError, AdminUnreachable
+
+    try:
+        with _admin_client(args) as client:
+            daemon, error = client.call("version"), ""
+            where = str(client.path)
+    except (AdminUnreachable, AdminError) as exc:
+        daemon, error, where = None, str(exc), ""
+    if args.json:
+        print(json.dumps({"client": __version__, "daemon": daemon, "socket": where, "error": error or None},
+                         indent=2))
+    else:
+        print(f"syshax {__version__}")
+        if daemon:
+            print(f"syshaxd {daemon['version']} (pid {daemon['pid']}, up {_duration(daemon['uptime_s'])}, "
+                  f"mode {daemon['mode']}, on {where})")
+        else:
+            print(f"syshaxd: not reachable: {error}")
+    return 0 if daemon else 1
+
+
 def cmd_model(args: argparse.Namespace) -> int:
     from syshaxd.model import ModelError, prepare_default_model
 
@@ -105,9 +355,16 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="syshax", description="syshax command-line tool")
+    p = argparse.ArgumentParser(prog="syshax", description="syshax command-line tool",
+                                epilog="status, config get/set, drain, resume, mode and version talk to the running "
+                                       "syshaxd over its admin socket (root or the syshax group).")
     p.add_argument("--version", action="version", version=f"syshax {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    admin = argparse.ArgumentParser(add_help=False)
+    admin.add_argument("--socket", metavar="PATH",
+                       help="the daemon's admin socket (default: $SYSHAX_ADMIN_SOCKET, the config's admin_socket, "
+                            "/run/syshax/admin.sock)")
+    admin.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     s = sub.add_parser("plugins", help="list installed backends, their roles and whether they run here")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -118,15 +375,43 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="overwrite an existing file")
     s.set_defaults(func=cmd_init)
 
-    s = sub.add_parser("config", help="show or edit one key of a config file, keeping its comments",
-                       description="syshax config             show every key\n"
-                                   "syshax config KEY         show one key\n"
-                                   "syshax config KEY VALUE   set it (validated), e.g. syshax config cpu_max_batch_size 8",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("key", nargs="?", help=f"one of: {', '.join(KEYS)}")
-    s.add_argument("value", nargs="?", help="new value")
-    s.add_argument("--file", help="config file (default: the one syshaxd would read, else etc/syshax.toml)")
+    s = sub.add_parser(
+        "config", parents=[admin], help="the running daemon's config (get/set), or a config file's keys",
+        usage="syshax config get [KEY] | set KEY VALUE [--save]   (the running syshaxd)\n"
+              "       syshax config [KEY [VALUE]] [--file PATH]          (a config file)",
+        description="The running daemon, over its admin socket (--socket, --json):\n"
+                    "  syshax config get               every key's live value\n"
+                    "  syshax config get KEY           one key's live value\n"
+                    "  syshax config set KEY VALUE     change it now (validated)\n"
+                    "  syshax config set KEY VALUE --save\n"
+                    "                                  ... and write it to the file the daemon was started with\n"
+                    f"  Keys that change live: {', '.join(sorted(_live_keys()))}, mode.\n"
+                    "  Others: set them with --save, then restart syshaxd.\n"
+                    "A config file, no daemon needed (comments are kept):\n"
+                    "  syshax config                   show every key of the file\n"
+                    "  syshax config KEY               show one key\n"
+                    "  syshax config KEY VALUE         set it (validated), e.g. syshax config cpu_max_batch_size 8",
+        epilog=f"keys: {', '.join(KEYS)}",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("words", nargs="*", metavar="ARG", help=argparse.SUPPRESS)
+    s.add_argument("--file", help="file form: the config file (default: the one syshaxd would read, "
+                                  "else etc/syshax.toml)")
+    s.add_argument("--save", action="store_true", help="with `set`: also write the key to the daemon's config file")
     s.set_defaults(func=cmd_config)
+
+    s = sub.add_parser("status", parents=[admin], help="the running daemon: mode, engines, queue, batch, KV ring")
+    s.set_defaults(func=cmd_status)
+    s = sub.add_parser("drain", parents=[admin], help="stop admitting requests (503); in-flight ones finish")
+    s.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to SECONDS for the requests in progress to finish")
+    s.set_defaults(func=cmd_drain)
+    s = sub.add_parser("resume", parents=[admin], help="admit requests again after `syshax drain`")
+    s.set_defaults(func=cmd_resume)
+    s = sub.add_parser("mode", parents=[admin], help="switch where new requests run (cpu, gpu, hetero, auto)")
+    s.add_argument("mode", choices=MODES)
+    s.set_defaults(func=cmd_mode)
+    s = sub.add_parser("version", parents=[admin], help="this tool's version and the running daemon's")
+    s.set_defaults(func=cmd_version)
 
     s = sub.add_parser("model", help="prepare the embedded default model (SmolLM2-135M-Instruct)")
     s.add_argument("action", choices=["prepare"])
@@ -143,6 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
         bench_arguments(s)
         s.set_defaults(func=bench_run)
     return p
+
+
+def _live_keys() -> frozenset:
+    from syshaxd.api.state import LIVE_KEYS
+
+    return LIVE_KEYS
 
 
 def main(argv: list[str] | None = None) -> int:

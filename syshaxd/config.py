@@ -41,6 +41,11 @@ class Config:
     cpu_affinity: str = ""  # cpulists, ";" between workers ("0-3;4-7"); CUSTOM_CPU_AFFINITY overrides it
     prefill_chunk_size: int = 256  # prompt tokens per step, so a long prompt does not stall the batch
 
+    # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring
+    prefill_cpu_affinity: str = ""  # the prefill worker's CPUs; empty: a quarter of the first node's
+    ring_size_mb: int = 256  # the shared-memory KV ring in /dev/shm
+    handoff_timeout: float = 2.0  # seconds a prefill waits for ring space before the decoder recomputes
+
     # requests
     default_max_tokens: int = 1024  # chat requests without max_tokens
     max_queue_size: int = 64  # requests waiting for a batch slot before 429
@@ -51,6 +56,11 @@ class Config:
     worker_restart_delay: float = 1.0
 
     log_level: str = "info"
+
+    # --- operations (issue 7): shutdown drain, admin socket. Keep this block last. ---
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for accepted requests before stopping workers
+    admin_socket: str = ""  # the admin Unix socket; empty: $RUNTIME_DIRECTORY, else a default (api/admin.py)
+    admin_group: str = "syshax"  # members may use the admin socket (besides root and the daemon's user)
 
     # where this config came from (not a TOML key)
     source: str = field(default="", compare=False)
@@ -101,19 +111,28 @@ def _validate(cfg: Config) -> None:
     at_least("cpu_max_batch_size", 1)
     at_least("threads", 0)
     at_least("prefill_chunk_size", 1)
+    at_least("ring_size_mb", 1)
+    at_least("handoff_timeout", 0.0)
     at_least("default_max_tokens", 1)
     at_least("max_queue_size", 0)
     at_least("request_timeout", 0.001)
     at_least("worker_start_timeout", 1)
     at_least("worker_restart_delay", 0)
-    if cfg.cpu_affinity:
-        from syshaxd.numa import parse_cpulist
+    from syshaxd.numa import parse_cpulist
 
-        try:
-            for part in cfg.cpu_affinity.split(";"):
-                parse_cpulist(part, what="cpu_affinity")
-        except ValueError as exc:
-            raise ConfigError(f"cpu_affinity: {exc}") from None
+    for key, several in (("cpu_affinity", True), ("prefill_cpu_affinity", False)):
+        value = getattr(cfg, key)
+        if value:
+            try:
+                for part in value.split(";") if several else [value]:
+                    parse_cpulist(part, what=key)
+            except ValueError as exc:
+                raise ConfigError(str(exc) if str(exc).startswith(key) else f"{key}: {exc}") from None
+    # --- operations (issue 7) ---
+    at_least("drain_timeout", 0)
+    if cfg.admin_socket and len(os.fsencode(os.path.abspath(os.path.expanduser(cfg.admin_socket)))) > 107:
+        raise ConfigError(f"admin_socket: a Unix socket path must be at most 107 bytes, got {cfg.admin_socket!r}; "
+                          "choose a shorter path")
 
 
 def coerce(key: str, text: str) -> Any:

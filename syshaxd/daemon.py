@@ -1,4 +1,4 @@
-"""syshaxd: the daemon's command line, start-up, and orderly shutdown."""
+"""syshaxd: the daemon's command line, start-up (systemd notify), signals (drain, reload), shutdown."""
 
 from __future__ import annotations
 
@@ -8,17 +8,22 @@ import logging
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
 
 from syshaxd import __version__
+from syshaxd.api.admin import AdminServer, default_path
 from syshaxd.api.app import make_app
+from syshaxd.api.state import ServiceState
 from syshaxd.config import MODES, Config, ConfigError, load
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.engine.supervisor import WorkerHandle
-from syshaxd.engine.plan import PlanError, worker_specs
+from syshaxd.engine.plan import PlanError, plan_engines
 from syshaxd.model import ModelError, resolve_model, served_name
+from syshaxd.notify import Notifier
 
 log = logging.getLogger("syshaxd")
 
@@ -55,71 +60,213 @@ def find_config(explicit: str | None) -> Path | None:
     return None
 
 
-async def serve(cfg: Config) -> int:
+async def serve(cfg: Config, notifier: Notifier | None = None, reload: Callable[[], Config] | None = None) -> int:
+    notifier = notifier or Notifier(None)
+    notifier.status(f"preparing {cfg.model or 'the default model'}")
     try:
         model_path = resolve_model(cfg.model, cfg.model_dir_path())
     except ModelError as exc:
         raise StartupError(str(exc)) from None
     model_name = served_name(cfg.model_name, model_path)
     try:
-        specs = worker_specs(cfg, model_path, model_name, dict(os.environ))
+        engines = plan_engines(cfg, model_path, model_name, dict(os.environ))
     except PlanError as exc:
         raise StartupError(str(exc)) from None
-
-    workers = [WorkerHandle(f"cpu{i}", spec, cfg.log_level, cfg.worker_restart_delay) for i, spec in enumerate(specs)]
-    scheduler = Scheduler(cfg, workers)
-    app = make_app(cfg, scheduler, model_name)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
     try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise StartupError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}; choose another --port") from None
-    host, port = runner.addresses[0][:2]
-    log.info("syshaxd %s listening on http://%s:%d (mode %s); loading %s", __version__, host, port, cfg.mode,
-             model_path.name)
+        return await Service(cfg, engines, model_path, model_name, notifier, reload).run()
+    finally:
+        engines.close()  # the KV ring's segment goes with the daemon
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
 
-    for w in workers:
-        w.start()
-    ready = asyncio.ensure_future(asyncio.wait_for(asyncio.gather(*(w.ready.wait() for w in workers)),
-                                                   cfg.worker_start_timeout))
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    code = 0
-    if ready.done() and not ready.cancelled() and ready.exception() is None:
-        log.info("ready: serving %s on http://%s:%d/v1 -- try: curl http://%s:%d/v1/completions "
-                 "-H 'Content-Type: application/json' -d '{\"model\": \"%s\", \"prompt\": \"Hello\", "
-                 "\"max_tokens\": 32}'", model_name, host, port, host, port, model_name)
-        print(f"syshaxd ready on http://{host}:{port}", flush=True)
-        await stopped
-    elif not stopped.done():
-        failed = [f"{w.name}: {w.error or w.state}" for w in workers if w.state != "ready"]
-        log.error("engines did not become ready (%s); the daemon keeps answering /health with 503",
-                  "; ".join(failed) or "timeout")
-        await stopped
-    ready.cancel()
+class Service:
+    """One running daemon: the HTTP site, the admin socket, the engine workers, and what signals do to them.
 
-    log.info("shutting down")
-    await site.stop()
-    await runner.cleanup()
-    await asyncio.gather(*(w.stop() for w in workers))
-    log.info("stopped")
-    return code
+    SIGTERM/SIGINT drain (no new requests, accepted ones finish up to drain_timeout), then stop;
+    a second one stops at once. SIGHUP re-reads the config file and applies the live keys.
+    """
+
+    def __init__(self, cfg: Config, engines, model_path: Path, model_name: str, notifier: Notifier,
+                 reload: Callable[[], Config] | None) -> None:
+        self.cfg = cfg
+        self.model_path = model_path
+        self.model_name = model_name
+        self.notifier = notifier
+        self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay)
+                        for name, spec in engines.workers]
+        self.scheduler = Scheduler(cfg, self.workers, engines.ring)
+        self.state = ServiceState(self.scheduler, reload)
+        self.app = make_app(cfg, self.scheduler, model_name, self.state)
+        self.url = ""
+        self.admin: AdminServer | None = None
+        self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> int:
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise StartupError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: {exc.strerror}; "
+                               "choose another --port") from None
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        log.info("syshaxd %s listening on %s (mode %s); loading %s", __version__, self.url, self.cfg.mode,
+                 self.model_path.name)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, lambda: self._spawn(self._reload()))
+        interval = self.notifier.watchdog_interval()
+        if interval:
+            self._spawn(self._watchdog(interval))
+        await self._start_admin()
+        try:
+            await self._load()
+            await self._stop.wait()
+            await self._drain()
+        finally:
+            self.notifier.status("stopping engine workers")
+            if self.admin is not None:
+                await self.admin.close()
+            await site.stop()
+            await runner.cleanup()
+            await asyncio.gather(*(w.stop() for w in self.workers))
+            for task in self._tasks:
+                task.cancel()
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            log.info("stopped")
+        return 0
+
+    # --- start-up ---------------------------------------------------------------------------
+
+    async def _start_admin(self) -> None:
+        path = default_path(self.cfg, os.environ)
+        admin = AdminServer(path, self.state, model_name=self.model_name, listen_url=self.url)
+        why_not = await admin.start()
+        if why_not:
+            log.error("admin socket: %s", why_not)
+        else:
+            self.admin = admin
+
+    def _loading_line(self) -> str:
+        return f"loading {self.model_name}: " + ", ".join(f"{w.name} {w.state}" for w in self.workers)
+
+    async def _load(self) -> None:
+        """Start the workers, report progress as STATUS lines, and READY=1 once all are loaded (or given up on)."""
+        timeout = self.cfg.worker_start_timeout
+        self.notifier.extend_timeout(timeout + 30)  # a first start may quantize the model
+        for w in self.workers:
+            w.start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        shown = ""
+        while not self._stop.is_set():
+            line = self._loading_line()
+            if line != shown:
+                self.notifier.status(line)
+                shown = line
+            if all(w.state == "ready" for w in self.workers):
+                break
+            if all(w.state in ("ready", "failed") for w in self.workers) or loop.time() >= deadline:
+                break
+            try:
+                await asyncio.wait_for(self._stop.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+        if self._stop.is_set():
+            return
+        if self.scheduler.is_ready():
+            log.info("ready: serving %s on %s/v1 -- try: curl %s/v1/completions -H 'Content-Type: application/json' "
+                     "-d '{\"model\": \"%s\", \"prompt\": \"Hello\", \"max_tokens\": 32}'",
+                     self.model_name, self.url, self.url, self.model_name)
+            print(f"syshaxd ready on {self.url}", flush=True)
+            self.notifier.ready(self._serving_line())
+        else:
+            failed = "; ".join(f"{w.name}: {w.error or w.state}" for w in self.workers if w.state != "ready")
+            log.error("engines did not become ready (%s); the daemon keeps answering /health with 503", failed)
+            # READY all the same: the service is up (admin socket, /health say why), and exiting
+            # would only make systemd restart into the same failure every RestartSec.
+            self.notifier.ready(f"degraded: engines not ready ({failed}); /health answers 503")
+
+    def _serving_line(self) -> str:
+        n = sum(w.state == "ready" for w in self.workers)
+        return f"serving {self.model_name} on {self.url} (mode {self.state.config.mode}, {n} engine workers)"
+
+    # --- signals ----------------------------------------------------------------------------
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_stop_signal(self, sig: int) -> None:
+        if self._stop.is_set():
+            log.warning("%s again: stopping now without waiting for %d requests", signal.Signals(sig).name,
+                        self.state.active)
+            self._hurry.set()
+            return
+        log.info("%s: shutting down (send it again to stop without draining)", signal.Signals(sig).name)
+        self._stop.set()
+
+    async def _drain(self) -> None:
+        state = self.state
+        timeout = state.config.drain_timeout
+        state.drain("shutting down")
+        self.notifier.stopping(f"draining: {state.active} requests in progress, up to {timeout:g}s")
+        self.notifier.extend_timeout(timeout + 30)
+        if state.active:
+            log.info("draining: waiting up to %gs for %d requests in progress", timeout, state.active)
+            hurry = asyncio.ensure_future(self._hurry.wait())
+            idle = asyncio.ensure_future(state.wait_idle(timeout))
+            await asyncio.wait({hurry, idle}, return_when=asyncio.FIRST_COMPLETED)
+            hurry.cancel()
+            idle.cancel()
+        if state.active:
+            log.warning("drain ended with %d requests still running; they are cut off", state.active)
+        else:
+            log.info("drained: no request in progress")
+
+    async def _reload(self) -> None:
+        source = self.state.config.source or "(no config file)"
+        self.notifier.reloading()
+        try:
+            change = self.state.reload()
+        except (ConfigError, OSError) as exc:
+            log.error("SIGHUP: not reloading: %s; nothing changed (fix the file, then systemctl reload syshaxd)", exc)
+        else:
+            log.info("SIGHUP: reloaded %s: %s", source, change.describe())
+        self.notifier.ready(self._serving_line() if self.scheduler.is_ready() else self._loading_line())
+
+    async def _watchdog(self, interval: float) -> None:
+        """WATCHDOG=1 every half WatchdogSec while the loop runs and every loaded worker still heartbeats."""
+        limit = max(2 * interval, 5.0)  # a worker sends stats every 0.5 s, idle or busy
+        warned = False
+        while True:
+            now = time.monotonic()
+            stale = [w for w in self.workers if w.state == "ready" and now - w.last_heartbeat > limit]
+            if stale:
+                if not warned:
+                    log.error("withholding the watchdog ping: %s sent nothing for over %.0fs",
+                              ", ".join(w.name for w in stale), limit)
+                warned = True
+            else:
+                warned = False
+                self.notifier.watchdog()
+            await asyncio.sleep(interval)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     overrides = {"host": args.host, "port": args.port, "mode": args.mode, "model": args.model,
                  "log_level": args.log_level, "quantize": os.environ.get("SYSHAX_QUANTIZE")}
+    path = find_config(args.config)
     try:
-        cfg = load(find_config(args.config), overrides)
+        cfg = load(path, overrides)
     except ConfigError as exc:
         print(f"syshaxd: {exc}", file=sys.stderr)
         return 2
@@ -127,11 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, cfg.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Before any worker is spawned: they must not inherit NOTIFY_SOCKET (NotifyAccess=main).
+    notifier = Notifier.from_env(os.environ, unset_environment=True)
+    reload = (lambda: load(path, overrides)) if path is not None else None
     try:
         import uvloop
 
-        return uvloop.run(serve(cfg))
+        return uvloop.run(serve(cfg, notifier, reload))
     except StartupError as exc:
+        notifier.status(f"failed: {exc}")
         print(f"syshaxd: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

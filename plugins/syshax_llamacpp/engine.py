@@ -15,7 +15,7 @@ from syshax_llamacpp.chat import ChatTemplate
 from syshax_llamacpp.quantize import ensure_quantized
 from syshax_llamacpp.sampling import make_sampler
 from syshaxd.engine.output import TextStream
-from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, Rejected
+from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, Imported, Prefilled, Rejected
 from syshaxd.kv.llamacpp_codec import StateBuffer, export_seq, widen_streams
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,9 @@ class LlamaCppEngine:
         # cells of the batch, so neighbours change the rounding (measured: 16 prompts batched
         # 8 at a time kept 16/16 of their alone-text with it, 7/16 without).
         cparams.flash_attn_type = 1
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        # a prefill-only worker hands every prompt on and never decodes: no batch context
+        self.decodes = spec.role != "prefill"
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams) if self.decodes else None
         # Prompts run in a 1-sequence context of their own, one chunk per step, exactly as if the
         # request were alone; the finished KV then moves into the sequence's stream of the batch
         # context -- the same import a KV record from another engine takes in hetero mode. Mixed
@@ -100,14 +102,19 @@ class LlamaCppEngine:
         pparams.flash_attn_type = cparams.flash_attn_type
         pparams.no_perf = True
         self.prefill_ctx = llama_cpp.llama_init_from_model(self.model, pparams)
-        if self.ctx is None or self.prefill_ctx is None:
+        if (self.decodes and self.ctx is None) or self.prefill_ctx is None:
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
         self.prefill_memory = llama_cpp.llama_get_memory(self.prefill_ctx)
         self.prefill_batch = llama_cpp.llama_batch_init(self.chunk, 0, 1)
         self._state = StateBuffer()
         self.n_ctx = self.seq_ctx  # the most tokens one sequence may hold (prompt + completion)
-        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.memory = llama_cpp.llama_get_memory(self.ctx) if self.decodes else None
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.port = None
+        if spec.ring:
+            from syshax_llamacpp.handoff import KVPort
+
+            self.port = KVPort(spec.ring, str(path), n_stream=self.max_seqs, timeout=spec.handoff_timeout)
 
         self.template = ChatTemplate(self._meta("tokenizer.chat_template"), self._piece_text(
             llama_cpp.llama_vocab_bos(self.vocab)), self._piece_text(llama_cpp.llama_vocab_eos(self.vocab)))
@@ -116,7 +123,10 @@ class LlamaCppEngine:
         self.waiting: deque[_Sequence] = deque()
         self.active: dict[str, _Sequence] = {}  # request_id -> sequence holding a seq_id
         self.queued: dict[str, _Sequence] = {}  # request_id -> sequence waiting for a slot
-        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "decode_errors": 0}
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "decode_errors": 0,
+                         "records_written": 0, "records_read": 0, "records_failed": 0, "kv_bytes_written": 0,
+                         "kv_bytes_read": 0, "fallbacks": 0}
+        self.fallback_reasons: dict[str, int] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         log.info(
             "llama.cpp engine ready: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d",
@@ -157,6 +167,7 @@ class LlamaCppEngine:
     def info(self) -> dict:
         return {
             "backend": "llamacpp",
+            "role": self.spec.role,
             "model_path": str(self.model_path),
             "model_name": self.spec.model_name,
             "n_ctx": self.n_ctx,
@@ -204,6 +215,8 @@ class LlamaCppEngine:
         seq = self.queued.pop(request_id, None)
         if seq is not None:
             self.waiting.remove(seq)
+            if seq.request.kv is not None and self.port is not None:
+                self.port.ring.release(seq.request.kv.offset)  # nobody will import it now
             return []
         seq = self.active.get(request_id)
         if seq is not None:
@@ -215,10 +228,9 @@ class LlamaCppEngine:
 
     def step(self) -> list:
         """One llama_decode for every decoding sequence, then one chunk of the oldest prompt."""
-        self._admit()
+        deltas = self._admit()
         if not self.active:
-            return []
-        deltas = []
+            return deltas
         rows = []
         self.batch.n_tokens = 0
         for seq in self.active.values():
@@ -254,6 +266,8 @@ class LlamaCppEngine:
         if seq.pending:
             return []
         token = llama_cpp.llama_sampler_sample(seq.sampler, self.prefill_ctx, b.n_tokens - 1)
+        if not self.decodes:
+            return [self._hand_on(seq, token)]
         size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
         buf = self._state.ensure(size + 4 * self.max_seqs)
         export_seq(self.prefill_ctx, 0, self._state)
@@ -283,11 +297,14 @@ class LlamaCppEngine:
             "kv_usage": sum(s.n_past for s in self.active.values()) / (self.n_ctx * self.max_seqs),
             "tokens_per_second": window / span if span > 0 else 0.0,
             **self.counters,
+            "fallback_reasons": dict(self.fallback_reasons),
         }
 
     def close(self) -> None:
         for seq in list(self.active.values()):
             self._release(seq)
+        if self.port is not None:
+            self.port.close()
         for name in ("batch", "prefill_batch"):
             if getattr(self, name) is not None:
                 llama_cpp.llama_batch_free(getattr(self, name))
@@ -314,17 +331,75 @@ class LlamaCppEngine:
     def _can_admit(self, seq: _Sequence) -> bool:
         return bool(self.free_ids)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list:
         # FIFO: the head of the queue is never overtaken, so a long request is not starved
+        deltas = []
         while self.waiting and self._can_admit(self.waiting[0]):
             seq = self.waiting.popleft()
             del self.queued[seq.request.request_id]
             seq.seq_id = self.free_ids.popleft()
-            seq.pending = deque(seq.prompt)
             seq.sampler = make_sampler(seq.request.sampling, self.n_vocab)
             seq.text = TextStream(seq.request.stop)
             self.active[seq.request.request_id] = seq
             self.counters["prompt_tokens"] += len(seq.prompt)
+            if seq.request.kv is not None or seq.request.kv_missing:
+                deltas += self._take_kv(seq)
+            else:
+                seq.pending = deque(seq.prompt)
+        return deltas
+
+    def _take_kv(self, seq: _Sequence) -> list:
+        """Start seq from the KV another engine computed; if it cannot be used, recompute the prompt."""
+        from syshax_llamacpp.handoff import TokenMismatch
+        from syshaxd.kv.llamacpp_codec import StateFormatError, StateImportError
+        from syshaxd.kv.record import RecordError
+        from syshaxd.kv.ring import RingError
+
+        rid, handle = seq.request.request_id, seq.request.kv
+        reason = seq.request.kv_missing
+        started = time.monotonic()
+        if handle is not None:
+            try:
+                if self.port is None:
+                    raise RingError("this worker has no KV ring")
+                nbytes = self.port.import_into(self.ctx, seq.seq_id, handle, seq.prompt)
+            except (RingError, RecordError, StateFormatError, StateImportError, TokenMismatch) as exc:
+                reason = type(exc).__name__
+                self.counters["records_failed"] += 1
+                llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
+                log.warning("%s: KV record unusable (%s: %s); recomputing the prompt here", rid, reason, exc)
+            else:
+                self.counters["records_read"] += 1
+                self.counters["kv_bytes_read"] += nbytes
+                seq.n_past = len(seq.prompt)
+                took = time.monotonic() - started
+                return [Imported(rid, True, seconds=took, nbytes=nbytes), self._emit(seq, handle.first_token)]
+        else:
+            log.warning("%s: no KV record (%s); recomputing the prompt here", rid, reason)
+        self.counters["fallbacks"] += 1
+        self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+        seq.pending = deque(seq.prompt)
+        return [Imported(rid, False, reason=reason)]
+
+    def _hand_on(self, seq: _Sequence, token: int) -> Prefilled:
+        """Prefill role: write the prompt's KV into the ring and let the sequence go."""
+        from syshaxd.kv.ring import RingError
+
+        rid = seq.request.request_id
+        try:
+            handle = self.port.export(self.prefill_ctx, 0, seq.prompt, token)
+        except RingError as exc:
+            log.warning("%s: KV record not written (%s); the decoder will recompute the prompt", rid, exc)
+            event = Prefilled(rid, None, "ring_full" if type(exc).__name__ == "RingFull" else type(exc).__name__)
+            self.counters["records_failed"] += 1
+        else:
+            self.counters["records_written"] += 1
+            self.counters["kv_bytes_written"] += handle.length
+            event = Prefilled(rid, handle)
+        llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        self._release(seq)
+        self.counters["finished"] += 1
+        return event
 
     @staticmethod
     def _add(b, token: int, pos: int, seq_id: int, logits: bool) -> int:
@@ -362,8 +437,13 @@ class LlamaCppEngine:
     def _release(self, seq: _Sequence) -> None:
         """Remove the sequence from the KV cache and give its slot back."""
         self.active.pop(seq.request.request_id, None)
+        if seq.pending and seq.n_past > 0:
+            # cut off halfway through its prompt: the prefill context still holds that part
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+            seq.pending.clear()
         if seq.seq_id >= 0:
-            llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
+            if self.memory is not None:
+                llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
             self.free_ids.append(seq.seq_id)
             seq.seq_id = -1
         if seq.sampler is not None:

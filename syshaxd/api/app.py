@@ -1,4 +1,4 @@
-"""Builds the aiohttp application: routes, shared objects, and errors in OpenAI's shape."""
+"""Builds the aiohttp application: routes, shared objects, errors in OpenAI's shape, request counting."""
 
 from __future__ import annotations
 
@@ -9,11 +9,30 @@ from aiohttp import web
 
 from syshaxd.api import openai_routes
 from syshaxd.api.errors import APIError, error_type_for
-from syshaxd.api.keys import CONFIG, MODEL_NAME, SCHEDULER, STARTED
+from syshaxd.api.keys import CONFIG, METRICS, MODEL_NAME, SCHEDULER, STARTED, STATE
+from syshaxd.api.state import ServiceState
 from syshaxd.config import Config
 from syshaxd.engine.scheduler import Scheduler
+from syshaxd.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler):
+    """Count every answer by route pattern (not raw path: unknown paths must not grow the label set)."""
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        request.app[METRICS].count_http(route, request.method, status)
 
 
 @web.middleware
@@ -40,11 +59,16 @@ async def openai_errors(request: web.Request, handler):
                         type="server_error", code="internal_error").response()
 
 
-def make_app(config: Config, scheduler: Scheduler, model_name: str) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=config.max_body_bytes)
+def make_app(config: Config, scheduler: Scheduler, model_name: str, state: ServiceState | None = None,
+             metrics: Metrics | None = None) -> web.Application:
+    state = state or ServiceState(scheduler)
+    app = web.Application(middlewares=[count_requests, openai_errors], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[SCHEDULER] = scheduler
     app[MODEL_NAME] = model_name
     app[STARTED] = time.time()
+    app[STATE] = state
+    app[METRICS] = metrics or Metrics(model_name, scheduler.status,
+                                      lambda: {"draining": state.draining, "active": state.active})
     app.add_routes(openai_routes.routes)
     return app

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from syshaxd.api.state import ServiceState
 from syshaxd.config import Config
 from syshaxd.engine.scheduler import Scheduler
+from syshaxd.metrics import Metrics
 
 CONFIG = web.AppKey("config", Config)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 MODEL_NAME = web.AppKey("model_name", str)
 STARTED = web.AppKey("started", float)
+
+# CONFIG is the config the app was built with; the live one (SIGHUP, `syshax config set`) is
+# STATE's .config, which the scheduler shares.
+STATE = web.AppKey("state", ServiceState)
+METRICS = web.AppKey("metrics", Metrics)

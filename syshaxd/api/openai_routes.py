@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoints: completions, chat completions (JSON or SSE), models, health."""
+"""The OpenAI-compatible endpoints: completions, chat completions (JSON or SSE), models, health, metrics."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from aiohttp import web
 
 from syshaxd import __version__
 from syshaxd.api.errors import APIError
-from syshaxd.api.keys import CONFIG, MODEL_NAME, SCHEDULER, STARTED
+from syshaxd.api.keys import METRICS, MODEL_NAME, SCHEDULER, STARTED, STATE
+from syshaxd.api.state import Draining
 from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion, parse_json_body
-from syshaxd.engine.scheduler import Overloaded
+from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
 from syshaxd.engine.supervisor import EngineUnavailable, RequestStream
 from syshaxd.engine.types import Accepted, Delta, Rejected
+from syshaxd.metrics import CONTENT_TYPE, RequestTimer
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -105,6 +107,8 @@ async def _start(request: web.Request, parsed: ParsedRequest) -> tuple[RequestSt
     except Overloaded as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(exc.retry_after)}) from None
+    except RouteUnavailable as exc:
+        raise APIError(400, str(exc), param="syshax.mode", code="unsupported_route") from None
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="engine_unavailable",
                        headers={"Retry-After": "5"}) from None
@@ -120,7 +124,18 @@ async def _start(request: web.Request, parsed: ParsedRequest) -> tuple[RequestSt
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
-    cfg = request.app[CONFIG]
+    timer = request.app[METRICS].request()
+    try:
+        with request.app[STATE].admitted():  # a drain waits for the requests admitted here
+            return await _generate_admitted(request, chat, timer)
+    except Draining as exc:
+        raise APIError(503, f"syshaxd is draining ({exc}) and takes no new requests; retry shortly or send the "
+                       "request to another instance.", type="server_error", code="draining",
+                       headers={"Retry-After": "5"}) from None
+
+
+async def _generate_admitted(request: web.Request, chat: bool, timer: RequestTimer) -> web.StreamResponse:
+    cfg = request.app[STATE].config
     body = parse_json_body(await request.read())
     parser = parse_chat if chat else parse_completion
     parsed = parser(body, request.app[MODEL_NAME], cfg.default_max_tokens)
@@ -128,11 +143,12 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         stream, accepted = await _start(request, parsed)
     except _ClientGone:
         return web.Response(status=499, text="client closed the request")
+    timer.accepted(accepted.prompt_tokens)
     exchange = _Exchange(chat, parsed, request.app[MODEL_NAME])
     try:
         if parsed.stream:
-            return await _respond_stream(request, stream, accepted, exchange, parsed.include_usage)
-        return await _respond_json(request, stream, accepted, exchange)
+            return await _respond_stream(request, stream, accepted, exchange, parsed.include_usage, timer)
+        return await _respond_json(request, stream, accepted, exchange, timer)
     except _ClientGone:
         log.info("%s: client left before the answer was ready", parsed.generate.request_id)
         return web.Response(status=499, text="client closed the request")
@@ -140,8 +156,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         stream.cancel()  # no-op once finished; frees the sequence if the client left
 
 
-async def _respond_json(request, stream: RequestStream, accepted: Accepted, ex: _Exchange) -> web.Response:
-    deadline = time.monotonic() + request.app[CONFIG].request_timeout
+async def _respond_json(request, stream: RequestStream, accepted: Accepted, ex: _Exchange,
+                        timer: RequestTimer) -> web.Response:
+    deadline = time.monotonic() + request.app[STATE].config.request_timeout
     parts: list[str] = []
     n = 0
     while True:
@@ -152,9 +169,11 @@ async def _respond_json(request, stream: RequestStream, accepted: Accepted, ex: 
             raise _rejected(event)
         parts.append(event.text)
         n += event.n_tokens
+        timer.tokens(event.n_tokens)
         if event.finish_reason == "error":
             raise APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
         if event.finish_reason:
+            timer.finished(event.finish_reason)
             return web.json_response(ex.body("".join(parts), event.finish_reason, _usage(accepted.prompt_tokens, n)))
 
 
@@ -163,9 +182,9 @@ def _sse(obj) -> bytes:
 
 
 async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex: _Exchange,
-                          include_usage: bool) -> web.StreamResponse:
+                          include_usage: bool, timer: RequestTimer) -> web.StreamResponse:
     # Hold the headers until the first token: an error before it is still a proper HTTP error.
-    deadline = time.monotonic() + request.app[CONFIG].request_timeout
+    deadline = time.monotonic() + request.app[STATE].config.request_timeout
     first = await _next_event(request, stream, deadline)
     if first is None:
         raise _ClientGone()
@@ -183,6 +202,7 @@ async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex
             await resp.write(_sse(ex.chunk("", None, role=True)))
         while True:
             n += event.n_tokens
+            timer.tokens(event.n_tokens)
             if event.finish_reason == "error":
                 err = APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
                 await resp.write(_sse(err.body()))
@@ -190,6 +210,7 @@ async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex
             if event.text:
                 await resp.write(_sse(ex.chunk(event.text, None)))
             if event.finish_reason:
+                timer.finished(event.finish_reason)
                 await resp.write(_sse(ex.chunk(None if ex.chat else "", event.finish_reason)))
                 if include_usage:
                     await resp.write(_sse(ex.usage_chunk(_usage(accepted.prompt_tokens, n))))
@@ -236,6 +257,10 @@ async def get_model(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER]
     workers = [{"name": w.name, "state": w.state, "error": w.error or None} for w in scheduler.workers]
+    state = request.app[STATE]
+    if state.draining:  # a load balancer should stop sending here
+        return web.json_response({"status": "draining", "reason": state.drain_reason, "mode": scheduler.mode,
+                                  "workers": workers}, status=503)
     if scheduler.is_ready():
         return web.json_response({"status": "ok", "mode": scheduler.mode, "workers": workers})
     failed = any(w.state == "failed" for w in scheduler.workers)
@@ -245,4 +270,12 @@ async def health(request: web.Request) -> web.Response:
 
 @routes.get("/v1/syshax/status")
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SCHEDULER].status())
+    state = request.app[STATE]
+    return web.json_response(request.app[SCHEDULER].status() | {"draining": state.draining,
+                                                                 "http_active": state.active})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -141,6 +141,21 @@ def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, b
     return model, sampling, stream, include_usage, _stop(body), ignore_eos
 
 
+def _route(body: dict) -> str:
+    """syshax's own extension: {"syshax": {"mode": "cpu" | "hetero"}} routes this request alone."""
+    ext = body.get("syshax")
+    if ext is None:
+        return ""
+    if not isinstance(ext, dict):
+        raise _type_error("syshax", "an object", ext)
+    mode = ext.get("mode")
+    if mode is None:
+        return ""
+    if mode not in ("cpu", "hetero"):
+        raise invalid(f"Invalid 'syshax.mode': {mode!r}; it must be \"cpu\" or \"hetero\".", param="syshax.mode")
+    return mode
+
+
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:
     for name in names:
         if body.get(name) is not None:
@@ -187,6 +202,7 @@ def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> 
         stop=stop,
         ignore_eos=ignore_eos,
         default_max_tokens=default_max_tokens,
+        route=_route(body),
     )
     return ParsedRequest(req, stream, include_usage, model)
 
@@ -241,5 +257,6 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int) -> Parsed
         stop=stop,
         ignore_eos=ignore_eos,
         default_max_tokens=default_max_tokens,
+        route=_route(body),
     )
     return ParsedRequest(req, stream, include_usage, model)

@@ -13,9 +13,7 @@ import random
 import re
 from pathlib import Path
 
-__all__ = ["DEFAULT_MODEL_FILE", "default_tokenizer_path", "GGUFTokenizer", "PromptBuilder", "WordPromptBuilder", "Prompt"]
-
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.q4_0.gguf"
+__all__ = ["default_tokenizer_path", "GGUFTokenizer", "PromptBuilder", "WordPromptBuilder", "Prompt"]
 
 # A word piece that re-tokenizes to itself alone and cannot glue onto its neighbours:
 # a space and lower-case ASCII letters (byte-level BPE and SentencePiece both split there).
@@ -25,11 +23,19 @@ _FIT_ATTEMPTS = 64
 
 
 def default_tokenizer_path() -> Path:
-    """The prepared default model (q4_0 SmolLM2) under the checkout's models/ folder.
+    """The prepared default model (the q4_0 copy `syshaxd.model` makes) in the models folder.
 
+    That folder is the daemon's default `model_dir` (relative to the working directory,
+    as a started syshaxd sees it) when the model is there, else the checkout's models/.
     Computed when called, never at import, so a later models/ or a moved tree is seen.
     """
-    return Path(__file__).resolve().parents[2] / "models" / DEFAULT_MODEL_FILE
+    from syshaxd.config import Config
+    from syshaxd.model import DEFAULT_QUANTIZED_NAME
+
+    in_model_dir = Config().model_dir_path() / DEFAULT_QUANTIZED_NAME
+    if in_model_dir.is_file():
+        return in_model_dir.resolve()
+    return Path(__file__).resolve().parents[2] / Config().model_dir / DEFAULT_QUANTIZED_NAME
 
 
 class GGUFTokenizer:

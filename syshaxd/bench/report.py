@@ -37,6 +37,8 @@ MODE_RATIOS = (
 _CEILING_WARNING = 0.25
 # One event loop on one core: past this the client's own speed may show in the figures.
 _CLIENT_BUSY_PERCENT = 70.0
+# Other processes using this much of a core (mean) during a level compete with the server for it.
+_OTHER_BUSY_PERCENT = 25.0
 
 
 def level_summary(run: LevelRun, output_len: int, resources: dict | None) -> dict:
@@ -228,6 +230,10 @@ def _notes(document: dict) -> list[str]:
             if client_cpu is not None and client_cpu > _CLIENT_BUSY_PERCENT:
                 notes.append(f"{label} c={c}: the benchmark client itself used {client_cpu:.0f}% of a core;"
                              " it may have slowed what it measured (see --calibrate)")
+            other_cpu = ((level.get("resources") or {}).get("other_cpu_percent") or {}).get("mean")
+            if other_cpu is not None and other_cpu > _OTHER_BUSY_PERCENT:
+                notes.append(f"{label} c={c}: other processes on this host used {other_cpu:.0f}% of a core"
+                             " during the level; they competed with the server, so its figures are low")
             if level["errors"]:
                 kinds = ", ".join(f"{k} x{n}" for k, n in level["errors"].items())
                 example = next(iter(level["error_examples"].values()), "") or ""

@@ -132,6 +132,7 @@ class _Samples:
     cpu_per_core: list[list[float]] = field(default_factory=list)
     client_cpu: list[float] = field(default_factory=list)
     server_cpu: list[float] = field(default_factory=list)
+    other_cpu: list[float] = field(default_factory=list)
     daemon_rss: list[float] = field(default_factory=list)
     workers_rss: list[float] = field(default_factory=list)
     workers_count: list[int] = field(default_factory=list)
@@ -194,6 +195,9 @@ class ResourceSampler:
         s.client_cpu.append(client_cpu)
         if root is not None:
             s.server_cpu.append(server_cpu)
+            # What neither the server nor this client used: other load on the host, which the
+            # figures then also measure (per-core % summed, so 100 is one busy core).
+            s.other_cpu.append(max(0.0, sum(per_core) - server_cpu - client_cpu))
             if daemon_rss is not None:
                 s.daemon_rss.append(daemon_rss)
             s.workers_rss.append(workers_rss)
@@ -234,6 +238,7 @@ class ResourceSampler:
             "client_cpu_percent": _brief(s.client_cpu),
             "server_pid": self.server_pid,
             "server_cpu_percent": _brief(s.server_cpu) if s.server_cpu else None,
+            "other_cpu_percent": _brief(s.other_cpu) if s.other_cpu else None,
             "daemon_rss_mib": _brief(s.daemon_rss) if s.daemon_rss else None,
             "workers_rss_mib": _brief(s.workers_rss) if s.workers_rss else None,
             "workers": max(s.workers_count) if s.workers_count else None,

@@ -1,40 +1,100 @@
-"""Which engine workers a configuration asks for, and where each one runs."""
+"""Which engine workers a configuration asks for, where each one runs, and the KV ring between them."""
 
 from __future__ import annotations
 
+import logging
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from syshaxd.config import Config
 from syshaxd.engine.types import EngineSpec
-from syshaxd.numa import ENV_CPU_AFFINITY, ENV_THREADS, PlacementError, plan_cpu_workers, read_host_topology
+from syshaxd.numa import (
+    ENV_CPU_AFFINITY,
+    ENV_THREADS,
+    PlacementError,
+    format_cpulist,
+    plan_cpu_workers,
+    plan_prefill_worker,
+    read_host_topology,
+)
+
+log = logging.getLogger(__name__)
+
+SERVED_MODES = ("cpu", "hetero")
 
 
 class PlanError(RuntimeError):
     """The configuration asks for workers this host cannot run; the message says what to change."""
 
 
-def worker_specs(cfg: Config, model_path: Path, model_name: str, env: dict) -> list[EngineSpec]:
-    if cfg.mode != "cpu":
-        raise PlanError(
-            f"mode {cfg.mode!r} is not available in this build yet: only 'cpu' serves today "
-            "(hetero, gpu and auto arrive with the KV ring and GPU engines); start with --mode cpu"
-        )
+@dataclass
+class Engines:
+    """The planned workers (name, spec) and, in hetero mode, the ring they share."""
+
+    workers: list[tuple[str, EngineSpec]]
+    ring: object = None  # syshaxd.kv.ring.KVRing, owned (created and unlinked) by the daemon
+    notes: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.unlink()
+            self.ring.close()
+            self.ring = None
+
+
+def _overrides(cfg: Config, env: dict) -> dict:
     # the environment overrides the config file, as the seed's CUSTOM_CPU_AFFINITY did
-    overrides = {}
+    out = {}
     if env.get(ENV_CPU_AFFINITY) or cfg.cpu_affinity:
-        overrides[ENV_CPU_AFFINITY] = env.get(ENV_CPU_AFFINITY) or cfg.cpu_affinity
+        out[ENV_CPU_AFFINITY] = env.get(ENV_CPU_AFFINITY) or cfg.cpu_affinity
     if env.get(ENV_THREADS) or cfg.threads:
-        overrides[ENV_THREADS] = env.get(ENV_THREADS) or str(cfg.threads)
+        out[ENV_THREADS] = env.get(ENV_THREADS) or str(cfg.threads)
+    return out
+
+
+def default_prefill_cpus(cpus: frozenset[int]) -> frozenset[int]:
+    """A quarter of the first node's CPUs (at least one) when the config names none."""
+    ordered = sorted(cpus)
+    return frozenset(ordered[: max(1, len(ordered) // 4)])
+
+
+def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None = None) -> Engines:
+    """Workers for cfg.mode; in hetero mode also creates the shared-memory KV ring."""
+    if cfg.mode not in SERVED_MODES:
+        raise PlanError(
+            f"mode {cfg.mode!r} is not available in this build yet: it serves {' and '.join(SERVED_MODES)} "
+            "(gpu and auto arrive with the GPU engines); start with --mode cpu or --mode hetero"
+        )
+    base = EngineSpec(
+        backend="llamacpp", role="generate", model_path=str(model_path), model_name=model_name,
+        n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=1,
+        prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
+        handoff_timeout=cfg.handoff_timeout,
+    )
+    topology = read_host_topology()
     try:
-        placements = plan_cpu_workers(read_host_topology(), overrides, role="generate")
+        if cfg.mode == "cpu":
+            placements = plan_cpu_workers(topology, _overrides(cfg, env), role="generate")
+            return Engines([(f"cpu{p.index}", replace(base, threads=p.threads, placement=p)) for p in placements])
+        if len(topology.cpus) < 2 and not cfg.prefill_cpu_affinity:
+            raise PlanError("hetero mode needs at least two CPUs (one for prefill, one for decode) "
+                            f"and this process may use {format_cpulist(topology.cpus)}; use --mode cpu")
+        first_node = next(n.cpus for n in topology.nodes if n.cpus)
+        pre_cpus = cfg.prefill_cpu_affinity or default_prefill_cpus(first_node)
+        pre = plan_prefill_worker(topology, pre_cpus)
+        decoders = plan_cpu_workers(topology, _overrides(cfg, env), reserved=pre.cpus, role="decode")
     except PlacementError as exc:
         raise PlanError(str(exc)) from None
-    return [
-        EngineSpec(
-            backend="llamacpp", role="generate", model_path=str(model_path), model_name=model_name,
-            n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=p.threads,
-            prefill_chunk_size=cfg.prefill_chunk_size, placement=p, quantize=cfg.quantize,
-            cache_dir=str(cfg.model_dir_path()),
-        )
-        for p in placements
-    ]
+
+    from syshaxd.kv.ring import KVRing, sweep_stale
+
+    for stale in sweep_stale():
+        log.warning("removed a KV ring left by a daemon that is gone: %s", stale)
+    instance = instance or f"{os.getpid()}"
+    ring = KVRing.create(instance, cfg.ring_size_mb * 1024 * 1024)
+    workers = [("prefill0", replace(base, role="prefill", max_batch_size=1, threads=pre.threads, placement=pre,
+                                    ring=instance))]
+    workers += [(f"decode{p.index}", replace(base, role="generate", threads=p.threads, placement=p, ring=instance))
+                for p in decoders]
+    return Engines(workers, ring)

@@ -15,6 +15,7 @@ from syshaxd.engine.types import (
     Delta,
     EngineSpec,
     GenerateRequest,
+    Prefilled,
     Rejected,
     Shutdown,
     Submit,
@@ -47,7 +48,7 @@ class RequestStream:
             self.tokens_sent += event.n_tokens
             if event.finish_reason is not None:
                 self.finished = True
-        elif isinstance(event, Rejected):
+        elif isinstance(event, (Rejected, Prefilled)):
             self.finished = True
         return event
 
@@ -79,6 +80,7 @@ class WorkerHandle:
         self._stopping = False
         self._restart_task: asyncio.Task | None = None
         self._loop = asyncio.get_running_loop()
+        self.on_orphan_record = None  # called with a Prefilled whose request is gone (its record must go)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -104,10 +106,11 @@ class WorkerHandle:
         proc = self._process
         if proc is None:
             return
-        try:
-            self._conn.send(Shutdown())
-        except (OSError, ValueError):
-            pass
+        if self._conn is not None:
+            try:
+                self._conn.send(Shutdown())
+            except (OSError, ValueError):
+                pass
         deadline = time.monotonic() + timeout
         while proc.is_alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -149,9 +152,11 @@ class WorkerHandle:
         if isinstance(msg, list):
             for event in msg:
                 stream = self.streams.get(event.request_id)
-                if stream is None:
-                    continue  # cancelled on our side already
-                if isinstance(event, Rejected) or (isinstance(event, Delta) and event.finish_reason):
+                if stream is None:  # cancelled on our side already
+                    if isinstance(event, Prefilled) and event.handle is not None and self.on_orphan_record:
+                        self.on_orphan_record(event.handle)
+                    continue
+                if isinstance(event, (Rejected, Prefilled)) or (isinstance(event, Delta) and event.finish_reason):
                     del self.streams[event.request_id]
                 stream.queue.put_nowait(event)
         elif isinstance(msg, WorkerStats):

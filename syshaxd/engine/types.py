@@ -19,6 +19,8 @@ class EngineSpec:
     threads: int = 1
     prefill_chunk_size: int = 256
     placement: object = None  # a syshaxd.numa.Placement, applied in the worker before the model loads
+    ring: str = ""  # the KV ring's instance name (hetero mode); empty: no ring
+    handoff_timeout: float = 2.0  # seconds a prefill may wait for ring space before it falls back
     quantize: str = ""
     cache_dir: str = ""
 
@@ -40,6 +42,19 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class KVHandle:
+    """Where a prefill left its KV record in the ring; only this crosses the control channel."""
+
+    offset: int
+    length: int
+    seq: int  # the ring's record number, so a reused offset is never mistaken for this record
+    checksum: int
+    n_tokens: int
+    first_token: int
+    written_at: float  # time.time() when the record was committed
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One sequence to generate. Exactly one of prompt, prompt_tokens, messages is set."""
 
@@ -52,6 +67,10 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     default_max_tokens: int = 1024
+    # hetero: the prompt's KV, computed elsewhere; or why there is none (the decoder recomputes)
+    kv: KVHandle | None = None
+    kv_missing: str = ""
+    route: str = ""  # "cpu" or "hetero" for this request alone; empty: the daemon's mode
 
 
 # --- worker -> daemon events -------------------------------------------------------------
@@ -64,6 +83,26 @@ class Accepted:
     request_id: str
     prompt_tokens: int
     max_tokens: int
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A prefill worker finished a prompt: its KV is in the ring (or, with handle None, is not)."""
+
+    request_id: str
+    handle: KVHandle | None
+    reason: str = ""  # why there is no handle: "ring_full", "export_failed", ...
+
+
+@dataclass(frozen=True)
+class Imported:
+    """A decode worker took up a sequence that came with a KV handle: imported, or recomputing."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""  # why the record could not be used ("checksum", "fingerprint", "stale", ...)
+    seconds: float = 0.0  # read, verify and import time
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,65 @@
+"""This engine's end of the KV ring: a finished prompt's KV out as a record, or a record in."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from syshaxd.engine.types import KVHandle
+from syshaxd.kv.llamacpp_codec import (
+    StateBuffer,
+    encode_state_into,
+    export_seq,
+    fingerprint_from_gguf,
+    import_record,
+    parse_seq_state,
+)
+from syshaxd.kv.record import RecordCorrupt, decode, record_size
+from syshaxd.kv.ring import KVRing
+
+log = logging.getLogger(__name__)
+
+
+class TokenMismatch(ValueError):
+    """The record holds the KV of other tokens than this request's prompt."""
+
+
+class KVPort:
+    def __init__(self, ring_instance: str, model_path: str, n_stream: int, timeout: float) -> None:
+        self.ring = KVRing.attach(ring_instance)
+        self.fingerprint = fingerprint_from_gguf(model_path)
+        self.n_stream = n_stream  # KV streams of the context records are imported into
+        self.timeout = timeout
+        self.scratch = StateBuffer()
+
+    def export(self, ctx, seq_id: int, tokens: list[int], first_token: int) -> KVHandle:
+        """Write seq_id's KV as one record; raises RingFull when no room frees in time."""
+        state = parse_seq_state(export_seq(ctx, seq_id, self.scratch), self.fingerprint)
+        size = record_size(self.fingerprint, len(tokens), state.dtype)
+        res = self.ring.reserve(size, self.timeout)
+        try:
+            encode_state_into(res.view, self.fingerprint, state, tokens)
+            checksum = decode(res.view, verify=False).checksum
+        except BaseException:
+            res.abort()
+            raise
+        offset = res.commit()
+        return KVHandle(offset, size, res.seq, checksum, len(tokens), first_token, time.time())
+
+    def import_into(self, ctx, seq_id: int, handle: KVHandle, prompt: list[int]) -> int:
+        """Load the record into seq_id of ctx and free its ring space; raises if it cannot be used."""
+        view = self.ring.read(handle.offset, handle.seq)
+        try:
+            record = decode(view, expect=self.fingerprint)
+            if record.checksum != handle.checksum:
+                raise RecordCorrupt(f"record checksum {record.checksum:#x} is not the {handle.checksum:#x} reported")
+            if record.n_tokens != len(prompt) or record.tokens.tolist() != prompt:
+                raise TokenMismatch("the record holds other tokens than this request's prompt")
+            import_record(ctx, seq_id, record, v_trans=False, scratch=self.scratch, n_stream=self.n_stream)
+        finally:
+            # used or not, the space goes back: a bad record must not wedge the ring
+            self.ring.release(handle.offset)
+        return handle.length
+
+    def close(self) -> None:
+        self.ring.close()

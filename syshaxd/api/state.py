@@ -1,0 +1,207 @@
+"""The daemon's live state, shared by the HTTP routes, the admin socket and the signal handlers.
+
+One object holds what can change while syshaxd runs: whether it admits new
+requests (draining), how many HTTP generations are in progress, and the live
+configuration. The scheduler's ``config`` is the one current Config: this
+object reads it from there and replaces it there (``Config.replace``), so the
+routes, the scheduler and the admin socket never disagree about a value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from syshaxd.config import KEYS, MODES, Config, ConfigError, coerce
+
+log = logging.getLogger(__name__)
+
+# Keys a running daemon applies at once (SIGHUP, `syshax config set`). Everything else
+# is read when workers are planned or the listener is bound, so it needs a restart.
+LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "log_level", "drain_timeout"})
+
+
+class Draining(RuntimeError):
+    """The daemon takes no new requests (shutting down, or `syshax drain`); the client should go elsewhere."""
+
+
+class ModeUnavailable(ValueError):
+    """The running daemon cannot serve the requested mode; the message says why and what to do."""
+
+
+class NeedsRestart(ValueError):
+    """A key that only takes effect when syshaxd starts."""
+
+
+@dataclass
+class ConfigChange:
+    """What a reload or a `config set` did: keys applied now, and keys that wait for a restart."""
+
+    applied: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    restart: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        if not self.applied and not self.restart:
+            return "no keys changed"
+        parts = []
+        if self.applied:
+            parts.append("applied " + ", ".join(f"{k} {o!r} -> {n!r}" for k, (o, n) in self.applied.items()))
+        if self.restart:
+            parts.append("need a restart to apply: " + ", ".join(f"{k} {o!r} -> {n!r}"
+                                                                 for k, (o, n) in self.restart.items()))
+        return "; ".join(parts + self.notes)
+
+
+class ServiceState:
+    def __init__(self, scheduler, reload: Callable[[], Config] | None = None) -> None:
+        self.scheduler = scheduler
+        self._reload = reload  # re-reads the config file with the command line's overrides
+        self.draining = False
+        self.drain_reason = ""
+        self.active = 0  # HTTP generation requests admitted and not finished
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def config(self) -> Config:
+        return self.scheduler.config
+
+    # --- admission and drain --------------------------------------------------------------
+
+    @contextmanager
+    def admitted(self):
+        """Hold one admitted request for the block; raises Draining when no new requests are taken."""
+        if self.draining:
+            raise Draining(self.drain_reason or "draining")
+        self.active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    def drain(self, reason: str) -> None:
+        if not self.draining:
+            log.info("draining (%s): new requests get 503; %d in progress may finish", reason, self.active)
+        self.draining = True
+        self.drain_reason = reason
+
+    def resume(self) -> None:
+        if self.draining:
+            log.info("resumed: admitting new requests again")
+        self.draining = False
+        self.drain_reason = ""
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no admitted request is left; False if some still run after `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return self.active == 0
+
+    # --- live configuration ---------------------------------------------------------------
+
+    def value(self, key: str) -> Any:
+        if key not in KEYS:
+            coerce(key, "")  # raises the unknown-key error, which lists the known keys
+        return getattr(self.config, key)
+
+    def check(self, key: str, value: Any) -> tuple[Any, Config]:
+        """The value as the key's type, and the config it would make; raises ConfigError if invalid."""
+        if isinstance(value, str):
+            value = coerce(key, value)
+        elif key not in KEYS:
+            coerce(key, "")
+        return value, self.config.replace(**{key: value})
+
+    def set(self, key: str, value: Any) -> ConfigChange:
+        """Apply one key on the running daemon; raises ConfigError, NeedsRestart or ModeUnavailable."""
+        value, candidate = self.check(key, value)
+        if key == "mode":
+            return self.set_mode(value)
+        if key not in LIVE_KEYS:
+            raise NeedsRestart(
+                f"{key} cannot change while syshaxd runs (keys that can: {', '.join(sorted(LIVE_KEYS))}, mode); "
+                "save it to the config file (syshax config set KEY VALUE --save) and restart syshaxd")
+        return self._apply(candidate, [key])
+
+    def reload(self) -> ConfigChange:
+        """Re-read the config file (SIGHUP); apply the live keys. Raises ConfigError and changes nothing if bad."""
+        if self._reload is None:
+            raise ConfigError("this daemon has no config file to reload")
+        new = self._reload()
+        change = self._apply(new, [k for k in KEYS if k != "mode"])
+        if new.mode != self.config.mode:
+            try:
+                change.applied.update(self.set_mode(new.mode).applied)
+            except ModeUnavailable as exc:
+                change.restart["mode"] = (self.config.mode, new.mode)
+                change.notes.append(f"mode: {exc}")
+        return change
+
+    def _apply(self, new: Config, keys) -> ConfigChange:
+        old = self.config
+        change = ConfigChange()
+        for key in keys:
+            before, after = getattr(old, key), getattr(new, key)
+            if before != after:
+                (change.applied if key in LIVE_KEYS else change.restart)[key] = (before, after)
+        if change.applied:
+            self.scheduler.config = old.replace(**{k: n for k, (_, n) in change.applied.items()})
+        if "log_level" in change.applied:
+            level = change.applied["log_level"][1]
+            logging.getLogger().setLevel(level.upper())
+            for worker in self.scheduler.workers:  # engine workers take it when they next (re)start
+                worker.log_level = level
+        return change
+
+    # --- mode -----------------------------------------------------------------------------
+
+    def servable_modes(self) -> dict[str, str]:
+        """Each mode, and why this running daemon cannot serve it ("" when it can)."""
+        prefill = bool(getattr(self.scheduler, "prefill", None))
+        why = {}
+        for mode in MODES:
+            if mode == "cpu":
+                why[mode] = ""
+            elif mode == "hetero":
+                why[mode] = "" if prefill else (
+                    "this daemon was started without a prefill worker and KV ring; set mode = \"hetero\" in the "
+                    "config file (syshax config set mode hetero --save) and restart syshaxd")
+            else:
+                why[mode] = f"{mode} needs a GPU engine, which this build does not have yet"
+        return why
+
+    def set_mode(self, mode: str) -> ConfigChange:
+        """Switch where new requests run; raises ModeUnavailable with the reason when this daemon cannot."""
+        if mode not in MODES:
+            raise ConfigError(f"mode: must be one of {', '.join(MODES)}; got {mode!r}")
+        old = self.config.mode
+        change = ConfigChange()
+        if mode == old:
+            return change
+        switch = getattr(self.scheduler, "set_mode", None)
+        if switch is not None:  # the scheduler knows best what it can route
+            try:
+                result = switch(mode)
+            except (ValueError, RuntimeError) as exc:
+                raise ModeUnavailable(str(exc)) from None
+            if inspect.isawaitable(result):
+                raise ModeUnavailable("internal: Scheduler.set_mode must not be a coroutine")
+        else:
+            reason = self.servable_modes()[mode]
+            if reason:
+                raise ModeUnavailable(f"mode {mode!r} is not available: {reason}")
+            self.scheduler.config = self.config.replace(mode=mode)
+        log.info("mode %s -> %s", old, mode)
+        change.applied["mode"] = (old, mode)
+        return change

@@ -1,0 +1,266 @@
+"""Prometheus metrics for /metrics: per-request latencies and tokens, and engine state read at scrape time.
+
+Names follow vLLM's where the meaning is the same, so dashboards built for vLLM
+work unchanged (label ``model_name``, as vLLM's):
+
+  vllm:time_to_first_token_seconds     histogram  arrival at the API -> first generated token
+  vllm:time_per_output_token_seconds   histogram  gap between successive output tokens (vLLM's older name)
+  vllm:inter_token_latency_seconds     histogram  the same observations under vLLM's newer name
+  vllm:e2e_request_latency_seconds     histogram  arrival -> last token, finished requests
+  vllm:request_prompt_tokens           histogram  prompt tokens per finished request
+  vllm:request_generation_tokens       histogram  generated tokens per finished request
+  vllm:prompt_tokens_total             counter    prompt tokens of every accepted request
+  vllm:generation_tokens_total         counter    tokens generated (what clients are billed as usage)
+  vllm:request_success_total           counter    finished requests by finished_reason
+  vllm:num_requests_running            gauge      sequences in an engine's running batch
+  vllm:num_requests_waiting            gauge      accepted sequences waiting for a batch slot (queue depth)
+  vllm:kv_cache_usage_perc             gauge      KV cells in use over all CPU engines, 0..1
+
+and syshax's own (``syshax_`` prefix): HTTP requests by route/method/status,
+batch occupancy and slots per worker, worker readiness and restarts, requests
+in flight, capacity, refusals and routes, draining, and the KV handoff of
+hetero mode — ring capacity/used bytes/occupancy, records written/read/failed,
+bytes moved, fallbacks by reason, handoff latency quantiles. Engine state is
+read from ``Scheduler.status()`` when Prometheus scrapes, never cached; the KV
+series read its ``kv`` entry, and are zero (latency: absent) while there is none.
+
+Every series lives in a registry this object owns, never prometheus_client's
+global default one, so two daemons in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from syshaxd import __version__
+
+log = logging.getLogger(__name__)
+
+# seconds; TTFT spans a warm short prompt on a GPU to a long prompt queued on CPU cores
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """The daemon's metrics: observed around each request, and engine gauges collected at scrape time."""
+
+    def __init__(self, model_name: str, status: Callable[[], dict], service: Callable[[], dict] | None = None) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        m = ["model_name"]
+        self.http_requests = Counter("syshax_http_requests", "HTTP requests answered, by route, method and status.",
+                                     ["route", "method", "status"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", m,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Time per output token (gap between successive tokens) in seconds.", m,
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", m,
+                             buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end latency of finished requests in seconds.",
+                             m, buckets=E2E_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+                                               m, buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per finished request.", m,
+                                                   buckets=TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of accepted requests.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests, by finished_reason.",
+                                       m + ["finished_reason"], registry=r)
+        for family in (self.ttft, self.tpot, self.itl, self.e2e, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.prompt_tokens, self.generation_tokens):
+            family.labels(model_name)  # series at zero from the start, as dashboards expect
+        r.register(_EngineCollector(model_name, status, service or (lambda: {})))
+
+    def request(self) -> "RequestTimer":
+        """Start timing one generation request (call at its arrival)."""
+        return RequestTimer(self)
+
+    def count_http(self, route: str, method: str, status: int) -> None:
+        self.http_requests.labels(route, method, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's timings: accepted (prompt tokens), tokens as they arrive, finished."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+        self._label = metrics.model_name
+        self.arrival = time.monotonic()
+        self.prompt_tokens = 0
+        self.generated = 0
+        self._last: float | None = None  # when the latest token arrived
+        self._done = False
+
+    def accepted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self._m.prompt_tokens.labels(self._label).inc(prompt_tokens)
+
+    def tokens(self, n: int) -> None:
+        """n tokens arrived together (one event); their gap is shared out among them."""
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self._last is None:
+            self._m.ttft.labels(self._label).observe(now - self.arrival)
+            gaps, gap = n - 1, 0.0
+        else:
+            gaps, gap = n, (now - self._last) / n
+        for _ in range(gaps):
+            self._m.tpot.labels(self._label).observe(gap)
+            self._m.itl.labels(self._label).observe(gap)
+        self._last = now
+        self.generated += n
+        self._m.generation_tokens.labels(self._label).inc(n)
+
+    def finished(self, reason: str) -> None:
+        if self._done:
+            return
+        self._done = True
+        label = self._label
+        self._m.e2e.labels(label).observe(time.monotonic() - self.arrival)
+        self._m.request_prompt_tokens.labels(label).observe(self.prompt_tokens)
+        self._m.request_generation_tokens.labels(label).observe(self.generated)
+        self._m.request_success.labels(label, reason).inc()
+
+
+class _EngineCollector:
+    """Gauges and counters read from Scheduler.status() (and the service's own state) at each scrape."""
+
+    def __init__(self, model_name: str, status: Callable[[], dict], service: Callable[[], dict]) -> None:
+        self.model_name = model_name
+        self.status = status
+        self.service = service
+
+    def describe(self):
+        return []  # unchecked: the families depend on what status() holds at scrape time
+
+    def collect(self):
+        try:
+            status = self.status() or {}
+            service = self.service() or {}
+        except Exception:  # a scrape must not fail because the engine state is odd for a moment
+            log.exception("could not read the scheduler's status for /metrics")
+            return
+        yield from self._engines(status)
+        yield from self._daemon(status, service)
+        yield from self._kv(status.get("kv") or {})
+
+    def _engines(self, status: dict):
+        m = [self.model_name]
+        workers = status.get("workers") or []
+        running = GaugeMetricFamily("vllm:num_requests_running", "Requests in an engine's running batch.",
+                                    labels=["model_name"])
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting for a batch slot.",
+                                    labels=["model_name"])
+        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage over all engines; 1 means 100 percent.",
+                               labels=["model_name"])
+        occupancy = GaugeMetricFamily("syshax_batch_occupancy", "Running sequences over batch slots, per worker (0..1).",
+                                      labels=["worker", "role"])
+        slots = GaugeMetricFamily("syshax_batch_slots", "Batch slots (sequences decoded together), per worker.",
+                                  labels=["worker", "role"])
+        up = GaugeMetricFamily("syshax_worker_ready", "1 if the engine worker is loaded and serving.",
+                               labels=["worker", "role", "backend", "state"])
+        restarts = CounterMetricFamily("syshax_worker_restarts", "Times the supervisor restarted the worker.",
+                                       labels=["worker"])
+        n_run = n_wait = 0
+        cells = used = 0.0
+        for w in workers:
+            stats = w.get("stats") or {}
+            name, role = str(w.get("name", "")), str(w.get("role", ""))
+            r, q = int(stats.get("running", 0)), int(stats.get("waiting", 0))
+            size = int(stats.get("max_batch_size", 0) or 0)
+            n_run += r
+            n_wait += q
+            if size:
+                occupancy.add_metric([name, role], r / size)
+                slots.add_metric([name, role], size)
+                weight = size * int(stats.get("n_ctx", 0) or 0)
+                cells += weight
+                used += weight * float(stats.get("kv_usage", 0.0) or 0.0)
+            up.add_metric([name, role, str(w.get("backend", "")), str(w.get("state", ""))],
+                          1.0 if w.get("state") == "ready" else 0.0)
+            restarts.add_metric([name], float(w.get("restarts", 0)))
+        running.add_metric(m, n_run)
+        waiting.add_metric(m, n_wait)
+        kv.add_metric(m, used / cells if cells else 0.0)
+        yield from (running, waiting, kv, occupancy, slots, up, restarts)
+
+    def _daemon(self, status: dict, service: dict):
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            return g
+
+        yield gauge("syshax_requests_in_flight", "Requests held by engine workers.", status.get("in_flight", 0))
+        yield gauge("syshax_capacity", "Requests the daemon holds at once: batch slots plus the queue.",
+                    status.get("capacity", 0))
+        yield gauge("syshax_ready", "1 once every engine worker is loaded.", 1 if status.get("ready") else 0)
+        yield gauge("syshax_draining", "1 while the daemon takes no new requests (shutdown or syshax drain).",
+                    1 if service.get("draining") else 0)
+        yield gauge("syshax_http_generations_active", "Completion requests the API admitted and has not finished.",
+                    service.get("active", 0))
+        refused = CounterMetricFamily("syshax_requests_refused", "Requests refused by the scheduler, by reason.",
+                                      labels=["reason"])
+        for reason, n in (status.get("refused") or {}).items():
+            refused.add_metric([str(reason)], float(n))
+        yield refused
+        routed = CounterMetricFamily("syshax_requests_routed", "Requests routed, by route (cpu, hetero, ...).",
+                                     labels=["route"])
+        for route, n in (status.get("routes") or {}).items():
+            routed.add_metric([str(route)], float(n))
+        yield routed
+        info = GaugeMetricFamily("syshax_info", "The daemon's version and mode (value 1).", labels=["version", "mode"])
+        info.add_metric([__version__, str(status.get("mode", ""))], 1.0)
+        yield info
+
+    def _kv(self, kv: dict):
+        ring = kv.get("ring") or {}
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value or 0))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(value or 0))
+            return c
+
+        yield gauge("syshax_kv_ring_capacity_bytes", "Size of the shared-memory KV ring.", ring.get("capacity"))
+        yield gauge("syshax_kv_ring_used_bytes", "Bytes of the KV ring held by records.", ring.get("used_bytes"))
+        yield gauge("syshax_kv_ring_occupancy", "Used over capacity of the KV ring (0..1).", ring.get("occupancy"))
+        yield counter("syshax_kv_records_written", "KV records the prefill side wrote.", kv.get("records_written"))
+        yield counter("syshax_kv_records_read", "KV records a decoder imported.", kv.get("records_read"))
+        yield counter("syshax_kv_records_failed", "KV records a decoder could not use.", kv.get("records_failed"))
+        yield counter("syshax_kv_bytes_moved", "Bytes of KV handed from prefill to decode.", kv.get("bytes_moved"))
+        fallbacks = CounterMetricFamily("syshax_kv_fallbacks",
+                                        "Requests whose decoder recomputed the prompt instead of importing it.",
+                                        labels=["reason"])
+        for reason, n in (kv.get("fallbacks") or {}).items():
+            fallbacks.add_metric([str(reason)], float(n))
+        yield fallbacks
+        latency = kv.get("handoff_latency_s") or {}
+        if latency.get("count"):
+            g = GaugeMetricFamily("syshax_kv_handoff_latency_seconds",
+                                  "Prefill-to-decode handoff latency over recent requests, by quantile.",
+                                  labels=["quantile"])
+            for key, quantile in (("p50", "0.5"), ("p90", "0.9"), ("p99", "0.99")):
+                if key in latency:
+                    g.add_metric([quantile], float(latency[key]))
+            yield g

@@ -1,0 +1,164 @@
+"""Hetero mode end to end: prefill worker -> shared-memory KV ring -> CPU decode worker."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import MODEL_NAME, start_daemon
+
+N_CTX = 1024
+
+PROMPTS = [
+    "Hi",
+    "A",
+    "The capital of France is",
+    "def quicksort(arr):",
+    "Once upon a time, in a land far away, there lived a",
+    "日本の首都は",
+    "Привет, как дела? Расскажи мне",
+    "Ünïcödé façade — naïve café: ",
+    "😀 emoji test 🚀🚀",
+    "1 2 3 4 5 6 7 8 9",
+    "Q: What is the boiling point of water?\nA:",
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+    "import numpy as np\nimport torch\n",
+    "The mitochondria is the powerhouse of",
+    "SELECT * FROM users WHERE",
+    "Roses are red, violets are blue,",
+    "   leading spaces and\ttabs",
+    "In 1969, Neil Armstrong",
+    "List of prime numbers: 2, 3, 5, 7,",
+    "word " * 990,  # near the context limit with max_tokens below
+]
+
+
+def shm_segments(pid: int) -> list[Path]:
+    return list(Path("/dev/shm").glob(f"syshax-{pid}-kv"))
+
+
+@pytest.fixture(scope="module")
+def hetero(default_model, tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("hetero"),
+                     {"model": str(default_model), "mode": "hetero", "n_ctx": N_CTX, "prefill_cpu_affinity": "0"})
+    yield d
+    assert d.stop() == 0, d.log()
+    assert shm_segments(d.proc.pid) == []  # unlinked on a clean exit
+
+
+def complete(client, prompt, route, max_tokens=24):
+    return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     extra_body={"syshax": {"mode": route}})
+
+
+def test_workers_are_placed_apart(hetero):
+    workers = {w["name"]: w for w in hetero.status()["workers"]}
+    assert workers["prefill0"]["role"] == "prefill" and workers["prefill0"]["cpus"] == [0]
+    assert workers["decode0"]["cpus"] == [1]
+    assert shm_segments(hetero.proc.pid)[0].stat().st_mode & 0o777 == 0o600
+
+
+def test_hetero_returns_exactly_the_tokens_cpu_mode_returns(hetero):
+    client = openai.OpenAI(base_url=hetero.base_url, api_key="x", max_retries=0, timeout=300)
+    before = hetero.status()["kv"]
+    for prompt in PROMPTS:
+        max_tokens = 16 if len(prompt) > 1000 else 24
+        cpu = complete(client, prompt, "cpu", max_tokens)
+        het = complete(client, prompt, "hetero", max_tokens)
+        assert het.choices[0].text == cpu.choices[0].text, prompt[:40]
+        assert het.usage == cpu.usage
+    kv = hetero.status()["kv"]
+    assert kv["records_written"] - before["records_written"] == len(PROMPTS)
+    assert kv["records_read"] - before["records_read"] == len(PROMPTS)
+    assert kv["fallbacks"] == before["fallbacks"]
+    assert kv["bytes_moved"] > 0 and kv["handoff_latency_s"]["count"] >= len(PROMPTS)
+    assert kv["ring"]["used_bytes"] == 0  # every record was released
+
+
+def test_streaming_and_concurrency_through_the_ring(hetero):
+    client = openai.OpenAI(base_url=hetero.base_url, api_key="x", max_retries=0, timeout=300)
+    prompts = PROMPTS[:10]
+    expected = [complete(client, p, "cpu").choices[0].text for p in prompts]
+
+    def streamed(p):
+        chunks = client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=24, temperature=0, stream=True,
+                                           extra_body={"syshax": {"mode": "hetero"}})
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(streamed, prompts))
+    assert got == expected
+    assert hetero.status()["routes"]["hetero"] >= len(prompts)
+
+
+def test_chat_in_hetero_mode(hetero):
+    client = openai.OpenAI(base_url=hetero.base_url, api_key="x", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    cpu = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=30, temperature=0,
+                                         extra_body={"syshax": {"mode": "cpu"}})
+    het = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=30, temperature=0)
+    assert het.choices[0].message.content == cpu.choices[0].message.content
+
+
+def test_killed_prefill_worker_falls_back_and_nothing_is_lost(hetero):
+    client = openai.OpenAI(base_url=hetero.base_url, api_key="x", max_retries=0, timeout=300)
+    prompt = "word " * 900
+    expected = complete(client, prompt, "cpu", 8).choices[0].text
+    before = hetero.status()["kv"]["fallbacks"].get("prefill_died", 0)
+    pid = next(w["pid"] for w in hetero.status()["workers"] if w["name"] == "prefill0")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(complete, client, prompt, "hetero", 8)
+        time.sleep(0.3)  # the prompt takes seconds to prefill on one core
+        os.kill(pid, signal.SIGKILL)
+        assert future.result().choices[0].text == expected
+    status = hetero.status()
+    assert status["kv"]["fallbacks"].get("prefill_died", 0) == before + 1
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        w = next(w for w in hetero.status()["workers"] if w["name"] == "prefill0")
+        if w["state"] == "ready" and w["pid"] != pid:
+            break
+        time.sleep(0.2)
+    assert complete(client, "Hi", "hetero").choices[0].text == complete(client, "Hi", "cpu").choices[0].text
+    assert "recomputing the prompt" in hetero.log()
+
+
+def test_a_cpu_mode_daemon_refuses_the_hetero_route(daemon):
+    client = openai.OpenAI(base_url=daemon.base_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as exc:
+        complete(client, "Hi", "hetero")
+    assert exc.value.body["code"] == "unsupported_route"
+
+
+def test_full_ring_makes_the_decoder_recompute(default_model, tmp_path):
+    # a 1 MiB ring can never hold a 100-token record (about 2.3 MB): the producer gives up at once
+    d = start_daemon(tmp_path, {"model": str(default_model), "mode": "hetero", "ring_size_mb": 1,
+                                "handoff_timeout": 0.2, "prefill_cpu_affinity": "0"})
+    try:
+        client = openai.OpenAI(base_url=d.base_url, api_key="x", max_retries=0, timeout=120)
+        prompt = "tell me more " * 40
+        assert complete(client, prompt, "hetero").choices[0].text == complete(client, prompt, "cpu").choices[0].text
+        assert d.status()["kv"]["fallbacks"] == {"ring_full": 1}
+        assert "recomputing the prompt" in d.log()
+    finally:
+        assert d.stop() == 0
+
+
+def test_stale_segment_of_a_killed_daemon_is_swept(default_model, tmp_path):
+    first = start_daemon(tmp_path, {"model": str(default_model), "mode": "hetero", "ring_size_mb": 8})
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    assert len(shm_segments(first.proc.pid)) == 1  # left behind by kill -9
+    second = start_daemon(tmp_path, {"model": str(default_model), "mode": "hetero", "ring_size_mb": 8})
+    try:
+        assert shm_segments(first.proc.pid) == []
+        assert "removed a KV ring" in second.log()
+    finally:
+        assert second.stop() == 0
+    assert shm_segments(second.proc.pid) == []
