@@ -1,0 +1,111 @@
+"""The llama.cpp engine's two ends of the ring, in one process: good, corrupt and foreign records."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import pytest
+
+from conftest import MODEL_DIR
+from syshaxd.engine.types import Delta, EngineSpec, GenerateRequest, Imported, Prefilled, SamplingParams
+from syshaxd.kv.ring import KVRing
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+@pytest.fixture
+def ring():
+    r = KVRing.create(f"test-{uuid.uuid4().hex[:8]}", 64 << 20)
+    yield r
+    r.unlink()
+    r.close()
+
+
+def engine(model, ring, role):
+    from syshax_llamacpp.engine import LlamaCppEngine
+
+    spec = EngineSpec(backend="llamacpp", role=role, model_path=str(model), model_name="m", n_ctx=512,
+                      max_batch_size=4, threads=1, prefill_chunk_size=128, ring=_instance(ring))
+    return LlamaCppEngine(spec)
+
+
+def _instance(ring) -> str:
+    # /dev/shm/syshax-<instance>-kv
+    return ring.path.name[len("syshax-"):-len("-kv")]
+
+
+def run(eng, request):
+    events = list(eng.submit(request))
+    while eng.has_work():
+        events += eng.step()
+    return events
+
+
+def request(**kw):
+    return GenerateRequest(request_id=uuid.uuid4().hex, max_tokens=12, sampling=SamplingParams(temperature=0),
+                           prompt=PROMPT, **kw)
+
+
+def text_of(events):
+    return "".join(e.text for e in events if isinstance(e, Delta))
+
+
+@pytest.fixture(scope="module")
+def reference(default_model):
+    from syshax_llamacpp.engine import LlamaCppEngine
+
+    eng = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_path=str(default_model),
+                                    model_name="m", n_ctx=512, max_batch_size=4, threads=1, prefill_chunk_size=128))
+    text = text_of(run(eng, request()))
+    eng.close()
+    return text
+
+
+def prefill(eng) -> Prefilled:
+    (event,) = [e for e in run(eng, request()) if isinstance(e, Prefilled)]
+    return event
+
+
+def test_record_moves_through_the_ring_and_decodes_the_same_text(default_model, ring, reference):
+    pre, dec = engine(default_model, ring, "prefill"), engine(default_model, ring, "generate")
+    handed = prefill(pre)
+    assert handed.handle is not None and ring.stats().used_bytes > 0
+    events = run(dec, request(kv=handed.handle))
+    imported = [e for e in events if isinstance(e, Imported)]
+    assert imported[0].ok and imported[0].nbytes == handed.handle.length
+    assert text_of(events) == reference
+    assert ring.stats().used_bytes == 0
+    assert dec.stats()["records_read"] == 1 and pre.stats()["records_written"] == 1
+
+
+def test_corrupted_byte_is_caught_and_the_prompt_recomputed(default_model, ring, reference):
+    pre, dec = engine(default_model, ring, "prefill"), engine(default_model, ring, "generate")
+    handed = prefill(pre)
+    view = ring._view  # the owner's writable map of the segment
+    spot = 4096 + handed.handle.offset + handed.handle.length // 2
+    view[spot] ^= 0xFF
+    events = run(dec, request(kv=handed.handle))
+    imported = [e for e in events if isinstance(e, Imported)][0]
+    assert not imported.ok and imported.reason == "RecordCorrupt"
+    assert text_of(events) == reference  # slower, never wrong
+    assert dec.stats()["fallback_reasons"] == {"RecordCorrupt": 1}
+    assert ring.stats().used_bytes == 0  # the bad record did not wedge the ring
+
+
+def test_record_from_another_model_is_refused(default_model, ring, reference):
+    q4_1 = MODEL_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"  # same architecture, other weights
+    pre, dec = engine(q4_1, ring, "prefill"), engine(default_model, ring, "generate")
+    handed = prefill(pre)
+    events = run(dec, request(kv=handed.handle))
+    imported = [e for e in events if isinstance(e, Imported)][0]
+    assert not imported.ok and imported.reason == "FingerprintMismatch"
+    assert text_of(events) == reference
+
+
+def test_record_for_other_tokens_is_refused(default_model, ring, reference):
+    pre, dec = engine(default_model, ring, "prefill"), engine(default_model, ring, "generate")
+    handed = prefill(pre)
+    other = dataclasses.replace(request(kv=handed.handle), prompt=PROMPT + " and")
+    events = run(dec, other)
+    assert [e for e in events if isinstance(e, Imported)][0].reason == "TokenMismatch"
