@@ -100,10 +100,12 @@ class Service:
         self.admin: AdminServer | None = None
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()
+        self._ready_sent = False  # READY=1 went out; a reload is bracketed by RELOADING=1 ... READY=1
         self._tasks: set[asyncio.Task] = set()
 
     async def run(self) -> int:
-        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # shutdown_timeout: our drain already waited for the requests; what is left after it is cut off
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await runner.setup()
         site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
         try:
@@ -186,12 +188,14 @@ class Service:
                      self.model_name, self.url, self.url, self.model_name)
             print(f"syshaxd ready on {self.url}", flush=True)
             self.notifier.ready(self._serving_line())
+            self._ready_sent = True
         else:
             failed = "; ".join(f"{w.name}: {w.error or w.state}" for w in self.workers if w.state != "ready")
             log.error("engines did not become ready (%s); the daemon keeps answering /health with 503", failed)
             # READY all the same: the service is up (admin socket, /health say why), and exiting
             # would only make systemd restart into the same failure every RestartSec.
             self.notifier.ready(f"degraded: engines not ready ({failed}); /health answers 503")
+            self._ready_sent = True
 
     def _serving_line(self) -> str:
         n = sum(w.state == "ready" for w in self.workers)
@@ -233,14 +237,17 @@ class Service:
 
     async def _reload(self) -> None:
         source = self.state.config.source or "(no config file)"
-        self.notifier.reloading()
+        ready = self._ready_sent  # while loading, READY=1 must wait for the engines
+        if ready:
+            self.notifier.reloading()
         try:
             change = self.state.reload()
         except (ConfigError, OSError) as exc:
             log.error("SIGHUP: not reloading: %s; nothing changed (fix the file, then systemctl reload syshaxd)", exc)
         else:
             log.info("SIGHUP: reloaded %s: %s", source, change.describe())
-        self.notifier.ready(self._serving_line() if self.scheduler.is_ready() else self._loading_line())
+        if ready:
+            self.notifier.ready(self._serving_line() if self.scheduler.is_ready() else self._loading_line())
 
     async def _watchdog(self, interval: float) -> None:
         """WATCHDOG=1 every half WatchdogSec while the loop runs and every loaded worker still heartbeats."""

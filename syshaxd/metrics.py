@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from syshaxd import __version__
 
@@ -47,8 +47,6 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
@@ -91,8 +89,10 @@ class Metrics:
     def count_http(self, route: str, method: str, status: int) -> None:
         self.http_requests.labels(route, method, str(status)).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition in the format the scraper asks for (Accept), and its content type."""
+        encode, content_type = choose_encoder(accept)  # Prometheus' text 0.0.4 unless OpenMetrics is asked for
+        return encode(self.registry), content_type
 
 
 class RequestTimer:

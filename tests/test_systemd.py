@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 
 from conftest import MODEL_NAME, http_json, start_daemon
 
@@ -184,6 +183,25 @@ def test_sighup_applies_live_keys_and_names_those_that_need_a_restart(default_mo
         assert d.status()["max_queue_size"] == 3
         status, body = http_json(f"{d.base_url}/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
         assert status == 200, body
+
+        # drain_timeout is live too: with 1 s, a long stream is cut off and the daemon still exits 0
+        config.write_text(text + "drain_timeout = 1.0\n")
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "drain_timeout 30.0 -> 1.0" not in d.log():
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.1)
+        long = {"started": threading.Event()}
+        reader = threading.Thread(target=_stream, args=(d.port, 3000, long), daemon=True)
+        reader.start()
+        assert long["started"].wait(60)
+        d.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        code = d.proc.wait(30)
+        assert time.monotonic() - t0 < 15, "the drain did not stop at drain_timeout"
+        reader.join(10)
     finally:
-        code = d.stop()
+        d.stop()
     assert code == 0, d.log()
+    assert long["data"][-1] != "[DONE]"
+    assert "drain ended with 1 requests still running; they are cut off" in d.log()

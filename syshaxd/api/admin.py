@@ -174,8 +174,12 @@ class AdminServer:
     async def start(self) -> str:
         """Start listening; returns "" or why not (logged by the caller; the daemon serves without it)."""
         path = self.path
+        gid = _group_id(self.config.admin_group)
         try:
-            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            if not path.parent.is_dir():
+                path.parent.mkdir(mode=0o750, parents=True)
+                if gid is not None:  # so that the group can reach the socket inside
+                    os.chown(path.parent, -1, gid)
         except OSError as exc:
             return f"cannot create {path.parent}: {exc.strerror}; set admin_socket to a writable place"
         if path.exists() or path.is_symlink():
@@ -193,16 +197,16 @@ class AdminServer:
         st = path.stat()
         self._inode = (st.st_dev, st.st_ino)
         os.chmod(path, 0o660)  # the unit's UMask=0077 made it 0600; the admin group needs rw to connect
-        gid = _group_id(self.config.admin_group)
-        if gid is not None:
+        owner = "root" if os.geteuid() == 0 else f"root and {_user_name(os.geteuid())}"
+        if gid is None:
+            if self.config.admin_group:
+                log.info("group %r does not exist; the admin socket is for %s only", self.config.admin_group, owner)
+        elif st.st_gid != gid:  # under the unit it already is (Group=syshax), and ~@privileged refuses chown
             try:
                 os.chown(path, -1, gid)
             except OSError as exc:
-                log.warning("cannot give %s to group %s (%s); only root and %s may use it", path,
-                            self.config.admin_group, exc.strerror, _user_name(os.geteuid()))
-        elif self.config.admin_group:
-            log.info("group %r does not exist; the admin socket is for root and %s only",
-                     self.config.admin_group, _user_name(os.geteuid()))
+                log.warning("cannot give %s to group %s (%s); it is for %s only", path, self.config.admin_group,
+                            exc.strerror, owner)
         log.info("admin socket on %s (try: syshax status --socket %s)", path, path)
         return ""
 
@@ -417,7 +421,10 @@ class AdminClient:
         self._file = sock.makefile("rb")
 
     def call(self, cmd: str, **args) -> object:
-        self._sock.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        try:
+            self._sock.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a refused peer: the daemon wrote why and closed; read that below
         try:
             line = self._file.readline(MAX_LINE)
         except socket.timeout:

@@ -17,7 +17,7 @@ from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion, pa
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
 from syshaxd.engine.supervisor import EngineUnavailable, RequestStream
 from syshaxd.engine.types import Accepted, Delta, Rejected
-from syshaxd.metrics import CONTENT_TYPE, RequestTimer
+from syshaxd.metrics import RequestTimer
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -277,5 +277,5 @@ async def status(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    body, content_type = request.app[METRICS].render(request.headers.get("Accept"))
+    return web.Response(body=body, headers={"Content-Type": content_type})
