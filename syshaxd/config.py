@@ -45,6 +45,7 @@ class Config:
     prefill_cpu_affinity: str = ""  # the prefill worker's CPUs; empty: a quarter of the first node's
     ring_size_mb: int = 256  # the shared-memory KV ring in /dev/shm
     handoff_timeout: float = 2.0  # seconds a prefill waits for ring space before the decoder recomputes
+    prefill_engine: str = "llamacpp"  # the backend plugin of the prefill worker ("syshax plugins" lists them)
 
     # requests
     default_max_tokens: int = 1024  # chat requests without max_tokens
@@ -113,6 +114,8 @@ def _validate(cfg: Config) -> None:
     at_least("prefill_chunk_size", 1)
     at_least("ring_size_mb", 1)
     at_least("handoff_timeout", 0.0)
+    if not cfg.prefill_engine:
+        raise ConfigError('prefill_engine: must name a backend, e.g. "llamacpp" (see `syshax plugins`)')
     at_least("default_max_tokens", 1)
     at_least("max_queue_size", 0)
     at_least("request_timeout", 0.001)

@@ -59,6 +59,22 @@ def default_prefill_cpus(cpus: frozenset[int]) -> frozenset[int]:
     return frozenset(ordered[: max(1, len(ordered) // 4)])
 
 
+def _prefill_backend(name: str) -> str:
+    """The prefill_engine backend, checked here so a wrong name fails at start, not in a worker."""
+    from syshaxd.plugins import BackendNotFound, find_backend, make_plugin_manager
+
+    try:
+        backend = find_backend(make_plugin_manager(), name)
+    except BackendNotFound as exc:
+        raise PlanError(f"prefill_engine: {exc}") from None
+    if "prefill" not in backend.roles:
+        raise PlanError(f"prefill_engine: backend {name!r} cannot prefill (its roles: {', '.join(sorted(backend.roles))})")
+    available = backend.availability()
+    if not available.available:
+        raise PlanError(f"prefill_engine: backend {name!r} is not available here: {available.reason}")
+    return backend.name
+
+
 def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None = None) -> Engines:
     """Workers for cfg.mode; in hetero mode also creates the shared-memory KV ring."""
     if cfg.mode not in SERVED_MODES:
@@ -87,14 +103,15 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
     except PlacementError as exc:
         raise PlanError(str(exc)) from None
 
+    prefill_backend = _prefill_backend(cfg.prefill_engine)
     from syshaxd.kv.ring import KVRing, sweep_stale
 
     for stale in sweep_stale():
         log.warning("removed a KV ring left by a daemon that is gone: %s", stale)
     instance = instance or f"{os.getpid()}"
     ring = KVRing.create(instance, cfg.ring_size_mb * 1024 * 1024)
-    workers = [("prefill0", replace(base, role="prefill", max_batch_size=1, threads=pre.threads, placement=pre,
-                                    ring=instance))]
+    workers = [("prefill0", replace(base, backend=prefill_backend, role="prefill", max_batch_size=1,
+                                    threads=pre.threads, placement=pre, ring=instance))]
     workers += [(f"decode{p.index}", replace(base, role="generate", threads=p.threads, placement=p, ring=instance))
                 for p in decoders]
     return Engines(workers, ring)
