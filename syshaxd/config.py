@@ -12,6 +12,7 @@ from typing import Any, Mapping
 MODES = ("cpu", "gpu", "hetero", "auto")
 QUANTIZE_TYPES = ("", "q4_0")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+PREEMPTION_MODES = ("recompute",)
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,11 @@ class Config:
     ring_size_mb: int = 256  # the shared-memory KV ring in /dev/shm
     handoff_timeout: float = 2.0  # seconds a prefill waits for ring space before the decoder recomputes
     prefill_engine: str = "llamacpp"  # the backend plugin of the prefill worker ("syshax plugins" lists them)
+    # the GPU engine (vLLM): prefill_engine in hetero mode, the one engine in gpu mode
+    gpu_memory_utilization: float = 0.8  # of the device's memory for weights and KV (vLLM-CPU: KV sized from n_ctx)
+    max_num_seqs: int = 16  # sequences the GPU engine runs at once
+    tensor_parallel_size: int = 1  # GPUs one model is split across (gpu mode; prefill takes 1)
+    preemption_mode: str = "recompute"  # what vLLM does to a sequence it must pause: only "recompute" (v1)
 
     # requests
     default_max_tokens: int = 1024  # chat requests without max_tokens
@@ -57,6 +63,13 @@ class Config:
     worker_restart_delay: float = 1.0
 
     log_level: str = "info"
+
+    # --- security and limits (issue 8): API keys, connections, hung workers ---
+    api_keys: tuple[str, ...] = ()  # when any key is set (here or in api_key_file), /v1/* needs one as a Bearer token
+    api_key_file: str = ""  # one key per line (# comments); $VARS expand, e.g. "$CREDENTIALS_DIRECTORY/api-keys"
+    metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
+    max_connections: int = 1024  # open HTTP connections; past it a new one gets 503 and is closed
+    worker_heartbeat_timeout: float = 30.0  # seconds a ready worker may send nothing before it is killed; 0: off
 
     # --- operations (issue 7): shutdown drain, admin socket. Keep this block last. ---
     drain_timeout: float = 30.0  # seconds SIGTERM waits for accepted requests before stopping workers
@@ -90,8 +103,28 @@ def _check_type(key: str, value: Any) -> Any:
         value = float(value)
     elif expected == "str":
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {shown(key, value)}")
+    elif expected == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    elif expected == "tuple[str, ...]":
+        if isinstance(value, str) or not isinstance(value, (list, tuple)) \
+                or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f'{key}: expected an array of strings, e.g. ["one", "two"], got {shown(key, value)}')
+        value = tuple(value)
     return value
+
+
+# Keys whose values are secrets: logs, errors and the admin socket show them as shown() does.
+SECRET_KEYS = frozenset({"api_keys"})
+
+
+def shown(key: str, value: Any) -> str:
+    """The value as it may appear in a log line or an error message: secrets are masked."""
+    if key not in SECRET_KEYS:
+        return repr(value)
+    n = len(value) if isinstance(value, (list, tuple)) else 1
+    return f"<{n} secret value{'s' if n != 1 else ''}>"
 
 
 def _validate(cfg: Config) -> None:
@@ -116,6 +149,13 @@ def _validate(cfg: Config) -> None:
     at_least("handoff_timeout", 0.0)
     if not cfg.prefill_engine:
         raise ConfigError('prefill_engine: must name a backend, e.g. "llamacpp" (see `syshax plugins`)')
+    if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"gpu_memory_utilization: must be above 0 and at most 1, got {cfg.gpu_memory_utilization!r}")
+    at_least("max_num_seqs", 1)
+    at_least("tensor_parallel_size", 1)
+    if cfg.preemption_mode not in PREEMPTION_MODES:
+        raise ConfigError(f'preemption_mode: must be "recompute" (vLLM\'s v1 engine recomputes a preempted '
+                          f'sequence; "swap" went with v0); got {cfg.preemption_mode!r}')
     at_least("default_max_tokens", 1)
     at_least("max_queue_size", 0)
     at_least("request_timeout", 0.001)
@@ -131,6 +171,16 @@ def _validate(cfg: Config) -> None:
                     parse_cpulist(part, what=key)
             except ValueError as exc:
                 raise ConfigError(str(exc) if str(exc).startswith(key) else f"{key}: {exc}") from None
+    # --- security and limits (issue 8) ---
+    from syshaxd.api.auth import configured_keys
+
+    configured_keys(cfg)  # checks each key and that api_key_file can be read
+    at_least("max_connections", 1)
+    at_least("worker_heartbeat_timeout", 0)
+    if 0 < cfg.worker_heartbeat_timeout <= cfg.handoff_timeout:
+        raise ConfigError(f"worker_heartbeat_timeout: must be above handoff_timeout ({cfg.handoff_timeout:g}s, "
+                          "which a prefill may spend waiting for ring space) or 0 to turn the check off; "
+                          f"got {cfg.worker_heartbeat_timeout:g}")
     # --- operations (issue 7) ---
     at_least("drain_timeout", 0)
     if cfg.admin_socket and len(os.fsencode(os.path.abspath(os.path.expanduser(cfg.admin_socket)))) > 107:
@@ -143,6 +193,22 @@ def coerce(key: str, text: str) -> Any:
     if key not in KEYS:
         raise ConfigError(f"unknown key {key!r}; known keys: {', '.join(sorted(KEYS))}")
     kind = KEYS[key].type
+    if kind == "bool":
+        if text.lower() in ("true", "yes", "on", "1"):
+            return True
+        if text.lower() in ("false", "no", "off", "0"):
+            return False
+        raise ConfigError(f"{key}: expected true or false, got {text!r}")
+    if kind == "tuple[str, ...]":  # a JSON array, or words separated by commas
+        if text.strip().startswith("["):
+            import json
+
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError:
+                raise ConfigError(f'{key}: expected a JSON array of strings, e.g. ["one", "two"]') from None
+            return _check_type(key, parsed)
+        return tuple(part.strip() for part in text.split(",") if part.strip())
     try:
         if kind == "int":
             return int(text)

@@ -17,6 +17,7 @@ from aiohttp import web
 from syshaxd import __version__
 from syshaxd.api.admin import AdminServer, default_path
 from syshaxd.api.app import make_app
+from syshaxd.api.limits import CappedTCPSite
 from syshaxd.api.state import ServiceState
 from syshaxd.config import MODES, Config, ConfigError, load
 from syshaxd.engine.scheduler import Scheduler
@@ -91,7 +92,7 @@ class Service:
         self.model_path = model_path
         self.model_name = model_name
         self.notifier = notifier
-        self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay)
+        self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout)
                         for name, spec in engines.workers]
         self.scheduler = Scheduler(cfg, self.workers, engines.ring)
         self.state = ServiceState(self.scheduler, reload)
@@ -107,7 +108,7 @@ class Service:
         # shutdown_timeout: our drain already waited for the requests; what is left after it is cut off
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await runner.setup()
-        site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
+        site = CappedTCPSite(runner, self.cfg.host, self.cfg.port)  # at most max_connections open
         try:
             await site.start()
         except OSError as exc:

@@ -1,4 +1,4 @@
-"""`syshax benchmark` as a user runs it: against llama_cpp.server, the instant stub, and started daemons."""
+"""`syshax benchmark` as a user runs it: against llama_cpp.server, a real syshaxd, the instant stub, and started daemons."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ import pytest
 
 from syshaxd.bench.calibrate import calibrate_client
 from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path
+from syshaxd.bench.report import MODE_RATIOS
 from syshaxd.bench.scenarios import parse_concurrency, scenario_named
 from syshaxd.bench.stats import percentile, summarize
 from syshaxd.bench.stub import InstantServer
+from syshaxd.model import DEFAULT_QUANTIZED_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -85,6 +87,23 @@ def assert_consistent(document: dict, iterations: int, strict_ttft: bool = False
                         assert record["ttft_s"] < record["e2e_s"]
                     assert record["output_tokens"] >= 1
                     assert len(record["itl_s"]) == max(0, record["chunks"] - 1)
+
+
+def assert_valid_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def syshax_cli() -> list[str]:
+    """The installed `syshax` console script, or the same CLI through python -m."""
+    script = Path(sys.executable).with_name("syshax")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "syshaxd.cli"]
 
 
 def wait_http(url: str, timeout: float) -> None:
@@ -196,15 +215,44 @@ def test_short_benchmark_against_llama_cpp_server(llama_cpp_server, tmp_path: Pa
     assert machine["cpu_cores_logical"] >= 1 and machine["python"] and machine["os"]
     # the table a user reads
     assert "out tok/s" in done.stdout and "TTFT p99 ms" in done.stdout and machine["cpu_model"] in done.stdout
-    png = next(tmp_path.glob("*.png"))
-    assert png.read_bytes()[:8] == PNG_MAGIC
-    import matplotlib
+    assert_valid_png(next(tmp_path.glob("*.png")))
 
-    matplotlib.use("Agg")
-    import matplotlib.image
 
-    image = matplotlib.image.imread(png)
-    assert image.shape[0] > 100 and image.shape[1] > 100
+def test_short_benchmark_against_a_real_syshaxd(daemon, tmp_path: Path):
+    # syshaxd honours ignore_eos and sends usage in its stream: every answer has exactly the length asked for.
+    input_len, output_len, iterations = 16, 12, 4
+    done, doc = benchmark_url(
+        daemon.url, tmp_path, "--scenario", "custom", "--input-len", str(input_len), "--output-len", str(output_len),
+        "--iterations", str(iterations), "--concurrency", "1,4", "--warmup", "1",
+        "--server-pid", str(daemon.proc.pid), plot=True, timeout=60,
+    )
+    (target,) = doc["targets"]
+    assert target["status"] == "ok" and target["model"] == "SmolLM2-135M-Instruct"
+    assert target["warmup"]["completed"] == 1 and not target["warmup"]["errors"]
+    assert [level["concurrency"] for level in target["levels"]] == [1, 4]
+    assert_consistent(doc, iterations=iterations, strict_ttft=True)
+    for level in target["levels"]:
+        assert level["completed"] == iterations and level["failed"] == 0, level["error_examples"]
+        assert level["output_tokens"] == iterations * output_len
+        assert level["input_tokens"] == iterations * input_len
+        forced = level["forced_length"]
+        assert forced["exact"] == iterations and forced["stopped_early"] == 0
+        assert forced["counted_from"] == {"usage": iterations}
+        assert forced["finish_reasons"] == {"length": iterations}
+        # the server's own count: the prompt's tokens, and BOS if the model adds one
+        assert input_len <= level["server_prompt_tokens"]["min"] <= level["server_prompt_tokens"]["max"] <= input_len + 1
+        for record in level["requests"]:
+            assert record["output_tokens"] == output_len and record["output_tokens_source"] == "usage"
+            assert record["done_marker"] is True
+            assert record["tpot_s"] > 0
+        assert level["ttft_s"]["median"] < level["e2e_s"]["median"]
+        assert level["output_throughput_tok_s"] > 0
+        resources = level["resources"]
+        assert resources["server_pid"] == daemon.proc.pid
+        assert resources["workers"] >= 1 and resources["workers_rss_mib"]["max"] > 10, "the engine worker is seen"
+    assert doc["ratios"] == []
+    assert "out tok/s" in done.stdout and "did not honour" not in done.stdout
+    assert_valid_png(next(tmp_path.glob("*.png")))
 
 
 # ---------------------------------------------------------------- honesty: client overhead, errors, short answers
@@ -301,6 +349,58 @@ def test_nothing_runnable_exits_non_zero_with_the_reason(model_path: Path, tmp_p
                      "--iterations", "1", "--warmup", "0")
     assert done.returncode == 1
     assert "cpu: skipped: no engine for this mode" in done.stdout
+
+
+def test_syshax_benchmark_starts_its_own_daemon_and_skips_modes_this_build_cannot_serve(
+        default_model: Path, tmp_path: Path):
+    # The wired-in CLI, as a user types it: one real syshaxd per mode. Which modes this build serves
+    # grows issue by issue; cpu always runs, and each mode it cannot serve yet is reported as skipped
+    # in syshaxd's own words (it exits 2 with "syshaxd: mode 'gpu' is not available in this build yet ...").
+    config = tmp_path / "syshax.toml"
+    config.write_text(f"model_dir = {json.dumps(str(default_model.parent))}\nlog_level = \"info\"\n")
+    out = tmp_path / "modes.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("SYSHAX_CONFIG", "CUSTOM_CPU_AFFINITY", "OMP_NUM_THREADS")}
+    done = subprocess.run(
+        [*syshax_cli(), "benchmark", "--mode", "all", "--model", str(default_model), "--config", str(config),
+         "--scenario", "custom", "--input-len", "8", "--output-len", "6", "--iterations", "2", "--concurrency", "2",
+         "--warmup", "0", "--startup-timeout", "60", "--log-dir", str(tmp_path), "--json", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=150, env=env,
+    )
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    doc = json.loads(out.read_text())
+    targets = {t["label"]: t for t in doc["targets"]}
+    assert list(targets) == ["cpu", "gpu", "hetero", "auto"]
+    assert targets["cpu"]["status"] == "ok", targets["cpu"]["reason"]
+    ran = []
+    for mode, target in targets.items():
+        assert target["status"] in ("ok", "skipped"), f"{mode}: {target['reason']}"
+        if target["status"] == "ok":
+            ran.append(mode)
+            assert target["daemon"]["returncode"] == 0, f"{mode}: not stopped cleanly by SIGTERM"
+            assert target["daemon"]["argv"][-2:] == ["--model", str(default_model)]
+            (level,) = target["levels"]
+            assert level["completed"] == 2 and level["forced_length"]["exact"] == 2, level["error_examples"]
+        else:
+            # syshaxd's own message and its exit status for a mode this build cannot serve
+            assert target["daemon"]["returncode"] == 2 and target["levels"] == []
+            assert f"syshaxd: mode {mode!r} is not available" in target["reason"], target["reason"]
+            assert f"{mode}: skipped: syshaxd: mode {mode!r} is not available" in done.stdout
+    expected = {(num, den) for num, den in MODE_RATIOS if num in ran and den in ran}
+    assert {(r["numerator"], r["denominator"]) for r in doc["ratios"]} == expected
+    assert_consistent(doc, iterations=2, strict_ttft=True)
+
+
+def test_syshax_benchmark_help_lists_its_options():
+    done = subprocess.run([*syshax_cli(), "benchmark", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for option in ("--scenario", "--concurrency", "--iterations", "--url", "--mode", "--json", "--plot", "--self-test"):
+        assert option in done.stdout
+
+
+def test_default_tokenizer_is_the_prepared_default_model(default_model: Path):
+    path = default_tokenizer_path()
+    assert path.name == DEFAULT_QUANTIZED_NAME and path.parent.name == "models"
+    assert path.resolve() == default_model.resolve()
 
 
 # ---------------------------------------------------------------- arguments and statistics

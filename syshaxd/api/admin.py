@@ -45,7 +45,7 @@ from pathlib import Path
 
 from syshaxd import __version__
 from syshaxd.api.state import LIVE_KEYS, ModeUnavailable, NeedsRestart, ServiceState
-from syshaxd.config import KEYS, MODES, Config, ConfigError
+from syshaxd.config import KEYS, MODES, SECRET_KEYS, Config, ConfigError, shown
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class AdminServer:
             log.exception("admin command %s failed", cmd)
             return _error("internal_error", f"{cmd} failed: {type(exc).__name__}: {exc}; see the daemon's log")
         if cmd not in ("version", "status", "plugins", "config.get", "help") and not request.get("dry_run"):
-            log.info("admin (uid %d): %s -> %s", uid, json.dumps(request), json.dumps(result)[:300])
+            log.info("admin (uid %d): %s -> %s", uid, json.dumps(_masked(request)), json.dumps(_masked(result))[:300])
         return {"ok": True, "result": result}
 
     # --- commands -----------------------------------------------------------------------------
@@ -317,17 +317,17 @@ class AdminServer:
         source = os.path.abspath(self.config.source) if self.config.source else ""
         key = request.get("key")
         if key is None:
-            return {"values": {k: getattr(self.config, k) for k in KEYS}, "live_keys": sorted(LIVE_KEYS | {"mode"}),
-                    "source": source}
-        return {"key": key, "value": self.state.value(str(key)), "live": key in LIVE_KEYS or key == "mode",
-                "source": source}
+            return {"values": {k: _secret(k, getattr(self.config, k)) for k in KEYS},
+                    "live_keys": sorted(LIVE_KEYS | {"mode"}), "source": source}
+        return {"key": key, "value": _secret(str(key), self.state.value(str(key))),
+                "live": key in LIVE_KEYS or key == "mode", "source": source}
 
     async def cmd_config_set(self, request: dict) -> dict:
         key, value = request.get("key"), request.get("value")
         if not isinstance(key, str) or "value" not in request:
             raise AdminError("bad_request", 'config.set needs "key" and "value"')
         source = os.path.abspath(self.config.source) if self.config.source else ""
-        old = self.state.value(key)
+        old = _secret(key, self.state.value(key))  # the new value is the caller's own; the old one may not be
         value, _ = self.state.check(key, value)
         live = key in LIVE_KEYS or key == "mode"
         if request.get("dry_run"):
@@ -370,6 +370,18 @@ def list_plugins() -> list[dict]:
         rows.append({"name": b.name, "device": b.device, "roles": sorted(b.roles), "available": a.available,
                      "reason": a.reason, "description": b.description})
     return rows
+
+
+def _secret(key: str, value):
+    """A key's value as the admin socket shows it: secrets (API keys) masked."""
+    return shown(key, value) if key in SECRET_KEYS else value
+
+
+def _masked(obj: dict) -> dict:
+    """A command or its result as the log shows it, with the value of a secret key masked."""
+    if isinstance(obj, dict) and obj.get("key") in SECRET_KEYS:
+        return {k: (shown(obj["key"], v) if k in ("value", "old") else v) for k, v in obj.items()}
+    return obj
 
 
 def _error(code: str, message: str) -> dict:

@@ -1,4 +1,4 @@
-"""Builds the aiohttp application: routes, shared objects, errors in OpenAI's shape, request counting."""
+"""Builds the aiohttp application: routes, shared objects, API keys, errors in OpenAI's shape, request counting."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ import time
 from aiohttp import web
 
 from syshaxd.api import openai_routes
+from syshaxd.api.auth import KeyCheck
 from syshaxd.api.errors import APIError, error_type_for
-from syshaxd.api.keys import CONFIG, METRICS, MODEL_NAME, SCHEDULER, STARTED, STATE
+from syshaxd.api.keys import (CONFIG, CONNECTIONS, KEY_CHECK, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED,
+                              STATE)
+from syshaxd.api.limits import ConnectionCap
+from syshaxd.api.openapi import build_document
 from syshaxd.api.state import ServiceState
 from syshaxd.config import Config
 from syshaxd.engine.scheduler import Scheduler
@@ -59,10 +63,25 @@ async def openai_errors(request: web.Request, handler):
                         type="server_error", code="internal_error").response()
 
 
+@web.middleware
+async def require_api_key(request: web.Request, handler):
+    """With API keys configured, /v1/* (and /metrics if so configured) needs one; /health never does."""
+    keys = request.app[KEY_CHECK]
+    if keys.protects(request.path):
+        keys.check(request)  # raises the 401 APIError, which openai_errors answers
+    return await handler(request)
+
+
 def make_app(config: Config, scheduler: Scheduler, model_name: str, state: ServiceState | None = None,
              metrics: Metrics | None = None) -> web.Application:
     state = state or ServiceState(scheduler)
-    app = web.Application(middlewares=[count_requests, openai_errors], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[count_requests, openai_errors, require_api_key],
+                          client_max_size=config.max_body_bytes)
+    app[KEY_CHECK] = KeyCheck.from_config(config)  # read once: keys change with a restart
+    app[CONNECTIONS] = ConnectionCap(config.max_connections)  # bound to the server by api.limits.CappedTCPSite
+    app[OPENAPI] = build_document(model_name, config.n_ctx,
+                                  ["cpu", "hetero"] if getattr(scheduler, "prefill", None) else ["cpu"],
+                                  app[KEY_CHECK].enabled, config.metrics_require_key)
     app[CONFIG] = config
     app[SCHEDULER] = scheduler
     app[MODEL_NAME] = model_name

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from syshaxd.api.auth import KeyCheck
+from syshaxd.api.limits import ConnectionCap
 from syshaxd.api.state import ServiceState
 from syshaxd.config import Config
 from syshaxd.engine.scheduler import Scheduler
@@ -18,3 +20,8 @@ STARTED = web.AppKey("started", float)
 # STATE's .config, which the scheduler shares.
 STATE = web.AppKey("state", ServiceState)
 METRICS = web.AppKey("metrics", Metrics)
+
+# issue 8: the API keys the app checks, the open-connection cap, and the OpenAPI document it serves
+KEY_CHECK = web.AppKey("key_check", KeyCheck)
+CONNECTIONS = web.AppKey("connections", ConnectionCap)
+OPENAPI = web.AppKey("openapi", dict)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoints: completions, chat completions (JSON or SSE), models, health, metrics."""
+"""The OpenAI-compatible endpoints: completions, chat completions (JSON or SSE), models, health, metrics, OpenAPI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from aiohttp import web
 
 from syshaxd import __version__
 from syshaxd.api.errors import APIError
-from syshaxd.api.keys import METRICS, MODEL_NAME, SCHEDULER, STARTED, STATE
+from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE
 from syshaxd.api.state import Draining
 from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion, parse_json_body
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
@@ -97,7 +97,8 @@ async def _next_event(request: web.Request, stream: RequestStream, deadline: flo
 
 def _rejected(event: Rejected) -> APIError:
     kind = "invalid_request_error" if event.status < 500 else "server_error"
-    return APIError(event.status, event.message, type=kind, param=event.param, code=event.code)
+    headers = {"Retry-After": "1"} if event.status == 503 else None  # the worker is being replaced
+    return APIError(event.status, event.message, type=kind, param=event.param, code=event.code, headers=headers)
 
 
 async def _start(request: web.Request, parsed: ParsedRequest) -> tuple[RequestStream, Accepted]:
@@ -272,10 +273,16 @@ async def health(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response(request.app[SCHEDULER].status() | {"draining": state.draining,
-                                                                 "http_active": state.active})
+                                                                 "http_active": state.active,
+                                                                 "http_connections": request.app[CONNECTIONS].stats()})
 
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     body, content_type = request.app[METRICS].render(request.headers.get("Accept"))
     return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+@routes.get("/openapi.json")
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])

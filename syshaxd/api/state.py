@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from syshaxd.config import KEYS, MODES, Config, ConfigError, coerce
+from syshaxd.config import KEYS, MODES, Config, ConfigError, coerce, shown
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,10 @@ class ConfigChange:
             return "no keys changed"
         parts = []
         if self.applied:
-            parts.append("applied " + ", ".join(f"{k} {o!r} -> {n!r}" for k, (o, n) in self.applied.items()))
+            parts.append("applied " + ", ".join(f"{k} {shown(k, o)} -> {shown(k, n)}"
+                                                for k, (o, n) in self.applied.items()))
         if self.restart:
-            parts.append("need a restart to apply: " + ", ".join(f"{k} {o!r} -> {n!r}"
+            parts.append("need a restart to apply: " + ", ".join(f"{k} {shown(k, o)} -> {shown(k, n)}"
                                                                  for k, (o, n) in self.restart.items()))
         return "; ".join(parts + self.notes)
 

@@ -15,6 +15,22 @@ MAX_STOP = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 
+# The ranges _common enforces; api/openapi.py documents these same numbers.
+NUMBER_RANGES = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.01, 10.0),
+}
+INTEGER_RANGES = {
+    "top_k": (0, 2**31 - 1),  # llama.cpp takes an int32; anything above the vocabulary means "off"
+    "seed": (-(2**63), 2**64 - 1),
+}
+NUMBER_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0,
+                   "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
 
 @dataclass(frozen=True)
 class ParsedRequest:
@@ -29,6 +45,9 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except UnicodeDecodeError:
         raise invalid("The request body is not valid UTF-8; send JSON encoded as UTF-8.", code="invalid_json") from None
+    except RecursionError:  # json.loads recurses once per nesting level
+        raise invalid("The request body nests arrays or objects too deeply; no field of this API needs more "
+                      "than a few levels.", code="invalid_json") from None
     except ValueError as exc:
         raise invalid(
             f"We could not parse the JSON body of your request ({exc}). Send a JSON object with "
@@ -45,6 +64,17 @@ def _type_error(name: str, expected: str, value: Any) -> APIError:
            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
     return invalid(f"Invalid type for '{name}': expected {expected}, but got {got} instead.", param=name,
                    code="invalid_type")
+
+
+def _text(name: str, value: str) -> str:
+    """value, if it can be encoded as UTF-8 (JSON's \\ud800 escapes can make lone surrogates that cannot)."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise invalid(f"Invalid '{name}': character {exc.start} is a lone UTF-16 surrogate "
+                          f"({value[exc.start]!a}), which is not text; send valid Unicode.", param=name) from None
+    return value
 
 
 def _number(body: dict, name: str, default: float | None, low: float, high: float) -> float | None:
@@ -91,7 +121,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise invalid(f"Invalid 'stop': at most {MAX_STOP} stop sequences are allowed, got {len(value)}.", param="stop")
     if any(s == "" for s in value):
         raise invalid("Invalid 'stop': stop sequences must not be empty strings.", param="stop")
-    return tuple(value)
+    return tuple(_text("stop", s) for s in value)
 
 
 def _unsupported(body: dict, name: str, allowed: tuple = (None,), why: str = "") -> None:
@@ -116,16 +146,12 @@ def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, b
         if n != 1:
             raise invalid(f"Invalid 'n': {n}. This server returns one choice per request; send n=1 "
                           "(or several requests).", param="n", code="unsupported_parameter")
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    numbers = {name: _number(body, name, NUMBER_DEFAULTS[name], low, high)
+               for name, (low, high) in NUMBER_RANGES.items()}
     sampling = SamplingParams(
-        temperature=temperature,
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_integer(body, "top_k", 0, 0),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        seed=_integer(body, "seed", None, -(2**63), 2**64 - 1),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        **numbers,
+        top_k=_integer(body, "top_k", 0, *INTEGER_RANGES["top_k"]),
+        seed=_integer(body, "seed", None, *INTEGER_RANGES["seed"]),
     )
     stream = _boolean(body, "stream", False)
     options = body.get("stream_options")
@@ -172,7 +198,7 @@ def _prompt(body: dict) -> tuple[str | None, tuple[int, ...] | None]:
     if isinstance(p, str):
         if p == "":
             raise invalid("Invalid 'prompt': the prompt must not be empty.", param="prompt")
-        return p, None
+        return _text("prompt", p), None
     if isinstance(p, list):
         if not p:
             raise invalid("Invalid 'prompt': the prompt must not be empty.", param="prompt")
@@ -228,7 +254,7 @@ def _message(i: int, m: Any) -> dict:
         content = "".join(parts)
     if not isinstance(content, str):
         raise _type_error(f"{where}.content", "a string or an array of text parts", content)
-    return {"role": role, "content": content}
+    return {"role": role, "content": _text(f"{where}.content", content)}
 
 
 def parse_chat(body: dict, served_model: str, default_max_tokens: int) -> ParsedRequest:

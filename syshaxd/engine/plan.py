@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from syshaxd.config import Config
-from syshaxd.engine.types import EngineSpec
+from syshaxd.engine.types import EngineSpec, GpuSettings
 from syshaxd.numa import (
     ENV_CPU_AFFINITY,
     ENV_THREADS,
@@ -21,7 +21,7 @@ from syshaxd.numa import (
 
 log = logging.getLogger(__name__)
 
-SERVED_MODES = ("cpu", "hetero")
+SERVED_MODES = ("cpu", "gpu", "hetero")
 
 
 class PlanError(RuntimeError):
@@ -59,16 +59,20 @@ def default_prefill_cpus(cpus: frozenset[int]) -> frozenset[int]:
     return frozenset(ordered[: max(1, len(ordered) // 4)])
 
 
-def _prefill_backend(name: str) -> str:
-    """The prefill_engine backend, checked here so a wrong name fails at start, not in a worker."""
+def _prefill_backend(name: str, role: str = "prefill") -> str:
+    """The prefill_engine backend, checked here so a wrong name fails at start, not in a worker.
+
+    In gpu mode the same backend does both phases, so there it must be able to `generate`.
+    """
     from syshaxd.plugins import BackendNotFound, find_backend, make_plugin_manager
 
     try:
         backend = find_backend(make_plugin_manager(), name)
     except BackendNotFound as exc:
         raise PlanError(f"prefill_engine: {exc}") from None
-    if "prefill" not in backend.roles:
-        raise PlanError(f"prefill_engine: backend {name!r} cannot prefill (its roles: {', '.join(sorted(backend.roles))})")
+    if role not in backend.roles:
+        doing = "prefill" if role == "prefill" else "generate (gpu mode runs both phases on it)"
+        raise PlanError(f"prefill_engine: backend {name!r} cannot {doing} (its roles: {', '.join(sorted(backend.roles))})")
     available = backend.availability()
     if not available.available:
         raise PlanError(f"prefill_engine: backend {name!r} is not available here: {available.reason}")
@@ -79,20 +83,27 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
     """Workers for cfg.mode; in hetero mode also creates the shared-memory KV ring."""
     if cfg.mode not in SERVED_MODES:
         raise PlanError(
-            f"mode {cfg.mode!r} is not available in this build yet: it serves {' and '.join(SERVED_MODES)} "
-            "(gpu and auto arrive with the GPU engines); start with --mode cpu or --mode hetero"
+            f"mode {cfg.mode!r} is not available in this build yet: it serves {', '.join(SERVED_MODES)} "
+            "(auto arrives with GPU-saturation offload); start with --mode cpu, gpu or hetero"
         )
     base = EngineSpec(
         backend="llamacpp", role="generate", model_path=str(model_path), model_name=model_name,
         n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=1,
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
         handoff_timeout=cfg.handoff_timeout,
+        gpu=GpuSettings(cfg.gpu_memory_utilization, cfg.max_num_seqs, cfg.tensor_parallel_size, cfg.preemption_mode),
     )
     topology = read_host_topology()
     try:
         if cfg.mode == "cpu":
             placements = plan_cpu_workers(topology, _overrides(cfg, env), role="generate")
             return Engines([(f"cpu{p.index}", replace(base, threads=p.threads, placement=p)) for p in placements])
+        if cfg.mode == "gpu":
+            # one engine does both phases; on a host without a GPU it runs on these CPUs
+            gpu = plan_prefill_worker(topology, cfg.prefill_cpu_affinity or topology.cpus)
+            backend = _prefill_backend(cfg.prefill_engine, role="generate")
+            return Engines([("gpu0", replace(base, backend=backend, role="generate", max_batch_size=cfg.max_num_seqs,
+                                             threads=gpu.threads, placement=gpu))])
         if len(topology.cpus) < 2 and not cfg.prefill_cpu_affinity:
             raise PlanError("hetero mode needs at least two CPUs (one for prefill, one for decode) "
                             f"and this process may use {format_cpulist(topology.cpus)}; use --mode cpu")

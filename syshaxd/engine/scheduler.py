@@ -12,7 +12,7 @@ from syshaxd.engine.types import GenerateRequest, KVHandle
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("cpu", "hetero")
+ROUTES = ("cpu", "gpu", "hetero")  # gpu: the daemon's one generate engine (gpu mode)
 
 
 class Overloaded(RuntimeError):

@@ -1,4 +1,4 @@
-"""Daemon side of one engine worker: spawns it, routes its events, notices death, restarts it."""
+"""Daemon side of one engine worker: spawns it, routes its events, notices death or a hang, restarts it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import logging
 import multiprocessing
 import time
 from dataclasses import dataclass, field
+
+import psutil
 
 from syshaxd.engine.types import (
     Accepted,
@@ -60,13 +62,27 @@ class RequestStream:
 
 
 class WorkerHandle:
-    _ids = itertools.count()
+    """One engine worker process.
 
-    def __init__(self, name: str, spec: EngineSpec, log_level: str, restart_delay: float) -> None:
+    A ready worker sends its stats every STATS_INTERVAL when idle and its output after every engine
+    step when busy. One silent for longer than heartbeat_timeout is hung when it is stopped (SIGSTOP)
+    or makes no progress (no CPU time since the last look: deadlocked, blocked); one still burning CPU
+    is in a long engine step and is spared up to BUSY_GRACE times the timeout. A hung worker is killed
+    and its death handled like any other: in-flight requests end with a clean error (or go elsewhere
+    when no token was sent yet), and a new worker starts.
+    """
+
+    _ids = itertools.count()
+    BUSY_GRACE = 4
+
+    def __init__(self, name: str, spec: EngineSpec, log_level: str, restart_delay: float,
+                 heartbeat_timeout: float = 30.0) -> None:
         self.name = name
         self.spec = spec
         self.log_level = log_level
         self.restart_delay = restart_delay
+        self.heartbeat_timeout = heartbeat_timeout  # 0: never declared hung
+        self.hangs = 0  # workers killed for silence
         self.state = "stopped"
         self.info: dict = {}
         self.stats: dict = {}
@@ -79,6 +95,9 @@ class WorkerHandle:
         self._conn = None
         self._stopping = False
         self._restart_task: asyncio.Task | None = None
+        self._watch: asyncio.TimerHandle | None = None
+        self._hung_for = 0.0  # set when this worker was killed for silence: its requests' errors say so
+        self._cpu_seen: float | None = None  # the silent worker's CPU seconds at the previous look
         self._loop = asyncio.get_running_loop()
         self.on_orphan_record = None  # called with a Prefilled whose request is gone (its record must go)
 
@@ -97,6 +116,9 @@ class WorkerHandle:
         self._conn = parent
         self._loop.add_reader(parent.fileno(), self._on_readable)
         self._loop.add_reader(self._process.sentinel, self._on_exit)
+        self._hung_for = 0.0
+        self._cpu_seen = None
+        self._schedule_watch()
         log.info("%s: started worker pid %d (%s, %s)", self.name, self._process.pid, self.spec.backend, self.spec.role)
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -126,6 +148,9 @@ class WorkerHandle:
         return self._process.pid if self._process is not None else None
 
     def _detach(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._conn is not None:
             self._loop.remove_reader(self._conn.fileno())
             self._conn.close()
@@ -133,6 +158,47 @@ class WorkerHandle:
         if self._process is not None:
             self._loop.remove_reader(self._process.sentinel)
             self._process = None
+
+    # --- hang detection ---------------------------------------------------------------------
+
+    def _schedule_watch(self) -> None:
+        if self.heartbeat_timeout > 0:
+            self._watch = self._loop.call_later(min(1.0, self.heartbeat_timeout / 4), self._check_heartbeat)
+
+    def _check_heartbeat(self) -> None:
+        self._watch = None
+        proc = self._process
+        if proc is None or self._stopping:
+            return
+        if self.state == "ready" and self._conn is not None:
+            if self._conn.poll():  # our own loop may have been the slow one: read what is there first
+                self._on_readable()
+            silent = time.monotonic() - self.last_heartbeat
+            if silent <= self.heartbeat_timeout:
+                self._cpu_seen = None
+            elif self._process is proc and self._hung(proc.pid, silent):
+                self.hangs += 1
+                self._hung_for = silent
+                log.error("%s: worker pid %d sent nothing for %.1fs (worker_heartbeat_timeout %gs): it is hung; "
+                          "killing it and starting a new one", self.name, proc.pid, silent, self.heartbeat_timeout)
+                proc.kill()  # SIGKILL works on a stopped process too; _on_exit does the rest
+                return
+        self._schedule_watch()
+
+    def _hung(self, pid: int, silent: float) -> bool:
+        """Whether a worker silent past the timeout is hung, not busy in one long engine step."""
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                return True
+            times = proc.cpu_times()
+            cpu = times.user + times.system
+        except psutil.Error:
+            return False  # already gone: _on_exit takes over
+        before, self._cpu_seen = self._cpu_seen, cpu
+        if silent > self.BUSY_GRACE * self.heartbeat_timeout:
+            return True  # a step that long is a livelock, not work
+        return before is not None and cpu <= before
 
     # --- events from the worker -----------------------------------------------------------
 
@@ -185,22 +251,26 @@ class WorkerHandle:
         self.ready.clear()
         lost = list(self.streams.values())
         self.streams.clear()
+        if self._hung_for:
+            hung = f"stopped responding ({self._hung_for:.0f}s without a heartbeat) and was replaced"
+            before, during = f"the engine worker {hung} before answering", f"the engine worker {hung} mid-stream"
+        else:
+            before, during = "the engine worker stopped before answering", "the engine worker died mid-stream"
         for stream in lost:
             if stream.tokens_sent == 0 and stream.queue.empty():
                 stream.queue.put_nowait(
-                    Rejected(stream.request_id, 503, "the engine worker stopped before answering; retry the request",
-                             "engine_restarting")
+                    Rejected(stream.request_id, 503, f"{before}; retry the request", "engine_restarting")
                 )
             else:
-                stream.queue.put_nowait(Delta(stream.request_id, "", 0, "error", "the engine worker died mid-stream"))
+                stream.queue.put_nowait(Delta(stream.request_id, "", 0, "error", during))
         if self._stopping:
             return
         if was_failed:
             return  # the engine cannot be built; restarting would fail the same way
         self.state = "restarting"
         self.restarts += 1
-        log.error("%s: worker exited (code %s) with %d requests in flight; restarting in %.1fs",
-                  self.name, code, len(lost), self.restart_delay)
+        log.error("%s: worker exited (code %s%s) with %d requests in flight; restarting in %.1fs",
+                  self.name, code, ", killed as hung" if self._hung_for else "", len(lost), self.restart_delay)
         self._restart_task = self._loop.create_task(self._restart_later())
 
     async def _restart_later(self) -> None:
@@ -239,6 +309,7 @@ class WorkerHandle:
             "pid": self.pid,
             "error": self.error,
             "restarts": self.restarts,
+            "hangs": self.hangs,
             "in_flight": self.in_flight,
             "cpus": self.info.get("cpus", []),
             "threads": self.spec.threads,

@@ -7,6 +7,16 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
+class GpuSettings:
+    """The GPU engine's knobs (vLLM), from the config keys of the same names."""
+
+    gpu_memory_utilization: float = 0.8  # of device memory (vLLM's CPU build: sized from n_ctx instead)
+    max_num_seqs: int = 16  # sequences the engine runs at once
+    tensor_parallel_size: int = 1
+    preemption_mode: str = "recompute"
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """Everything a worker needs to build its engine; crosses the process boundary once."""
 
@@ -23,6 +33,7 @@ class EngineSpec:
     handoff_timeout: float = 2.0  # seconds a prefill may wait for ring space before it falls back
     quantize: str = ""
     cache_dir: str = ""
+    gpu: GpuSettings = GpuSettings()  # read by the GPU engines (vLLM) only
 
 
 @dataclass(frozen=True)

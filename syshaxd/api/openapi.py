@@ -1,0 +1,294 @@
+"""The OpenAPI 3.1 document of syshaxd's HTTP API, built from the limits validate.py enforces.
+
+Served at /openapi.json. It describes this running daemon: the served model's id,
+its context size, the routes it can take (``syshax.mode``), and whether API keys
+are required. Request schemas list the fields validate.py accepts with the ranges
+it checks (unknown fields are allowed, as OpenAI ignores them); responses give the
+OpenAI shapes, the error shape for every 4xx/5xx, and SSE as ``text/event-stream``.
+"""
+
+from __future__ import annotations
+
+from syshaxd import __version__
+from syshaxd.api.validate import CHAT_ROLES, INTEGER_RANGES, MAX_STOP, NUMBER_RANGES
+
+ERROR_STATUSES = {
+    "400": "The body is invalid: the error's `param` names the field and its message says what is allowed.",
+    "401": "API keys are configured and the request carries none or a wrong one (`Authorization: Bearer KEY`).",
+    "404": "Unknown model (`code: model_not_found`) or path.",
+    "413": "The body is larger than max_body_bytes.",
+    "429": "Every batch slot and queue place is taken; retry after `Retry-After` seconds.",
+    "500": "Generation failed inside the engine; the message says why.",
+    "503": "No engine is ready, the daemon is draining, the request waited past request_timeout, or "
+           "max_connections is reached; retry after `Retry-After` seconds.",
+}
+
+
+def _nullable(schema: dict) -> dict:
+    """The schema, or null: validate.py treats a null field as an absent one."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _errors(*statuses: str) -> dict:
+    return {s: {"description": ERROR_STATUSES[s], "content": {"application/json": {"schema": _ref("Error")}}}
+            for s in statuses}
+
+
+def _sampling_fields(model_name: str, routes: list[str]) -> dict:
+    fields = {
+        "model": {"type": "string", "enum": [model_name],
+                  "description": "The id /v1/models lists; any other gets 404 `model_not_found`."},
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": 1,
+                        "description": "One choice per request; n > 1 gets 400."}),
+        "stream": _nullable({"type": "boolean", "description": "Answer as server-sent events (text/event-stream)."}),
+        "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})},
+                                     "description": "Only together with `stream: true`; `include_usage` adds a "
+                                                    "last chunk with the token counts."}),
+        "stop": _nullable({"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
+        ], "description": f"Up to {MAX_STOP} strings; the text ends before the first one that appears."}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": 0, "description": "Not supported: only {}."}),
+        "ignore_eos": _nullable({"type": "boolean", "description": "Keep generating past the end-of-text token."}),
+        "syshax": _nullable({"type": "object", "properties": {
+            "mode": _nullable({"type": "string", "enum": routes}),
+        }, "description": "syshax's extension: run this request alone in one mode "
+                          f"({', '.join(routes)} on this daemon)."}),
+    }
+    for name, (low, high) in NUMBER_RANGES.items():
+        fields[name] = _nullable({"type": "number", "minimum": low, "maximum": high})
+    for name, (low, high) in INTEGER_RANGES.items():
+        fields[name] = _nullable({"type": "integer", "minimum": low, "maximum": high})
+    fields["top_k"]["description"] = "0: off."
+    return fields
+
+
+def _max_tokens(n_ctx: int, default: str) -> dict:
+    return _nullable({"type": "integer", "minimum": 1, "maximum": n_ctx,
+                      "description": f"Tokens to generate (default {default}); the prompt plus this must fit "
+                                     f"the context of {n_ctx} tokens, else 400 `context_length_exceeded`."})
+
+
+def _completion_request(common: dict, n_ctx: int) -> dict:
+    prompt = {"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
+         "description": "Token ids of the model's vocabulary."},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+         "minItems": 1, "maxItems": 1},
+    ], "description": "One prompt: text, or token ids; a batch of one is accepted, larger batches get 400."}
+    return {
+        "type": "object",
+        "required": ["model", "prompt"],
+        "properties": common | {
+            "prompt": prompt,
+            "max_tokens": _max_tokens(n_ctx, "16"),
+            "echo": _nullable({"type": "boolean", "enum": [False]}),
+            "suffix": _nullable({"type": "string", "maxLength": 0}),
+            "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": 1}),
+            "logprobs": {"type": "null", "description": "Not supported."},
+        },
+        "additionalProperties": True,
+    }
+
+
+def _chat_request(common: dict, n_ctx: int) -> dict:
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    message = {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"type": "string", "enum": list(CHAT_ROLES)},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}],
+                        "description": "Text, or text parts; an assistant message may send null."},
+        },
+        "additionalProperties": True,
+    }
+    return {
+        "type": "object",
+        "required": ["model", "messages"],
+        "properties": common | {
+            "messages": {"type": "array", "items": message, "minItems": 1,
+                         "description": "Rendered with the model's own chat template."},
+            "max_tokens": _max_tokens(n_ctx, "default_max_tokens, within the context"),
+            "max_completion_tokens": _max_tokens(n_ctx, "max_tokens"),
+            "logprobs": _nullable({"type": "boolean", "enum": [False]}),
+            "top_logprobs": {"type": "null", "description": "Not supported."},
+            "tools": _nullable({"type": "array", "maxItems": 0, "description": "Tool calling is not implemented."}),
+            "response_format": _nullable({"type": "object", "required": ["type"],
+                                          "properties": {"type": {"type": "string", "enum": ["text"]}},
+                                          "additionalProperties": False}),
+        },
+        "additionalProperties": True,
+    }
+
+
+def _schemas() -> dict:
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+             "properties": {k: {"type": "integer", "minimum": 0}
+                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    head = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
+            "system_fingerprint": {"type": "string"}}
+    finish = {"type": "string", "enum": ["stop", "length"]}
+    return {
+        "Error": {
+            "type": "object", "required": ["error"],
+            "properties": {"error": {
+                "type": "object", "required": ["message", "type", "param", "code"],
+                "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                               "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+            }},
+        },
+        "Usage": usage,
+        "Completion": {
+            "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": head | {
+                "object": {"const": "text_completion"},
+                "choices": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["index", "text", "finish_reason"],
+                    "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
+                                   "logprobs": {"type": "null"}, "finish_reason": finish}}},
+                "usage": _ref("Usage"),
+            },
+        },
+        "ChatCompletion": {
+            "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": head | {
+                "object": {"const": "chat.completion"},
+                "choices": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["index", "message", "finish_reason"],
+                    "properties": {"index": {"type": "integer"}, "logprobs": {"type": "null"},
+                                   "finish_reason": finish,
+                                   "message": {"type": "object", "required": ["role", "content"],
+                                               "properties": {"role": {"const": "assistant"},
+                                                              "content": {"type": "string"}}}}}},
+                "usage": _ref("Usage"),
+            },
+        },
+        "CompletionChunk": {
+            "description": "One `data:` event of a streamed completion; the stream ends with `data: [DONE]`.",
+            "type": "object", "required": ["id", "object", "choices"],
+            "properties": head | {"object": {"const": "text_completion"},
+                                  "choices": {"type": "array", "items": {"type": "object", "properties": {
+                                      "index": {"type": "integer"}, "text": {"type": "string"},
+                                      "finish_reason": {"type": ["string", "null"]}}}},
+                                  "usage": _ref("Usage")},
+        },
+        "ChatCompletionChunk": {
+            "description": "One `data:` event of a streamed chat completion; the first carries the role, "
+                           "the stream ends with `data: [DONE]`. An error after the first event arrives as "
+                           "one event of the Error shape.",
+            "type": "object", "required": ["id", "object", "choices"],
+            "properties": head | {"object": {"const": "chat.completion.chunk"},
+                                  "choices": {"type": "array", "items": {"type": "object", "properties": {
+                                      "index": {"type": "integer"},
+                                      "delta": {"type": "object", "properties": {
+                                          "role": {"type": "string"}, "content": {"type": "string"}}},
+                                      "finish_reason": {"type": ["string", "null"]}}}},
+                                  "usage": _ref("Usage")},
+        },
+        "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                  "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                 "created": {"type": "integer"}, "owned_by": {"type": "string"}}},
+        "ModelList": {"type": "object", "required": ["object", "data"],
+                      "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}},
+        "Health": {"type": "object", "required": ["status", "mode", "workers"],
+                   "properties": {"status": {"type": "string", "enum": ["ok", "loading", "failed", "draining"]},
+                                  "mode": {"type": "string"}, "reason": {"type": "string"},
+                                  "workers": {"type": "array", "items": {"type": "object", "properties": {
+                                      "name": {"type": "string"}, "state": {"type": "string"},
+                                      "error": {"type": ["string", "null"]}}}}}},
+        "Status": {"type": "object", "required": ["mode", "ready", "in_flight", "workers"],
+                   "description": "The scheduler's view: workers, queue, KV ring, HTTP connections.",
+                   "additionalProperties": True},
+    }
+
+
+def _sse_event(chunk: str) -> dict:
+    """One server-sent event of a stream (as OpenAPI 3.1 tools read a text/event-stream schema)."""
+    return {
+        "type": "object", "required": ["data"],
+        "description": f"Each event's data is one {chunk} as JSON; an engine failure mid-stream sends one Error "
+                       "instead; the last event is `data: [DONE]`.",
+        "properties": {
+            "data": {"anyOf": [
+                {"const": "[DONE]"},
+                {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [_ref(chunk), _ref("Error")]}},
+            ]},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+        },
+    }
+
+
+def _generation(summary: str, request: str, body: str, chunk: str, secured: list) -> dict:
+    return {
+        "summary": summary,
+        "security": secured,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": "The completion, or with `stream: true` its server-sent events.",
+                    "content": {"application/json": {"schema": _ref(body)},
+                                "text/event-stream": {"schema": _sse_event(chunk)}}},
+        } | _errors("400", "401", "404", "413", "429", "500", "503"),
+    }
+
+
+def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required: bool,
+                   metrics_require_key: bool) -> dict:
+    """The OpenAPI document for a daemon serving model_name with this context size and these routes."""
+    secured = [{"bearerAuth": []}] if keys_required else []
+    common = _sampling_fields(model_name, routes)
+    schemas = _schemas() | {"CompletionRequest": _completion_request(common, n_ctx),
+                            "ChatCompletionRequest": _chat_request(common, n_ctx)}
+    json_200 = lambda ref, what: {"200": {"description": what,  # noqa: E731
+                                          "content": {"application/json": {"schema": _ref(ref)}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "syshaxd", "version": __version__,
+                 "description": "OpenAI-compatible completions from syshax's heterogeneous inference runtime."},
+        "paths": {
+            "/v1/completions": {"post": _generation("Text completion", "CompletionRequest", "Completion",
+                                                    "CompletionChunk", secured)},
+            "/v1/chat/completions": {"post": _generation("Chat completion", "ChatCompletionRequest",
+                                                         "ChatCompletion", "ChatCompletionChunk", secured)},
+            "/v1/models": {"get": {"summary": "The served model", "security": secured,
+                                   "responses": json_200("ModelList", "The one model this daemon serves.")
+                                   | _errors("401")}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One model", "security": secured,
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": json_200("Model", "The model.") | _errors("401", "404")}},
+            "/v1/syshax/status": {"get": {"summary": "Scheduler, workers and KV ring", "security": secured,
+                                          "responses": json_200("Status", "The daemon's state.") | _errors("401")}},
+            "/health": {"get": {"summary": "Liveness and readiness (never needs a key)", "security": [],
+                                "responses": {
+                                    "200": {"description": "Every engine worker is ready.",
+                                            "content": {"application/json": {"schema": _ref("Health")}}},
+                                    "503": {"description": "Loading, failed (the workers say why) or draining.",
+                                            "content": {"application/json": {"schema": _ref("Health")}}}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics",
+                                 "security": [{"bearerAuth": []}] if keys_required and metrics_require_key else [],
+                                 "responses": {"200": {"description": "Prometheus text (OpenMetrics on request).",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}},
+                                                                   "application/openmetrics-text": {
+                                                                       "schema": {"type": "string"}}}}}
+                                 | (_errors("401") if keys_required and metrics_require_key else {})}},
+            "/openapi.json": {"get": {"summary": "This document", "security": [],
+                                      "responses": {"200": {"description": "OpenAPI 3.1.",
+                                                            "content": {"application/json": {
+                                                                "schema": {"type": "object"}}}}}}},
+        },
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer",
+                                               "description": "One of the keys in api_keys / api_key_file."}},
+        },
+    }

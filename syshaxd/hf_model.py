@@ -1,0 +1,155 @@
+"""The PyTorch copy of the served model: an HF folder made once from the very q4_0 GGUF the CPU decoder loads.
+
+Torch and vLLM engines read safetensors, llama.cpp reads the GGUF; a KV handoff between them
+is only exact when both hold the same weights, so the folder is made from that GGUF itself
+(transformers' GGUF loader dequantizes it) and never from another release of the model.
+The folder records the GGUF's KV fingerprint, so a prefill engine stamps its records with
+exactly what the decoder will expect, and a stale folder (the GGUF changed) is rebuilt.
+
+    python -m syshaxd.hf_model [GGUF] [--model-dir DIR]     prints the folder, making it if needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from syshaxd.kv.record import ModelFingerprint
+
+log = logging.getLogger(__name__)
+
+MARKER = "syshax.json"  # written last: a folder without it is incomplete
+SAVED_DTYPE = "bfloat16"
+
+
+class HFModelError(RuntimeError):
+    """The HF folder cannot be made or read; the message says what is missing."""
+
+
+def hf_folder_for(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Where the HF copy of `gguf` lives: beside it (or in cache_dir), named after it."""
+    return Path(cache_dir or gguf.parent) / f"{gguf.stem}.hf"
+
+
+def read_marker(folder: Path) -> dict:
+    try:
+        return json.loads((folder / MARKER).read_text())
+    except FileNotFoundError:
+        raise HFModelError(f"{folder} is not an HF folder made by syshax (no {MARKER}); "
+                           "make it with `python -m syshaxd.hf_model GGUF`") from None
+
+
+def folder_fingerprint(folder: Path) -> ModelFingerprint:
+    """The KV fingerprint of the GGUF the folder was made from: what the decoder expects."""
+    return ModelFingerprint.from_bytes(bytes.fromhex(read_marker(folder)["fingerprint"]))
+
+
+def _is_current(folder: Path, fingerprint: ModelFingerprint) -> bool:
+    try:
+        return folder_fingerprint(folder) == fingerprint
+    except (HFModelError, ValueError, KeyError):
+        return False
+
+
+def ensure_hf_folder(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """The HF folder for `gguf`, made the first time (about half a minute here) and reused after."""
+    from syshaxd.kv.llamacpp_codec import fingerprint_from_gguf
+
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise HFModelError(f"{gguf} does not exist; the HF folder is made from the GGUF the decoder serves")
+    fingerprint = fingerprint_from_gguf(gguf)
+    folder = hf_folder_for(gguf, cache_dir)
+    if _is_current(folder, fingerprint):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # several workers (or a test run and a worker) may start at once: one builds, the others wait
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_current(folder, fingerprint):
+            return folder
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        try:
+            _build(gguf, tmp, fingerprint)
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    log.info("made the HF folder %s from %s", folder, gguf.name)
+    return folder
+
+
+def _build(gguf: Path, out: Path, fingerprint: ModelFingerprint) -> None:
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise HFModelError(f"making the HF folder needs torch, transformers, gguf and accelerate ({exc}); "
+                           'pip install "syshax[torch]"') from None
+
+    # dequantize=True: keep no GGUF blocks, so the state dict holds plain dense weights
+    from transformers import GgufConfig
+
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
+    config = loaded.config
+    for key in ("quantization_config",):
+        if hasattr(config, key):
+            delattr(config, key)
+    # save_pretrained refuses a model loaded from GGUF: rebuild a plain one and move the weights over
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = loaded.state_dict()
+    missing, unexpected = plain.load_state_dict(state, strict=False)
+    tied = set(getattr(plain, "_tied_weights_keys", None) or {})
+    if unexpected or [k for k in missing if k not in tied]:
+        raise HFModelError(f"the GGUF's weights do not fit {type(plain).__name__}: "
+                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    plain.to(getattr(torch, SAVED_DTYPE)).save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    # vLLM refuses a folder whose config still names a quantization method
+    config_path = out / "config.json"
+    data = json.loads(config_path.read_text())
+    data.pop("quantization_config", None)
+    data["torch_dtype"] = data["dtype"] = SAVED_DTYPE
+    config_path.write_text(json.dumps(data, indent=2) + "\n")
+    (out / MARKER).write_text(json.dumps({
+        "source": gguf.name, "source_bytes": gguf.stat().st_size, "fingerprint": fingerprint.to_bytes().hex(),
+        "dtype": SAVED_DTYPE, "arch": fingerprint.arch, "rope_type": fingerprint.rope_type,
+    }, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m syshaxd.hf_model", description=__doc__.split("\n\n")[0])
+    p.add_argument("gguf", nargs="?", help="the GGUF the decoder serves (default: the default model, as q4_0)")
+    p.add_argument("--model-dir", default="models", help="where the default model is prepared (default: models)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's own loader log
+    model_dir = Path(args.model_dir)
+    try:
+        if args.gguf:
+            gguf = Path(args.gguf)
+        else:  # the default model, quantized as the CPU decoders quantize it
+            from syshax_llamacpp.quantize import ensure_quantized
+            from syshaxd.model import prepare_default_model
+
+            gguf = ensure_quantized(prepare_default_model(model_dir), "q4_0", model_dir)
+        print(ensure_hf_folder(gguf))
+    except (HFModelError, RuntimeError) as exc:
+        print(f"syshax: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""NPU and torch backends on a host without them: listed as unavailable with the reason, refused clearly at start."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, start_daemon
+
+NO_NPU = importlib.util.find_spec("torch_npu") is None
+
+
+def plugins_json(env: dict | None = None) -> dict:
+    done = subprocess.run([sys.executable, "-m", "syshaxd.cli", "plugins", "--json"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr
+    return {b["name"]: b for b in json.loads(done.stdout)}
+
+
+@pytest.mark.skipif(not NO_NPU, reason="this host has torch_npu")
+def test_plugins_lists_npu_as_unavailable_and_says_why():
+    npu = plugins_json()["npu"]
+    assert npu["device"] == "npu" and npu["roles"] == ["prefill"]
+    assert npu["available"] is False and npu["reason"].startswith("no torch_npu")
+    table = subprocess.run([sys.executable, "-m", "syshaxd.cli", "plugins"], capture_output=True, text=True,
+                           timeout=60, cwd=REPO).stdout
+    assert "why not: no torch_npu" in table
+
+
+@pytest.mark.skipif(not NO_NPU, reason="this host has torch_npu")
+def test_choosing_npu_here_is_a_clear_startup_error(default_model, tmp_path):
+    d = start_daemon(tmp_path, {"model": str(default_model), "mode": "hetero", "prefill_engine": "npu"}, wait=False)
+    try:
+        code = d.proc.wait(timeout=60)
+    finally:
+        d.stop()
+    log = d.log()
+    assert code != 0
+    assert "prefill_engine" in log and "'npu' is not available here: no torch_npu" in log, log
+    assert "Traceback" not in log, log
+
+
+def test_npu_backend_is_offered_where_torch_npu_imports(tmp_path):
+    pytest.importorskip("torch")
+    fake = tmp_path / "torch_npu"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('"""Stands in for Ascend\'s torch_npu: only its presence is checked."""\n')
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    npu = plugins_json({"PYTHONPATH": path})["npu"]
+    assert npu["available"] is True, npu
+
+
+def test_torch_backends_say_why_not_when_torch_is_missing(monkeypatch):
+    import importlib.util as util
+
+    from syshax_npu.plugin import syshax_backends as npu_backends
+    from syshax_torch.plugin import syshax_backends as torch_backends
+
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name in ("torch", "torch_npu") else real(name, *a))
+    (torch_backend,) = torch_backends()
+    why = torch_backend.availability()
+    assert not why.available and why.reason.startswith("torch not installed") and "syshax[torch]" in why.reason
+    (npu,) = npu_backends()
+    assert npu.availability().reason.startswith("no torch_npu")

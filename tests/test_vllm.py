@@ -1,0 +1,166 @@
+"""vLLM (CPU build here) as syshax's GPU engine: prefill -> ring -> llama.cpp decode, and gpu mode behind the API."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from conftest import MODEL_DIR
+from teacher_forced import Decoder, hf_folder, judge  # noqa: F401  (hf_folder is a fixture)
+
+pytest.importorskip("vllm")
+
+from syshaxd.engine.types import (  # noqa: E402
+    Accepted, EngineSpec, GenerateRequest, GpuSettings, Prefilled, SamplingParams)
+from syshaxd.kv.ring import KVRing  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ring():
+    r = KVRing.create(f"test-vllm-{uuid.uuid4().hex[:8]}", 64 << 20)
+    yield r
+    r.unlink()
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_prefill(default_model, hf_folder, ring):
+    """The test session's one in-process vLLM engine (about 20 s to start here)."""
+    from syshax_vllm.engine import VllmEngine
+
+    instance = ring.path.name[len("syshax-"):-len("-kv")]
+    eng = VllmEngine(EngineSpec(
+        backend="vllm", role="prefill", model_path=str(default_model), model_name="m", n_ctx=1024, threads=1,
+        ring=instance, quantize="q4_0", cache_dir=str(MODEL_DIR), gpu=GpuSettings(max_num_seqs=4)))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def decoder(default_model):
+    d = Decoder(default_model)
+    yield d
+    d.close()
+
+
+def prefill(engine, tokens_list) -> list[Prefilled]:
+    """Submit several prompts at once (vLLM batches them in one step) and collect their handles."""
+    ids = []
+    for tokens in tokens_list:
+        request = GenerateRequest(request_id=uuid.uuid4().hex, max_tokens=16,
+                                  sampling=SamplingParams(temperature=0), prompt_tokens=tuple(tokens))
+        (accepted,) = engine.submit(request)
+        assert isinstance(accepted, Accepted), accepted
+        ids.append(request.request_id)
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    done = {e.request_id: e for e in events if isinstance(e, Prefilled)}
+    return [done[i] for i in ids]
+
+
+def take_record(ring, handle) -> bytes:
+    try:
+        return bytes(ring.read(handle.offset, handle.seq))
+    finally:
+        ring.release(handle.offset)
+
+
+def test_vllm_prefill_decodes_like_llamacpp_teacher_forced(vllm_prefill, decoder, ring):
+    def record_bytes_for(tokens):
+        (done,) = prefill(vllm_prefill, [tokens])
+        assert done.handle is not None, done.reason
+        return take_record(ring, done.handle)
+
+    good, control = judge(decoder, record_bytes_for)
+    print(f"\nvLLM prefill -> llama.cpp decode, teacher-forced: {good}")
+    print(f"the same with the K permutation left out (control): {control}")
+    assert good.steps == 150
+    assert good.agreement >= 0.95 and good.mean_kl <= 0.02, good
+    assert control.agreement < 0.8 and control.mean_kl > 0.5, control
+    assert ring.stats().used_bytes == 0
+
+
+def test_prompts_batched_chunked_and_spanning_blocks_all_hand_off(vllm_prefill, decoder, ring):
+    # one step holds several prompts; 600 tokens take three chunks of 256 and five 128-token
+    # blocks, the last one partial; a one-token prompt is a partial first block
+    texts = ["Hi", "The history of the Roman empire is long. " * 60, "1 2 3 4 5 6 7 8 9 10 " * 13]
+    tokens = [decoder.tokenize(t) for t in texts]
+    assert [len(t) for t in tokens][0] == 1 and len(tokens[1]) > 512
+    handed = prefill(vllm_prefill, tokens)
+    records = {tuple(t): take_record(ring, h.handle) for t, h in zip(tokens, handed)}
+    good, _ = judge(decoder, lambda t: records[tuple(t)], prompts=texts)
+    print(f"\nvLLM prefill, batched and chunked prompts: {good}")
+    assert good.agreement >= 0.9 and good.mean_kl <= 0.05, good
+    assert ring.stats().used_bytes == 0
+
+
+def test_full_ring_is_reported_and_the_engine_keeps_going(vllm_prefill, decoder, ring):
+    from syshaxd.kv.ring import RingFull
+
+    hogs = []  # fill the ring with reservations nobody commits: no room for a record
+    try:
+        while True:
+            hogs.append(ring.reserve(64 << 10))
+    except RingFull:
+        pass
+    try:
+        (done,) = prefill(vllm_prefill, [decoder.tokenize("The capital of France is")])
+    finally:
+        for hog in hogs:
+            hog.abort()
+        ring.reclaim()
+    assert done.handle is None and done.reason == "ring_full"
+    (done,) = prefill(vllm_prefill, [decoder.tokenize("The capital of France is")])
+    assert done.handle is not None
+    take_record(ring, done.handle)
+
+
+# --- gpu mode: the vLLM engine answers the OpenAI API by itself, as the cpu-mode tests expect ---
+
+from test_api import *  # noqa: E402,F401,F403  (the cpu-mode API tests, run here against gpu mode)
+
+
+@pytest.fixture(scope="module")
+def daemon(default_model, hf_folder, tmp_path_factory):
+    """A gpu-mode daemon with vLLM as its one engine; the test_api tests above use it through `client`."""
+    from conftest import start_daemon
+
+    d = start_daemon(tmp_path_factory.mktemp("gpu"), {
+        "model": str(default_model), "mode": "gpu", "prefill_engine": "vllm", "max_num_seqs": 4})
+    yield d
+    code = d.stop()
+    assert code == 0, f"syshaxd exited with {code}:\n{d.log()}"
+
+
+def test_gpu_mode_runs_one_vllm_engine(daemon):
+    status = daemon.status()
+    assert status["mode"] == "gpu"
+    (worker,) = status["workers"]
+    assert worker["name"] == "gpu0" and worker["backend"] == "vllm" and worker["role"] == "generate"
+    assert status["kv"] is None  # no ring: nothing is handed over
+
+
+def test_hetero_daemon_with_vllm_prefill_hands_every_prompt_to_the_decoder(default_model, hf_folder, tmp_path):
+    import openai
+
+    from conftest import MODEL_NAME, start_daemon
+
+    d = start_daemon(tmp_path, {"model": str(default_model), "mode": "hetero", "prefill_engine": "vllm",
+                                "n_ctx": 1024, "max_num_seqs": 4, "prefill_cpu_affinity": "0"})
+    try:
+        client = openai.OpenAI(base_url=d.base_url, api_key="x", max_retries=0, timeout=300)
+        prompts = ["The capital of France is", "The history of the Roman empire is long. " * 30]
+        for prompt in prompts:
+            cpu = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"syshax": {"mode": "cpu"}})
+            het = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert het.choices[0].text
+            assert het.usage.prompt_tokens == cpu.usage.prompt_tokens and het.usage.completion_tokens == 12
+        kv = d.status()["kv"]
+        assert kv["records_written"] == kv["records_read"] == len(prompts) and kv["fallbacks"] == {}
+        assert kv["ring"]["used_bytes"] == 0
+    finally:
+        assert d.stop() == 0, d.log()
