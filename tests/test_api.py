@@ -207,12 +207,13 @@ def test_unknown_paths_and_methods_answer_in_openai_shape(daemon):
 
 
 def test_unknown_fields_are_ignored(client):
-    r = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body={"frobnicate": True})
+    r = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2,
+                                  extra_body={"frobnicate": True, "ignore_eos": True})
     assert r.usage.completion_tokens == 2
 
 
 def test_daemon_still_serves_after_bad_input(client):
-    r = client.completions.create(model=MODEL_NAME, prompt="Still alive?", max_tokens=3)
+    r = client.completions.create(model=MODEL_NAME, prompt="Still alive?", max_tokens=3, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
 
 

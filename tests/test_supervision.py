@@ -34,7 +34,7 @@ def test_killed_worker_is_restarted_and_serving_resumes(default_model, tmp_path)
         worker = wait_for(lambda: (w := d.status()["workers"][0])["state"] == "ready" and w["pid"] != first["pid"]
                           and w, what="the restarted worker")
         assert worker["restarts"] == 1
-        r = client.completions.create(model=MODEL_NAME, prompt="Back again", max_tokens=4)
+        r = client.completions.create(model=MODEL_NAME, prompt="Back again", max_tokens=4, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 4
     finally:
         assert d.stop() == 0
@@ -53,7 +53,8 @@ def test_request_in_flight_when_the_worker_dies_gets_a_clean_error(default_model
             for _ in it:
                 pass
         wait_for(lambda: d.status()["workers"][0]["state"] == "ready", what="restart")
-        assert client.completions.create(model=MODEL_NAME, prompt="ok", max_tokens=2).usage.completion_tokens == 2
+        assert client.completions.create(model=MODEL_NAME, prompt="ok", max_tokens=2,
+                                        extra_body={"ignore_eos": True}).usage.completion_tokens == 2
     finally:
         assert d.stop() == 0
 
