@@ -200,7 +200,7 @@ def test_a_stopped_prefill_worker_is_replaced_and_nothing_is_lost(hetero):
 @pytest.fixture(scope="module")
 def limited(default_model, tmp_path_factory):
     d = start_daemon(tmp_path_factory.mktemp("limits"),
-                     {"model": str(default_model), "max_body_bytes": 65536, "n_ctx": 256, "max_connections": 4,
+                     {"model": str(default_model), "max_body_bytes": 65536, "n_ctx": 96, "max_connections": 4,
                       "cpu_max_batch_size": 2})
     yield d
     assert d.stop() == 0, d.log()
@@ -222,8 +222,8 @@ def test_body_prompt_and_max_tokens_limits(limited):
     url = f"{limited.base_url}/completions"
     cases = [  # body, status, param, code
         ({"prompt": "a" * 100_000}, 413, None, "request_too_large"),
-        ({"prompt": "word " * 400}, 400, "prompt", "context_length_exceeded"),
-        ({"prompt": "Once upon a time", "max_tokens": 253}, 400, "max_tokens", "context_length_exceeded"),
+        ({"prompt": "word " * 200}, 400, "prompt", "context_length_exceeded"),
+        ({"prompt": "Once upon a time", "max_tokens": 93}, 400, "max_tokens", "context_length_exceeded"),
         ({"prompt": "Once upon a time", "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded"),
         ({"prompt": "Once upon a time", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
         ({"prompt": "Once upon a time", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
@@ -233,10 +233,10 @@ def test_body_prompt_and_max_tokens_limits(limited):
         status, answer = http_json(url, {"model": MODEL_NAME} | body)
         FIGURES["5xx"] += status >= 500
         assert (status, answer["error"]["param"], answer["error"]["code"]) == (want, param, code), answer
-    # the largest request that fits is served: 4 prompt tokens + 252 = n_ctx
-    status, answer = http_json(url, {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 252,
+    # the largest request that fits is served: 4 prompt tokens + 92 = n_ctx
+    status, answer = http_json(url, {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 92,
                                      "ignore_eos": True}, timeout=120)
-    assert status == 200 and answer["usage"]["total_tokens"] == 256
+    assert status == 200 and answer["usage"]["total_tokens"] == 96
 
 
 def test_connections_past_max_connections_get_a_quick_503(limited):
