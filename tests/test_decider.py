@@ -34,3 +34,16 @@ def test_token_limit_is_throughput_times_multiplier_rounded_and_clamped():
     assert token_limit(10_000, T) == 512
     assert decide(EngineState(4, 0, 0), FAST_CPU, T) == Decision(
         "hetero", "GPU running 4 >= max_num_seqs 4; offloading decode to the CPU", 240)
+
+
+def test_token_rate_counts_a_window_of_recent_steps():
+    import time
+
+    from syshaxd.engine.rate import TokenRate
+
+    rate = TokenRate(window=5.0)
+    assert rate.per_second() == 0.0
+    rate.add(8)
+    time.sleep(0.1)
+    rate.add(8)
+    assert 60 < rate.per_second() < 170  # 16 tokens over ~0.1 s

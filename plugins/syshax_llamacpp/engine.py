@@ -15,6 +15,7 @@ from syshax_llamacpp.chat import ChatTemplate
 from syshax_llamacpp.quantize import ensure_quantized
 from syshax_llamacpp.sampling import make_sampler
 from syshaxd.engine.output import TextStream
+from syshaxd.engine.rate import TokenRate
 from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, Imported, Prefilled, Rejected
 from syshaxd.kv.llamacpp_codec import StateBuffer, export_seq, widen_streams
 
@@ -127,7 +128,7 @@ class LlamaCppEngine:
                          "records_written": 0, "records_read": 0, "records_failed": 0, "kv_bytes_written": 0,
                          "kv_bytes_read": 0, "fallbacks": 0}
         self.fallback_reasons: dict[str, int] = {}
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
+        self._rate = TokenRate()
         log.info(
             "llama.cpp engine ready: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d",
             path.name, self.n_ctx, self.max_seqs, self.chunk, spec.threads,
@@ -279,15 +280,10 @@ class LlamaCppEngine:
         return [self._emit(seq, token)]
 
     def _count(self, n: int) -> None:
-        now = time.monotonic()
-        self._recent.append((now, n))
-        while self._recent and now - self._recent[0][0] > 5.0:
-            self._recent.popleft()
+        self._rate.add(n)
         self.counters["generated_tokens"] += n
 
     def stats(self) -> dict:
-        window = sum(n for _, n in self._recent)
-        span = (self._recent[-1][0] - self._recent[0][0]) if len(self._recent) > 1 else 0.0
         return {
             "running": len(self.active),
             "waiting": len(self.waiting),
@@ -295,7 +291,7 @@ class LlamaCppEngine:
             "max_batch_size": self.max_seqs,
             "n_ctx": self.n_ctx,
             "kv_usage": sum(s.n_past for s in self.active.values()) / (self.n_ctx * self.max_seqs),
-            "tokens_per_second": window / span if span > 0 else 0.0,
+            "tokens_per_second": self._rate.per_second(),
             **self.counters,
             "fallback_reasons": dict(self.fallback_reasons),
         }

@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from syshax_torch.engine import resolve_gguf
 from syshax_torch.prompts import Vocab, admit
 from syshaxd.engine.output import TextStream
+from syshaxd.engine.rate import TokenRate
 from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, KVHandle, Prefilled, Rejected
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class VllmEngine:
         self.by_internal: dict[str, str] = {}  # vLLM's request id -> ours
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0,
                          "records_written": 0, "records_failed": 0, "kv_bytes_written": 0}
-        self._recent: deque[tuple[float, int]] = deque()
+        self._rate = TokenRate()
         log.info("vLLM engine ready (%s, role %s): %s, n_ctx=%d, max_num_seqs=%d, in %.1fs",
                  "CPU build" if self.on_cpu else "CUDA", spec.role, self.folder.name, self.n_ctx, self.max_seqs,
                  time.monotonic() - started)
@@ -177,13 +177,11 @@ class VllmEngine:
         return events
 
     def stats(self) -> dict:
-        window = sum(n for _, n in self._recent)
-        span = (self._recent[-1][0] - self._recent[0][0]) if len(self._recent) > 1 else 0.0
         running = len(self.live)
         return {"running": min(running, self.max_seqs), "waiting": max(0, running - self.max_seqs),
                 "free_slots": max(0, self.max_seqs - running), "max_batch_size": self.max_seqs, "n_ctx": self.n_ctx,
                 "kv_usage": sum(len(x.prompt) + x.n_generated for x in self.live.values()) / (self.n_ctx * self.max_seqs),
-                "tokens_per_second": window / span if span > 0 else 0.0, **self.counters}
+                "tokens_per_second": self._rate.per_second(), **self.counters}
 
     def close(self) -> None:
         for live in list(self.live.values()):
@@ -263,8 +261,5 @@ class VllmEngine:
             log.debug("orphan record at %d already gone: %s", exported.offset, exc)
 
     def _count(self, n: int) -> None:
-        now = time.monotonic()
-        self._recent.append((now, n))
-        while self._recent and now - self._recent[0][0] > 5.0:
-            self._recent.popleft()
+        self._rate.add(n)
         self.counters["generated_tokens"] += n
