@@ -203,6 +203,18 @@ def _print_status(st: dict) -> None:
     for key in ("routes", "refused"):
         if st.get(key):
             print(f"{key}: " + ", ".join(f"{k}={v}" for k, v in st[key].items()))
+    auto = st.get("auto")
+    if auto:
+        print("auto offload: decisions " + (", ".join(f"{k}={v}" for k, v in auto.get("decisions", {}).items())
+                                            or "none yet")
+              + f"; reconsidered {auto.get('reconsidered', 0)}, moved back to the GPU {auto.get('moved_to_gpu', 0)}, "
+                f"queued for the GPU {auto.get('queued_for_gpu', 0)}")
+        last = auto.get("last")
+        if last:
+            g, c = last["gpu"], last["cpu"]
+            print(f"  last: {last['route']} ({last['reason']}) from GPU running {g['running']} waiting "
+                  f"{g['waiting']} KV {g['kv_usage']:.1%} {g['tokens_per_second']:.1f} tok/s; CPU running "
+                  f"{c['running']} {c['tokens_per_second']:.1f} tok/s")
     kv = st.get("kv")
     if kv:
         ring = kv.get("ring") or {}
@@ -214,7 +226,7 @@ def _print_status(st: dict) -> None:
             print("kv handoff: " + json.dumps(rest, default=str))
     shown = {"version", "pid", "uptime_s", "mode", "ready", "draining", "drain_reason", "model", "listen",
              "config_source", "in_flight", "capacity", "max_queue_size", "http_active", "workers", "routes",
-             "refused", "kv"}
+             "refused", "kv", "auto", "modes"}
     for key, value in st.items():  # whatever else the scheduler reports (decider state, ...)
         if key not in shown and value not in (None, {}, []):
             print(f"{key}: {json.dumps(value, default=str)}")

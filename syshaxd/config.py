@@ -53,6 +53,14 @@ class Config:
     tensor_parallel_size: int = 1  # GPUs one model is split across (gpu mode; prefill takes 1)
     preemption_mode: str = "recompute"  # what vLLM does to a sequence it must pause: only "recompute" (v1)
 
+    # auto mode (sysHAX's auto_pd_offload): the GPU engine serves while it can; when it is saturated a
+    # new request's decode goes to the CPU workers
+    gpu_cache_threshold: float = 90.0  # percent of the GPU engine's KV cache in use past which it is saturated
+    cpu_throughput_threshold: float = 2.0  # tokens/s under which a busy CPU side takes no more offloaded decodes
+    token_limit_multiplier: float = 2.0  # an offloaded decode is reconsidered after CPU tokens/s times this tokens
+    token_limit_min: int = 16  # ... but after no fewer tokens than this
+    token_limit_max: int = 512  # ... and no more than this
+
     # requests
     default_max_tokens: int = 1024  # chat requests without max_tokens
     max_queue_size: int = 64  # requests waiting for a batch slot before 429
@@ -156,6 +164,15 @@ def _validate(cfg: Config) -> None:
     if cfg.preemption_mode not in PREEMPTION_MODES:
         raise ConfigError(f'preemption_mode: must be "recompute" (vLLM\'s v1 engine recomputes a preempted '
                           f'sequence; "swap" went with v0); got {cfg.preemption_mode!r}')
+    if not 0.0 < cfg.gpu_cache_threshold <= 100.0:
+        raise ConfigError(f"gpu_cache_threshold: a percent above 0 and at most 100, got {cfg.gpu_cache_threshold!r}")
+    at_least("cpu_throughput_threshold", 0.0)
+    if cfg.token_limit_multiplier <= 0:
+        raise ConfigError(f"token_limit_multiplier: must be above 0, got {cfg.token_limit_multiplier!r}")
+    at_least("token_limit_min", 1)
+    if cfg.token_limit_max < cfg.token_limit_min:
+        raise ConfigError(f"token_limit_max: must be at least token_limit_min ({cfg.token_limit_min}), "
+                          f"got {cfg.token_limit_max}")
     at_least("default_max_tokens", 1)
     at_least("max_queue_size", 0)
     at_least("request_timeout", 0.001)

@@ -205,7 +205,7 @@ def test_mode_switches_only_to_what_this_daemon_serves(admin):
     gpu = syshax(admin, "mode", "gpu")
     assert gpu.returncode == 1 and "'gpu' is not available" in gpu.stderr and "GPU engine" in gpu.stderr
     hetero = syshax(admin, "mode", "hetero")
-    assert hetero.returncode == 1 and "without a prefill worker" in hetero.stderr and "restart" in hetero.stderr
+    assert hetero.returncode == 1 and "no prefill engine" in hetero.stderr and "restart" in hetero.stderr
     warp = syshax(admin, "mode", "warp")
     assert warp.returncode == 2 and "invalid choice: 'warp'" in warp.stderr
     assert admin.status()["mode"] == "cpu"

@@ -164,3 +164,29 @@ def test_hetero_daemon_with_vllm_prefill_hands_every_prompt_to_the_decoder(defau
         assert kv["ring"]["used_bytes"] == 0
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_auto_daemon_with_vllm_offloads_when_saturated_and_every_text_is_right(default_model, hf_folder, tmp_path):
+    """The issue's end-to-end check: vLLM (CPU build) as the GPU engine with max_num_seqs 2; 12 requests at once."""
+    from conftest import start_daemon
+    from test_auto import AUTO, counting_prompt, reference, run_all, settle
+
+    d = start_daemon(tmp_path, {"model": str(default_model), **AUTO, "prefill_engine": "vllm"})
+    try:
+        prompts = [counting_prompt(i) for i in range(12)]
+        answers = run_all(d.url, prompts, 24, stream=lambda i: i % 3 == 0)
+        routes = [a["syshax"]["route"] for a in answers]
+        assert {"gpu", "hetero"} <= set(routes), routes
+        # Each prompt alone, on the route it took under load: the same text (vLLM's and llama.cpp's
+        # greedy tokens agree on these sharply peaked prompts, so a wrong handoff would show).
+        for prompt, answer in zip(prompts, answers):
+            (alone,) = run_all(d.url, [prompt], 24, mode=answer["syshax"]["route"])
+            assert answer["choices"][0]["text"] == alone["choices"][0]["text"], (prompt, answer["syshax"])
+        assert [a["choices"][0]["text"] for a in answers] == reference(d.url, prompts, 24)
+        st = settle(d)
+        assert st["routes"]["gpu"] >= routes.count("gpu") and st["routes"]["hetero"] >= routes.count("hetero")
+        assert st["kv"]["records_read"] >= routes.count("hetero") and not st["kv"]["fallbacks"]
+        assert st["auto"]["decisions"]["hetero"] >= routes.count("hetero")
+        assert [w["backend"] for w in st["workers"]] == ["vllm", "llamacpp"]
+    finally:
+        assert d.stop() == 0, d.log()

@@ -188,6 +188,9 @@ class LlamaCppEngine:
             return [Rejected(rid, 400, str(exc), code="invalid_prompt", param="messages" if request.messages else "prompt")]
         if not prompt:
             return [Rejected(rid, 400, "the prompt is empty after tokenization; send at least one token", "invalid_prompt", "prompt")]
+        if request.handoff and self.port is None:
+            return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
+        prompt += request.resume_tokens  # a decode moved here continues after what it generated
         bad = [t for t in prompt if not 0 <= t < self.n_vocab]
         if bad:
             return [Rejected(rid, 400, f"prompt token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})", "invalid_prompt", "prompt")]
@@ -267,7 +270,7 @@ class LlamaCppEngine:
         if seq.pending:
             return []
         token = llama_cpp.llama_sampler_sample(seq.sampler, self.prefill_ctx, b.n_tokens - 1)
-        if not self.decodes:
+        if not self.decodes or seq.request.handoff:
             return [self._hand_on(seq, token)]
         size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
         buf = self._state.ensure(size + 4 * self.max_seqs)
@@ -335,7 +338,7 @@ class LlamaCppEngine:
             del self.queued[seq.request.request_id]
             seq.seq_id = self.free_ids.popleft()
             seq.sampler = make_sampler(seq.request.sampling, self.n_vocab)
-            seq.text = TextStream(seq.request.stop)
+            seq.text = TextStream(seq.request.stop).primed(self._piece_bytes(t) for t in seq.request.resume_tokens)
             self.active[seq.request.request_id] = seq
             self.counters["prompt_tokens"] += len(seq.prompt)
             if seq.request.kv is not None or seq.request.kv_missing:
@@ -428,7 +431,7 @@ class LlamaCppEngine:
         if finish is not None:
             self._release(seq)
             self.counters["finished"] += 1
-        return Delta(rid, text, 1, finish)
+        return Delta(rid, text, 1, finish, tokens=(token,))
 
     def _release(self, seq: _Sequence) -> None:
         """Remove the sequence from the KV cache and give its slot back."""

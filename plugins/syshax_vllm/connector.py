@@ -4,9 +4,11 @@ vLLM builds the connector twice from `kv_transfer_config` (kv_connector_module_p
 here): a scheduler half, which sees the blocks each request holds, and a worker half, which
 sees the layers' paged caches during the forward pass.
 
-* Scheduler half (`build_connector_meta`): for every request whose last prompt token is
-  computed in this step, name its token ids and *all* its block ids, the partial last block
-  included (vLLM's example connector stores whole blocks only).
+* Scheduler half (`build_connector_meta`): for every request that asked for it (its sampling
+  params carry ``extra_args={"kv_transfer_params": {"syshax_export": True}}``: every request of
+  a prefill engine, only the offloaded ones of auto mode's generating engine) and whose last
+  prompt token is computed in this step, name its token ids and *all* its block ids, the
+  partial last block included (vLLM's example connector stores whole blocks only).
 * Worker half (`save_kv_layer`, called after each attention layer): on the first layer,
   reserve the record in the ring; on every layer, gather that layer's K and V rows out of the
   blocks, convert them to the neutral layout (K re-interleaved for llama-family rope, f16)
@@ -39,6 +41,7 @@ from syshaxd.kv.record import DType, ModelFingerprint, layout_into, record_size,
 log = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "SyshaxRingConnector"
+EXPORT_PARAMS = {"kv_transfer_params": {"syshax_export": True}}  # SamplingParams.extra_args of a request to export
 RECORD_DTYPE = DType.F16  # the llama.cpp decoder's KV cache type
 _LAYER_NUMBER = re.compile(r"\.(\d+)\.")
 
@@ -87,6 +90,7 @@ class SyshaxRingConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.block_size = vllm_config.cache_config.block_size
         self._prompts: dict[str, tuple[list[int], list[int]]] = {}  # scheduler: req_id -> (tokens, blocks)
+        self._export: set[str] = set()  # scheduler: the requests whose prompt KV goes into the ring
         self.ring = None
         if role == KVConnectorRole.WORKER:
             from syshaxd.kv.ring import KVRing
@@ -101,6 +105,8 @@ class SyshaxRingConnector(KVConnectorBase_V1):
     # --- scheduler half ---------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if (request.kv_transfer_params or {}).get("syshax_export"):
+            self._export.add(request.request_id)
         return 0, False  # a producer: it never loads KV from outside
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -110,6 +116,8 @@ class SyshaxRingConnector(KVConnectorBase_V1):
         meta = SyshaxRingMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id not in self._export:
+                continue  # a request this engine generates itself
             tokens = list(new.prompt_token_ids or [])
             self._prompts[new.req_id] = (tokens, list(new.block_ids[0]))
             self._maybe_store(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -132,9 +140,11 @@ class SyshaxRingConnector(KVConnectorBase_V1):
             n_blocks = -(-len(tokens) // self.block_size)
             meta.stores.append(StoreRequest(req_id, tokens, blocks[:n_blocks]))
             del self._prompts[req_id]
+            self._export.discard(req_id)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._prompts.pop(request.request_id, None)
+        self._export.discard(request.request_id)
         return False, None  # the record was written during the forward pass: the blocks may go
 
     # --- worker half ------------------------------------------------------------------------
@@ -226,4 +236,4 @@ class SyshaxRingConnector(KVConnectorBase_V1):
         return layout
 
 
-__all__ = ["CONNECTOR_NAME", "OUTBOX", "Exported", "SyshaxRingConnector"]
+__all__ = ["CONNECTOR_NAME", "EXPORT_PARAMS", "OUTBOX", "Exported", "SyshaxRingConnector"]

@@ -45,6 +45,7 @@ class _Live:
     internal_id: str = ""
     text: TextStream | None = None
     n_generated: int = 0
+    handoff: bool = False  # the prompt alone, its KV into the ring (prefill role, or offloaded in auto mode)
 
 
 class VllmEngine:
@@ -57,8 +58,8 @@ class VllmEngine:
         if spec.role not in ("generate", "prefill"):
             raise ValueError(f"the vllm backend generates or prefills; role {spec.role!r} asked")
         gpu = spec.gpu
-        if spec.role == "prefill" and gpu.tensor_parallel_size != 1:
-            raise ValueError("prefill with tensor_parallel_size > 1 would split the KV heads across ranks; "
+        if spec.ring and gpu.tensor_parallel_size != 1:
+            raise ValueError("handing KV on with tensor_parallel_size > 1 would split the KV heads across ranks; "
                              "the ring connector takes one rank's cache: set tensor_parallel_size = 1")
         if gpu.preemption_mode != "recompute":
             raise ValueError(f"preemption_mode {gpu.preemption_mode!r}: vLLM's v1 engine only recomputes")
@@ -79,10 +80,11 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self._SamplingParams, self._TokensPrompt, self._DELTA = SamplingParams, TokensPrompt, RequestOutputKind.DELTA
-        if spec.role == "prefill":
+        if spec.ring:
             from syshax_vllm import connector
 
             self.outbox = connector.OUTBOX
+            self._export_args = connector.EXPORT_PARAMS
         self.live: dict[str, _Live] = {}  # our request id -> request, while vLLM holds it
         self.by_internal: dict[str, str] = {}  # vLLM's request id -> ours
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0,
@@ -109,13 +111,14 @@ class VllmEngine:
                       kv_cache_memory_bytes=per_token * (self.max_seqs * self.n_ctx + 1024))
         else:
             kw.update(dtype="bfloat16", gpu_memory_utilization=gpu.gpu_memory_utilization)
-        if self.spec.role == "prefill":
+        if self.spec.ring:  # prefill role, or auto mode's GPU engine, which hands some prompts on
             from vllm.config import KVTransferConfig
 
             from syshax_vllm.connector import CONNECTOR_NAME
 
             kw["kv_transfer_config"] = KVTransferConfig(
-                kv_connector=CONNECTOR_NAME, kv_connector_module_path="syshax_vllm.connector", kv_role="kv_producer",
+                kv_connector=CONNECTOR_NAME, kv_connector_module_path="syshax_vllm.connector",
+                kv_role="kv_producer" if self.spec.role == "prefill" else "kv_both",
                 kv_connector_extra_config={"ring": self.spec.ring, "fingerprint": self.fingerprint.to_bytes().hex(),
                                            "handoff_timeout": self.spec.handoff_timeout})
         return LLMEngine.from_engine_args(EngineArgs(**kw))
@@ -134,8 +137,12 @@ class VllmEngine:
             return [admitted]
         prompt, max_tokens = admitted
         rid = request.request_id
-        live = _Live(request, prompt, max_tokens, text=TextStream(request.stop))
-        prefill = self.spec.role == "prefill"
+        prefill = self.spec.role == "prefill" or request.handoff
+        if prefill and not self.spec.ring:
+            return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
+        prompt += request.resume_tokens  # a decode moved here continues after what it generated
+        text = TextStream(request.stop).primed(self.vocab.piece_bytes(t) for t in request.resume_tokens)
+        live = _Live(request, prompt, max_tokens, text=text, handoff=prefill)
         s = request.sampling
         params = self._SamplingParams(
             n=1, temperature=max(s.temperature, 0.0), top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
@@ -143,7 +150,7 @@ class VllmEngine:
             repetition_penalty=s.repetition_penalty,
             # generate: end-of-generation and stop strings are decided here, as the llama.cpp engine does
             max_tokens=1 if prefill else max_tokens, ignore_eos=True, detokenize=False,
-            output_kind=self._DELTA)
+            output_kind=self._DELTA, extra_args=dict(self._export_args) if prefill else None)
         live.internal_id = self.llm.add_request(rid, self._TokensPrompt(prompt_token_ids=prompt), params)
         self.live[rid] = live
         self.by_internal[live.internal_id] = rid
@@ -168,7 +175,7 @@ class VllmEngine:
             live = self.live.get(rid)
             if live is None:
                 continue  # cancelled meanwhile
-            if self.spec.role == "prefill":
+            if live.handoff:
                 if out.finished:
                     events.append(self._hand_on(live, out))
             else:
@@ -210,7 +217,7 @@ class VllmEngine:
                     finish = "stop"
                 elif live.n_generated >= live.max_tokens:
                     finish, text = "length", text + live.text.flush()
-            deltas.append(Delta(rid, text, 1, finish))
+            deltas.append(Delta(rid, text, 1, finish, tokens=(int(token),)))
             if finish is not None:
                 self._drop(live, abort=not out.finished)
                 self.counters["finished"] += 1
@@ -242,7 +249,7 @@ class VllmEngine:
         self.by_internal.pop(live.internal_id, None)
         if abort and self.llm is not None:
             self.llm.abort_request([live.internal_id], internal=True)
-        if self.spec.role == "prefill" and abort:
+        if live.handoff and abort:
             stale = self.outbox.pop(live.internal_id, None)
             if stale is not None and not stale.reason:
                 self._release_orphan(stale)

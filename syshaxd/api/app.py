@@ -80,7 +80,7 @@ def make_app(config: Config, scheduler: Scheduler, model_name: str, state: Servi
     app[KEY_CHECK] = KeyCheck.from_config(config)  # read once: keys change with a restart
     app[CONNECTIONS] = ConnectionCap(config.max_connections)  # bound to the server by api.limits.CappedTCPSite
     app[OPENAPI] = build_document(model_name, config.n_ctx,
-                                  ["cpu", "hetero"] if getattr(scheduler, "prefill", None) else ["cpu"],
+                                  [m for m, why in scheduler.servable_modes().items() if not why],
                                   app[KEY_CHECK].enabled, config.metrics_require_key)
     app[CONFIG] = config
     app[SCHEDULER] = scheduler

@@ -44,13 +44,13 @@ class _Exchange:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
 
-    def body(self, text: str, finish: str, usage: dict) -> dict:
+    def body(self, text: str, finish: str, usage: dict, route: dict) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return self._head(self.object) | {"choices": [choice], "usage": usage}
+        return self._head(self.object) | {"choices": [choice], "usage": usage, "syshax": route}
 
     def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict:
         if self.chat:
@@ -63,6 +63,10 @@ class _Exchange:
             return self._head("chat.completion.chunk") | {"choices": [choice]}
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         return self._head("text_completion") | {"choices": [choice]}
+
+    def final_chunk(self, finish: str, route: dict) -> dict:
+        """The chunk with the finish reason, and syshax's note of the route the request took."""
+        return self.chunk(None if self.chat else "", finish) | {"syshax": route}
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
@@ -93,6 +97,16 @@ async def _next_event(request: web.Request, stream: RequestStream, deadline: flo
             if deadline is not None and time.monotonic() >= deadline:
                 raise APIError(503, "The request waited too long for the engine (request_timeout); retry later.",
                                type="server_error", code="timeout") from None
+
+
+def _route_of(stream) -> dict:
+    """Where the request ran: "cpu", "gpu" or "hetero"; in auto mode why, and whether its decode moved back."""
+    route = {"route": getattr(stream, "route", "") or ""}
+    if getattr(stream, "reason", ""):
+        route["reason"] = stream.reason
+    if getattr(stream, "moved_to", ""):
+        route["moved_to"] = stream.moved_to
+    return route
 
 
 def _rejected(event: Rejected) -> APIError:
@@ -175,7 +189,9 @@ async def _respond_json(request, stream: RequestStream, accepted: Accepted, ex: 
             raise APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
         if event.finish_reason:
             timer.finished(event.finish_reason)
-            return web.json_response(ex.body("".join(parts), event.finish_reason, _usage(accepted.prompt_tokens, n)))
+            route = _route_of(stream)
+            return web.json_response(ex.body("".join(parts), event.finish_reason, _usage(accepted.prompt_tokens, n),
+                                             route), headers={"X-Syshax-Route": route["route"]})
 
 
 def _sse(obj) -> bytes:
@@ -194,7 +210,7 @@ async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex
     if first.finish_reason == "error":
         raise APIError(500, f"generation failed: {first.error}", type="server_error", code="engine_error")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+                                       "X-Accel-Buffering": "no", "X-Syshax-Route": _route_of(stream)["route"]})
     await resp.prepare(request)
     n = 0
     event = first
@@ -212,7 +228,7 @@ async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex
                 await resp.write(_sse(ex.chunk(event.text, None)))
             if event.finish_reason:
                 timer.finished(event.finish_reason)
-                await resp.write(_sse(ex.chunk(None if ex.chat else "", event.finish_reason)))
+                await resp.write(_sse(ex.final_chunk(event.finish_reason, _route_of(stream))))
                 if include_usage:
                     await resp.write(_sse(ex.usage_chunk(_usage(accepted.prompt_tokens, n))))
                 break

@@ -136,7 +136,14 @@ def _schemas() -> dict:
     head = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
             "system_fingerprint": {"type": "string"}}
     finish = {"type": "string", "enum": ["stop", "length"]}
+    route = {"description": "syshax's note of where the request ran (also the X-Syshax-Route header): `route` "
+                            "cpu, gpu or hetero; in auto mode the decider's `reason`, and `moved_to` when an "
+                            "offloaded decode moved back to the GPU.",
+             "type": "object", "required": ["route"],
+             "properties": {"route": {"type": "string"}, "reason": {"type": "string"},
+                            "moved_to": {"type": "string"}}}
     return {
+        "Route": route,
         "Error": {
             "type": "object", "required": ["error"],
             "properties": {"error": {
@@ -155,6 +162,7 @@ def _schemas() -> dict:
                     "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
                                    "logprobs": {"type": "null"}, "finish_reason": finish}}},
                 "usage": _ref("Usage"),
+                "syshax": _ref("Route"),
             },
         },
         "ChatCompletion": {
@@ -169,6 +177,7 @@ def _schemas() -> dict:
                                                "properties": {"role": {"const": "assistant"},
                                                               "content": {"type": "string"}}}}}},
                 "usage": _ref("Usage"),
+                "syshax": _ref("Route"),
             },
         },
         "CompletionChunk": {
@@ -178,7 +187,7 @@ def _schemas() -> dict:
                                   "choices": {"type": "array", "items": {"type": "object", "properties": {
                                       "index": {"type": "integer"}, "text": {"type": "string"},
                                       "finish_reason": {"type": ["string", "null"]}}}},
-                                  "usage": _ref("Usage")},
+                                  "usage": _ref("Usage"), "syshax": _ref("Route")},
         },
         "ChatCompletionChunk": {
             "description": "One `data:` event of a streamed chat completion; the first carries the role, "
@@ -191,7 +200,7 @@ def _schemas() -> dict:
                                       "delta": {"type": "object", "properties": {
                                           "role": {"type": "string"}, "content": {"type": "string"}}},
                                       "finish_reason": {"type": ["string", "null"]}}}},
-                                  "usage": _ref("Usage")},
+                                  "usage": _ref("Usage"), "syshax": _ref("Route")},
         },
         "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
                   "properties": {"id": {"type": "string"}, "object": {"const": "model"},

@@ -10,7 +10,6 @@ routes, the scheduler and the admin socket never disagree about a value.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -23,7 +22,10 @@ log = logging.getLogger(__name__)
 
 # Keys a running daemon applies at once (SIGHUP, `syshax config set`). Everything else
 # is read when workers are planned or the listener is bound, so it needs a restart.
-LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "log_level", "drain_timeout"})
+LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "log_level", "drain_timeout",
+                       # auto mode's decider reads these at every decision
+                       "gpu_cache_threshold", "cpu_throughput_threshold", "token_limit_multiplier",
+                       "token_limit_min", "token_limit_max"})
 
 
 class Draining(RuntimeError):
@@ -169,18 +171,7 @@ class ServiceState:
 
     def servable_modes(self) -> dict[str, str]:
         """Each mode, and why this running daemon cannot serve it ("" when it can)."""
-        prefill = bool(getattr(self.scheduler, "prefill", None))
-        why = {}
-        for mode in MODES:
-            if mode == "cpu":
-                why[mode] = ""
-            elif mode == "hetero":
-                why[mode] = "" if prefill else (
-                    "this daemon was started without a prefill worker and KV ring; set mode = \"hetero\" in the "
-                    "config file (syshax config set mode hetero --save) and restart syshaxd")
-            else:
-                why[mode] = f"{mode} needs a GPU engine, which this build does not have yet"
-        return why
+        return self.scheduler.servable_modes()
 
     def set_mode(self, mode: str) -> ConfigChange:
         """Switch where new requests run; raises ModeUnavailable with the reason when this daemon cannot."""
@@ -190,19 +181,10 @@ class ServiceState:
         change = ConfigChange()
         if mode == old:
             return change
-        switch = getattr(self.scheduler, "set_mode", None)
-        if switch is not None:  # the scheduler knows best what it can route
-            try:
-                result = switch(mode)
-            except (ValueError, RuntimeError) as exc:
-                raise ModeUnavailable(str(exc)) from None
-            if inspect.isawaitable(result):
-                raise ModeUnavailable("internal: Scheduler.set_mode must not be a coroutine")
-        else:
-            reason = self.servable_modes()[mode]
-            if reason:
-                raise ModeUnavailable(f"mode {mode!r} is not available: {reason}")
-            self.scheduler.config = self.config.replace(mode=mode)
+        try:
+            self.scheduler.set_mode(mode)  # the scheduler knows what it can route
+        except ValueError as exc:
+            raise ModeUnavailable(str(exc)) from None
         log.info("mode %s -> %s", old, mode)
         change.applied["mode"] = (old, mode)
         return change

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syshaxd.api.errors import APIError, invalid
+from syshaxd.config import MODES
 from syshaxd.engine.types import GenerateRequest, SamplingParams
 
 MAX_STOP = 4
@@ -168,7 +169,8 @@ def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, b
 
 
 def _route(body: dict) -> str:
-    """syshax's own extension: {"syshax": {"mode": "cpu" | "hetero"}} routes this request alone."""
+    """syshax's own extension: {"syshax": {"mode": "cpu" | "gpu" | "hetero" | "auto"}} routes this request alone
+    (the scheduler answers 400 when the daemon does not serve that mode)."""
     ext = body.get("syshax")
     if ext is None:
         return ""
@@ -177,8 +179,9 @@ def _route(body: dict) -> str:
     mode = ext.get("mode")
     if mode is None:
         return ""
-    if mode not in ("cpu", "hetero"):
-        raise invalid(f"Invalid 'syshax.mode': {mode!r}; it must be \"cpu\" or \"hetero\".", param="syshax.mode")
+    if mode not in MODES:
+        raise invalid(f"Invalid 'syshax.mode': {mode!r}; it must be one of {', '.join(map(repr, MODES))}.",
+                      param="syshax.mode")
     return mode
 
 

@@ -34,7 +34,9 @@ class HandoffStream:
         self.tokens_sent = 0
         self._scheduler = scheduler
         self._request = request
-        self._inner = prefill.submit(request)  # raises EngineUnavailable before any task starts
+        self.route, self.reason = "hetero", ""
+        # a GPU engine in auto mode also generates: handoff asks it for the prompt alone and its KV record
+        self._inner = prefill.submit(replace(request, handoff=True))  # raises EngineUnavailable before any task
         self._handle = None  # the ring record while nobody has taken it
         self._task = asyncio.get_running_loop().create_task(self._run())
 

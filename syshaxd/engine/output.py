@@ -19,6 +19,13 @@ class TextStream:
         self._held = ""  # decoded text not yet emitted (a possible stop-string prefix)
         self.stopped = False
 
+    def primed(self, pieces) -> "TextStream":
+        """This stream after `pieces` went out elsewhere: their text is not sent again, but a stop string
+        or a UTF-8 character that began in them still completes here (a decode moved between engines)."""
+        for piece in pieces:
+            self.feed(piece)
+        return self
+
     def feed(self, piece: bytes) -> str:
         """Add one token's bytes; return the text that may be emitted now."""
         if self.stopped:

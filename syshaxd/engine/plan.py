@@ -21,7 +21,6 @@ from syshaxd.numa import (
 
 log = logging.getLogger(__name__)
 
-SERVED_MODES = ("cpu", "gpu", "hetero")
 
 
 class PlanError(RuntimeError):
@@ -59,10 +58,15 @@ def default_prefill_cpus(cpus: frozenset[int]) -> frozenset[int]:
     return frozenset(ordered[: max(1, len(ordered) // 4)])
 
 
-def _prefill_backend(name: str, role: str = "prefill") -> str:
+_ROLES_NEEDED = {"hetero": ("prefill", "prefill"), "gpu": ("generate", "generate (gpu mode runs both phases on it)"),
+                 "auto": ("generate", "generate and prefill (auto mode runs both phases on it, or the prompt alone)")}
+
+
+def _prefill_backend(name: str, mode: str) -> str:
     """The prefill_engine backend, checked here so a wrong name fails at start, not in a worker.
 
-    In gpu mode the same backend does both phases, so there it must be able to `generate`.
+    In gpu mode the same backend does both phases, so there it must be able to `generate`; in auto
+    mode it must also be able to `prefill` (hand a prompt's KV to the CPU).
     """
     from syshaxd.plugins import BackendNotFound, find_backend, make_plugin_manager
 
@@ -70,8 +74,8 @@ def _prefill_backend(name: str, role: str = "prefill") -> str:
         backend = find_backend(make_plugin_manager(), name)
     except BackendNotFound as exc:
         raise PlanError(f"prefill_engine: {exc}") from None
-    if role not in backend.roles:
-        doing = "prefill" if role == "prefill" else "generate (gpu mode runs both phases on it)"
+    role, doing = _ROLES_NEEDED[mode]
+    if role not in backend.roles or (mode == "auto" and "prefill" not in backend.roles):
         raise PlanError(f"prefill_engine: backend {name!r} cannot {doing} (its roles: {', '.join(sorted(backend.roles))})")
     available = backend.availability()
     if not available.available:
@@ -80,12 +84,12 @@ def _prefill_backend(name: str, role: str = "prefill") -> str:
 
 
 def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None = None) -> Engines:
-    """Workers for cfg.mode; in hetero mode also creates the shared-memory KV ring."""
-    if cfg.mode not in SERVED_MODES:
-        raise PlanError(
-            f"mode {cfg.mode!r} is not available in this build yet: it serves {', '.join(SERVED_MODES)} "
-            "(auto arrives with GPU-saturation offload); start with --mode cpu, gpu or hetero"
-        )
+    """Workers for cfg.mode; in hetero and auto modes also creates the shared-memory KV ring.
+
+    cpu: CPU workers (pool "cpu"). gpu: the GPU engine alone (pool "gpu"). hetero: a prefill worker
+    (pool "prefill") and CPU decoders. auto: the GPU engine, which also writes KV records, and CPU
+    decoders. On a host without a GPU the "GPU" engine runs on prefill_cpu_affinity's CPUs.
+    """
     base = EngineSpec(
         backend="llamacpp", role="generate", model_path=str(model_path), model_name=model_name,
         n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=1,
@@ -101,11 +105,11 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
         if cfg.mode == "gpu":
             # one engine does both phases; on a host without a GPU it runs on these CPUs
             gpu = plan_prefill_worker(topology, cfg.prefill_cpu_affinity or topology.cpus)
-            backend = _prefill_backend(cfg.prefill_engine, role="generate")
-            return Engines([("gpu0", replace(base, backend=backend, role="generate", max_batch_size=cfg.max_num_seqs,
-                                             threads=gpu.threads, placement=gpu))])
+            backend = _prefill_backend(cfg.prefill_engine, "gpu")
+            return Engines([("gpu0", replace(base, backend=backend, role="generate", pool="gpu",
+                                             max_batch_size=cfg.max_num_seqs, threads=gpu.threads, placement=gpu))])
         if len(topology.cpus) < 2 and not cfg.prefill_cpu_affinity:
-            raise PlanError("hetero mode needs at least two CPUs (one for prefill, one for decode) "
+            raise PlanError(f"{cfg.mode} mode needs at least two CPUs (one for prefill, one for decode) "
                             f"and this process may use {format_cpulist(topology.cpus)}; use --mode cpu")
         first_node = next(n.cpus for n in topology.nodes if n.cpus)
         pre_cpus = cfg.prefill_cpu_affinity or default_prefill_cpus(first_node)
@@ -114,15 +118,20 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
     except PlacementError as exc:
         raise PlanError(str(exc)) from None
 
-    prefill_backend = _prefill_backend(cfg.prefill_engine)
+    prefill_backend = _prefill_backend(cfg.prefill_engine, cfg.mode)
     from syshaxd.kv.ring import KVRing, sweep_stale
 
     for stale in sweep_stale():
         log.warning("removed a KV ring left by a daemon that is gone: %s", stale)
     instance = instance or f"{os.getpid()}"
     ring = KVRing.create(instance, cfg.ring_size_mb * 1024 * 1024)
-    workers = [("prefill0", replace(base, backend=prefill_backend, role="prefill", max_batch_size=1,
-                                    threads=pre.threads, placement=pre, ring=instance))]
+    if cfg.mode == "auto":  # the GPU engine generates, and hands a prompt on when told to
+        workers = [("gpu0", replace(base, backend=prefill_backend, role="generate", pool="gpu",
+                                    max_batch_size=cfg.max_num_seqs, threads=pre.threads, placement=pre,
+                                    ring=instance))]
+    else:
+        workers = [("prefill0", replace(base, backend=prefill_backend, role="prefill", pool="prefill",
+                                        max_batch_size=1, threads=pre.threads, placement=pre, ring=instance))]
     workers += [(f"decode{p.index}", replace(base, role="generate", threads=p.threads, placement=p, ring=instance))
                 for p in decoders]
     return Engines(workers, ring)

@@ -1,18 +1,22 @@
-"""Routes each request to engine workers and decides what the daemon can accept."""
+"""Owns every request's route -- cpu, gpu, hetero, or auto (sysHAX's PD offload) -- and what the daemon admits."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
+from dataclasses import asdict, replace
 
-from syshaxd.config import Config
+from syshaxd.config import MODES, Config
+from syshaxd.engine.decider import Decision, EngineState, Thresholds, decide
 from syshaxd.engine.handoff import HandoffStream
+from syshaxd.engine.offload import OffloadStream
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
 from syshaxd.engine.types import GenerateRequest, KVHandle
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("cpu", "gpu", "hetero")  # gpu: the daemon's one generate engine (gpu mode)
+ROUTES = ("cpu", "gpu", "hetero")  # where one request runs; "auto" picks one of gpu and hetero per request
 
 
 class Overloaded(RuntimeError):
@@ -35,74 +39,182 @@ def _percentile(values, q: float) -> float:
 
 
 class Scheduler:
-    """`cpu`: one CPU worker does both phases. `hetero`: the prefill worker, then a CPU decoder.
+    """Routes requests over three pools of engine workers, as the plan made them:
 
-    A hetero daemon also serves `cpu` requests (a decoder runs the prompt itself), which is
-    how a request's `"syshax": {"mode": ...}` override compares the two on one daemon.
+    * ``cpu``: CPU workers that run both phases (cpu mode) or decode what others prefilled;
+    * ``gpu``: the GPU engine (gpu and auto modes), which generates, and in auto mode can also
+      run a prompt alone and hand its KV to a CPU worker through the ring;
+    * ``prefill``: hetero mode's prefill worker.
+
+    Routes: ``cpu`` (a CPU worker does it all), ``gpu`` (the GPU engine does it all), ``hetero``
+    (the prefill worker, or the GPU engine, runs the prompt; a CPU worker decodes), and ``auto``,
+    which asks the decider (engine/decider.py) per request from live engine state. The daemon's
+    mode is the default route; a request may name another that this daemon serves.
     """
 
     def __init__(self, config: Config, workers: list[WorkerHandle], ring=None) -> None:
         self.config = config
         self.workers = workers
-        self.prefill = [w for w in workers if w.spec.role == "prefill"]
-        self.decoders = [w for w in workers if w.spec.role != "prefill"]
+        self.pools = {pool: [w for w in workers if w.spec.pool == pool] for pool in ("cpu", "gpu", "prefill")}
+        self.decoders = self.pools["cpu"]
+        self.prefill = self.pools["prefill"]
+        self.gpu = self.pools["gpu"]
         self.ring = ring
         self.routes: Counter = Counter()
         self.refused: Counter = Counter()
         self.handoff = {"records_written": 0, "bytes_written": 0, "records_read": 0, "records_failed": 0,
                         "fallbacks": Counter(), "latency": deque(maxlen=1000)}
-        for w in self.prefill:
+        self.auto = {"decisions": Counter(), "queued": 0, "reconsidered": 0, "moved_to_gpu": 0, "move_failed": 0,
+                     "last": None}
+        for w in self.prefill + self.gpu:
             w.on_orphan_record = self.release_record
 
     @property
     def mode(self) -> str:
         return self.config.mode
 
+    # --- what this daemon can serve -----------------------------------------------------------
+
+    def servable_modes(self) -> dict[str, str]:
+        """Each mode, and why this daemon cannot route to it ("" when it can)."""
+        restart = "; set mode = \"{}\" in the config file (syshax config set mode {} --save) and restart syshaxd"
+        exports = any(w.spec.ring for w in self.gpu)
+        why = {}
+        why["cpu"] = "" if self.decoders else "this daemon has no CPU workers (gpu mode)" + restart.format("auto", "auto")
+        why["gpu"] = "" if self.gpu else "this daemon has no GPU engine" + restart.format("gpu", "gpu")
+        if not self.decoders or not (self.prefill or exports):
+            why["hetero"] = "this daemon has no prefill engine, CPU decoders and KV ring" + restart.format("hetero",
+                                                                                                       "hetero")
+        else:
+            why["hetero"] = ""
+        if not (self.gpu and exports and self.decoders):
+            why["auto"] = "auto needs the GPU engine, CPU decoders and the KV ring between them" + restart.format(
+                "auto", "auto")
+        else:
+            why["auto"] = ""
+        return why
+
+    def set_mode(self, mode: str) -> None:
+        """The default route of new requests; raises ValueError when this daemon cannot serve it."""
+        if mode not in MODES:
+            raise ValueError(f"mode: must be one of {', '.join(MODES)}; got {mode!r}")
+        reason = self.servable_modes()[mode]
+        if reason:
+            raise ValueError(f"mode {mode!r} is not available: {reason}")
+        self.config = self.config.replace(mode=mode)
+
     def is_ready(self) -> bool:
         return bool(self.workers) and all(w.state == "ready" for w in self.workers)
 
+    # --- admission ----------------------------------------------------------------------------
+
+    def slots(self, pool: str) -> int:
+        return sum(w.spec.max_batch_size for w in self.pools[pool] if w.state == "ready")
+
     def capacity(self) -> int:
-        """Requests the daemon holds at once: every decode batch slot plus the waiting queue."""
-        slots = sum(w.spec.max_batch_size for w in self.decoders if w.state == "ready")
-        return slots + self.config.max_queue_size
+        """Requests the daemon holds at once: every batch slot of the CPU and GPU engines plus the queue."""
+        return self.slots("cpu") + self.slots("gpu") + self.config.max_queue_size
 
     def in_flight(self) -> int:
         return sum(w.in_flight for w in self.workers)
 
-    def pick_decoder(self) -> WorkerHandle:
-        ready = [w for w in self.decoders if w.state == "ready"]
+    def queued(self) -> int:
+        """Requests admitted beyond the engines' batch slots: they wait in an engine's queue."""
+        return max(0, self.in_flight() - self.slots("cpu") - self.slots("gpu"))
+
+    @staticmethod
+    def _least_loaded(workers: list[WorkerHandle], what: str) -> WorkerHandle:
+        ready = [w for w in workers if w.state == "ready"]
         if not ready:
-            raise EngineUnavailable(f"no decode worker is ready ({self._states(self.decoders)}); retry shortly")
+            states = ", ".join(f"{w.name} {w.state}" + (f" ({w.error})" if w.error else "") for w in workers)
+            raise EngineUnavailable(f"no {what} is ready ({states or 'none'}); retry shortly")
         return min(ready, key=lambda w: w.in_flight)
+
+    def pick_decoder(self) -> WorkerHandle:
+        return self._least_loaded(self.decoders, "CPU worker")
 
     def submit(self, request: GenerateRequest):
         """A stream of the request's events; raises Overloaded, EngineUnavailable or RouteUnavailable."""
         route = request.route or self.mode
-        if route not in ROUTES:
-            raise RouteUnavailable(f"route {route!r} is not one this daemon serves ({', '.join(ROUTES)})")
-        if route == "hetero" and not self.prefill:
-            raise RouteUnavailable("hetero needs a prefill worker: start the daemon with mode = \"hetero\"")
-        if not any(w.state == "ready" for w in self.decoders):
+        if route not in MODES:
+            raise RouteUnavailable(f"route {route!r} is not one of {', '.join(MODES)}")
+        why = self.servable_modes()[route]
+        if why:
+            raise RouteUnavailable(f"this daemon cannot serve route {route!r}: {why}")
+        needed = self.gpu if route == "gpu" else self.decoders
+        if not any(w.state == "ready" for w in needed):
             self.refused["unavailable"] += 1
-            raise EngineUnavailable(f"no engine is ready to serve ({self._states(self.workers)}); retry shortly")
+            raise EngineUnavailable(f"no engine is ready to serve ({self._states(needed)}); retry shortly")
         if self.in_flight() >= self.capacity():
             self.refused["overloaded"] += 1
             raise Overloaded(
                 f"the server is at capacity ({self.in_flight()} requests in flight, "
                 f"queue of {self.config.max_queue_size} full); retry later"
             )
-        if route == "hetero":
-            prefill = min(self.prefill, key=lambda w: w.in_flight)
+        decision = None
+        if route == "auto":
+            decision = self.decide()
+            if decision.route == "refuse":
+                # both sides are full: wait in the GPU engine's queue, which admission bounded above
+                self.auto["queued"] += 1
+                decision = replace(decision, route="gpu", reason=f"{decision.reason}; queued for the GPU engine")
+            route = decision.route
+        stream = self._dispatch(route, request, decision)
+        self.routes[route] += 1
+        return stream
+
+    def _dispatch(self, route: str, request: GenerateRequest, decision: Decision | None):
+        if route == "cpu":
+            stream = self.pick_decoder().submit(request)
+        elif route == "gpu":
+            stream = self._least_loaded(self.gpu, "GPU engine").submit(request)
+        else:
+            prefill = min(self.prefill or self.gpu, key=lambda w: w.in_flight)
             if prefill.state != "ready":
-                # the prefill worker is restarting: decode it on the CPU meanwhile, and say so
+                # the prefill engine is restarting: decode it on the CPU meanwhile, and say so
                 self.handoff["fallbacks"]["prefill_unavailable"] += 1
                 stream = self.pick_decoder().submit(request)
             else:
                 stream = HandoffStream(self, request, prefill)
-        else:
-            stream = self.pick_decoder().submit(request)
-        self.routes[route] += 1
+            if decision is not None and decision.token_limit:
+                stream = OffloadStream(self, request, stream, decision.token_limit)
+        stream.route = route
+        stream.reason = decision.reason if decision is not None else ""
         return stream
+
+    # --- auto: sysHAX's offload decider over live engine state ----------------------------------
+
+    def thresholds(self) -> Thresholds:
+        c = self.config
+        return Thresholds(max_num_seqs=self.slots("gpu") or c.max_num_seqs, gpu_cache_threshold=c.gpu_cache_threshold,
+                          cpu_throughput_threshold=c.cpu_throughput_threshold,
+                          cpu_max_batch_size=self.slots("cpu"),
+                          token_limit_multiplier=c.token_limit_multiplier, token_limit_min=c.token_limit_min,
+                          token_limit_max=c.token_limit_max)
+
+    def engine_state(self, pool: str) -> EngineState:
+        """A pool's load: running and waiting from the daemon's own count of what each worker holds (exact
+        the moment a request is sent, where a worker's report is up to one step old), KV usage and recent
+        tokens/s from the workers' reports."""
+        workers = [w for w in self.pools[pool] if w.state == "ready"]
+        held = sum(w.in_flight for w in workers)
+        slots = sum(w.spec.max_batch_size for w in workers)
+        return EngineState(running=min(held, slots), waiting=max(0, held - slots),
+                           kv_usage=max((float(w.stats.get("kv_usage", 0.0)) for w in workers), default=0.0),
+                           tokens_per_second=sum(float(w.stats.get("tokens_per_second", 0.0)) for w in workers))
+
+    def decide(self) -> Decision:
+        """The decider's answer for an auto request now -- "gpu", "hetero", or "refuse" when both sides are
+        full -- remembered with its inputs for the status."""
+        gpu, cpu, t = self.engine_state("gpu"), self.engine_state("cpu"), self.thresholds()
+        decision = decide(gpu, cpu, t)
+        self.auto["decisions"][decision.route] += 1
+        self.auto["last"] = {"at": time.time(), "gpu": asdict(gpu), "cpu": asdict(cpu), "route": decision.route,
+                             "reason": decision.reason, "token_limit": decision.token_limit}
+        log.debug("auto: %s (%s)", decision.route, decision.reason)
+        return decision
+
+    # --- the KV ring ----------------------------------------------------------------------------
 
     def release_record(self, handle: KVHandle) -> None:
         """Free a ring record that no decoder will take (its request was cancelled or re-routed)."""
@@ -118,6 +230,8 @@ class Scheduler:
     @staticmethod
     def _states(workers) -> str:
         return ", ".join(f"{w.name} {w.state}" + (f" ({w.error})" if w.error else "") for w in workers) or "none"
+
+    # --- status ---------------------------------------------------------------------------------
 
     def kv_status(self) -> dict | None:
         if self.ring is None:
@@ -136,15 +250,27 @@ class Scheduler:
             "handoff_latency_s": {"count": len(lat), "p50": _percentile(lat, 0.5), "p99": _percentile(lat, 0.99)},
         }
 
+    def auto_status(self) -> dict | None:
+        """The decider's counts and its last inputs and decision (what `syshax status` explains)."""
+        if self.servable_modes()["auto"]:
+            return None
+        return {"decisions": dict(self.auto["decisions"]), "queued_for_gpu": self.auto["queued"],
+                "reconsidered": self.auto["reconsidered"], "moved_to_gpu": self.auto["moved_to_gpu"],
+                "move_failed": self.auto["move_failed"], "last": self.auto["last"],
+                "thresholds": asdict(self.thresholds())}
+
     def status(self) -> dict:
         return {
             "mode": self.mode,
+            "modes": {m: why or "available" for m, why in self.servable_modes().items()},
             "ready": self.is_ready(),
             "in_flight": self.in_flight(),
+            "queued": self.queued(),
             "capacity": self.capacity(),
             "max_queue_size": self.config.max_queue_size,
             "routes": dict(self.routes),
             "refused": dict(self.refused),
+            "auto": self.auto_status(),
             "kv": self.kv_status(),
             "workers": [w.status() for w in self.workers],
         }

@@ -43,6 +43,8 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tokens_sent: int = 0
     finished: bool = False
+    route: str = ""  # where the scheduler sent it, and why (auto mode), for the response and the logs
+    reason: str = ""
 
     async def next_event(self):
         event = await self.queue.get()

@@ -24,6 +24,9 @@ class EngineSpec:
     role: str  # "generate" (prefill and decode), "prefill" or "decode"
     model_path: str
     model_name: str
+    # which of the scheduler's pools the worker serves: "cpu" (CPU decoders, cpu mode's engines),
+    # "gpu" (the GPU engine of gpu and auto modes) or "prefill" (hetero mode's prefill worker)
+    pool: str = "cpu"
     n_ctx: int = 4096
     max_batch_size: int = 8
     threads: int = 1
@@ -81,7 +84,13 @@ class GenerateRequest:
     # hetero: the prompt's KV, computed elsewhere; or why there is none (the decoder recomputes)
     kv: KVHandle | None = None
     kv_missing: str = ""
-    route: str = ""  # "cpu" or "hetero" for this request alone; empty: the daemon's mode
+    route: str = ""  # "cpu", "gpu", "hetero" or "auto" for this request alone; empty: the daemon's mode
+    # a generate engine with a ring runs only the prompt, writes its KV into the ring and answers
+    # Prefilled, as a prefill worker does (auto mode offloading this request's decode to the CPU)
+    handoff: bool = False
+    # tokens this request already generated on another engine: the prompt is followed by them
+    # and generation continues after them (auto mode moving a CPU decode back to the GPU)
+    resume_tokens: tuple[int, ...] = ()
 
 
 # --- worker -> daemon events -------------------------------------------------------------
@@ -136,6 +145,7 @@ class Delta:
     n_tokens: int
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     error: str | None = None
+    tokens: tuple[int, ...] = ()  # the token ids behind it (so a decode can continue on another engine)
 
 
 @dataclass(frozen=True)
