@@ -160,6 +160,8 @@ class _EngineCollector:
         yield from self._engines(status)
         yield from self._daemon(status, service)
         yield from self._kv(status.get("kv") or {})
+        if status.get("auto"):
+            yield from self._auto(status["auto"])
 
     def _engines(self, status: dict):
         m = [self.model_name]
@@ -264,3 +266,16 @@ class _EngineCollector:
                 if key in latency:
                     g.add_metric([quantile], float(latency[key]))
             yield g
+
+    def _auto(self, auto: dict):
+        decisions = CounterMetricFamily("syshax_auto_decisions", "auto mode's offload decisions, by outcome (gpu, "
+                                        "hetero: decode offloaded to the CPU, refuse: both sides full).",
+                                        labels=["decision"])
+        for decision, n in (auto.get("decisions") or {}).items():
+            decisions.add_metric([str(decision)], float(n))
+        yield decisions
+        for key, doc in (("reconsidered", "Offloaded decodes reconsidered after their token limit."),
+                         ("moved_to_gpu", "Offloaded decodes that moved back to the GPU engine.")):
+            c = CounterMetricFamily(f"syshax_auto_{key}", doc)
+            c.add_metric([], float(auto.get(key, 0)))
+            yield c

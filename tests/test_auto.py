@@ -97,6 +97,12 @@ def test_saturated_gpu_offloads_decodes_and_every_text_is_right(auto):
     last = decider["last"]
     assert last["route"] in ("gpu", "hetero", "refuse") and {"running", "waiting", "kv_usage"} <= set(last["gpu"])
     assert st["kv"]["records_read"] > 0 and not st["kv"]["fallbacks"]
+    import urllib.request
+
+    with urllib.request.urlopen(f"{auto.url}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert f'syshax_requests_routed_total{{route="hetero"}} {float(st["routes"]["hetero"])}' in metrics
+    assert f"syshax_auto_moved_to_gpu_total {float(decider['moved_to_gpu'])}" in metrics
     settle(auto)
 
 

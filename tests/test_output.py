@@ -35,3 +35,15 @@ def test_utf8_split_across_tokens():
 
 def test_invalid_bytes_become_replacement_characters():
     assert feed_all(TextStream(), [b"ok\xff"]) == "ok\ufffd"
+
+
+def test_a_primed_stream_finishes_what_began_on_another_engine():
+    # the decode moved after "Hi E" and half of "é" went out: the new engine neither repeats that text nor
+    # misses a stop string or a character that spans the move
+    elsewhere = TextStream(("END",))
+    sent = elsewhere.feed(b"Hi E") + elsewhere.feed("é".encode()[:1])
+    assert sent == "Hi "
+    moved = TextStream(("END",)).primed([b"Hi E", "é".encode()[:1]])
+    assert moved.feed("é".encode()[1:]) == "Eé"
+    moved = TextStream(("END",)).primed([b"Hi E"])
+    assert moved.feed(b"ND and more") == "" and moved.stopped

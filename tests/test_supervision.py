@@ -89,10 +89,13 @@ def test_missing_model_file_is_a_clear_startup_error(tmp_path):
 
 
 def test_unavailable_mode_is_refused_with_the_reason(tmp_path, default_model):
-    # gpu mode is served since the GPU engines (on a host without a GPU, by prefill_engine); auto is not yet
-    done = subprocess.run([sys.executable, "-m", "syshaxd", "--model", str(default_model), "--mode", "auto",
-                           "--port", "0"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert done.returncode == 2 and "auto" in done.stderr
+    # auto mode's GPU engine must generate and prefill: the torch backend only prefills
+    config = tmp_path / "syshax.toml"
+    config.write_text('prefill_engine = "torch"\n')
+    done = subprocess.run([sys.executable, "-m", "syshaxd", "--config", str(config), "--model", str(default_model),
+                           "--mode", "auto", "--port", "0"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "prefill_engine: backend 'torch' cannot generate and prefill (auto mode" in done.stderr
 
 
 def test_quantize_at_first_load_is_cached(tmp_path):
