@@ -184,11 +184,23 @@ class VllmEngine:
         return events
 
     def stats(self) -> dict:
-        running = len(self.live)
-        return {"running": min(running, self.max_seqs), "waiting": max(0, running - self.max_seqs),
-                "free_slots": max(0, self.max_seqs - running), "max_batch_size": self.max_seqs, "n_ctx": self.n_ctx,
-                "kv_usage": sum(len(x.prompt) + x.n_generated for x in self.live.values()) / (self.n_ctx * self.max_seqs),
+        held = len(self.live)
+        running, waiting = min(held, self.max_seqs), max(0, held - self.max_seqs)
+        kv_usage = sum(len(x.prompt) + x.n_generated for x in self.live.values()) / (self.n_ctx * self.max_seqs)
+        scheduler = self._vllm_scheduler()
+        if scheduler is not None:  # vLLM's own view: what auto mode's decider should see (the seed read it too)
+            running, waiting = len(scheduler.running), len(scheduler.waiting)
+            kv_usage = float(scheduler.kv_cache_manager.usage)
+        return {"running": running, "waiting": waiting, "free_slots": max(0, self.max_seqs - held),
+                "max_batch_size": self.max_seqs, "n_ctx": self.n_ctx, "kv_usage": kv_usage,
                 "tokens_per_second": self._rate.per_second(), **self.counters}
+
+    def _vllm_scheduler(self):
+        """vLLM's scheduler, reachable because its engine core runs in this process; None if this vLLM hides it."""
+        try:
+            return self.llm.engine_core.engine_core.scheduler
+        except AttributeError:
+            return None
 
     def close(self) -> None:
         for live in list(self.live.values()):

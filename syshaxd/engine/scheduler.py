@@ -193,13 +193,15 @@ class Scheduler:
                           token_limit_max=c.token_limit_max)
 
     def engine_state(self, pool: str) -> EngineState:
-        """A pool's load: running and waiting from the daemon's own count of what each worker holds (exact
-        the moment a request is sent, where a worker's report is up to one step old), KV usage and recent
-        tokens/s from the workers' reports."""
+        """A pool's load. Running and waiting come from the daemon's own count of what each worker holds
+        (exact the moment a request is sent, where a worker's report is up to one step old), waiting also
+        from the workers' reports (an engine may queue below its batch size: vLLM preempts sequences when
+        its KV cache runs out); KV usage and recent tokens/s from the reports."""
         workers = [w for w in self.pools[pool] if w.state == "ready"]
         held = sum(w.in_flight for w in workers)
         slots = sum(w.spec.max_batch_size for w in workers)
-        return EngineState(running=min(held, slots), waiting=max(0, held - slots),
+        reported_waiting = sum(int(w.stats.get("waiting", 0)) for w in workers)
+        return EngineState(running=min(held, slots), waiting=max(held - slots, reported_waiting, 0),
                            kv_usage=max((float(w.stats.get("kv_usage", 0.0)) for w in workers), default=0.0),
                            tokens_per_second=sum(float(w.stats.get("tokens_per_second", 0.0)) for w in workers))
 
