@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     work.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request time limit (default: 600)")
 
     target = parser.add_argument_group("what to benchmark")
-    target.add_argument("--mode", choices=[*MODES, "all"],
-                        help="start one syshaxd per mode and benchmark each (default: all); not used with --url")
+    target.add_argument("--mode", type=_modes, metavar="MODE[,MODE...]",
+                        help=f"start one syshaxd per mode and benchmark each: {', '.join(MODES)}, a list like "
+                        "cpu,gpu,auto, or all (default: all); not used with --url")
     target.add_argument("--url", action="append", metavar="[LABEL=]URL",
                         help="benchmark this OpenAI-compatible server instead (vLLM, llama.cpp's server,"
                         " llama_cpp.server, another syshaxd); repeat it to compare servers")
@@ -91,6 +92,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     out.add_argument("--sample-interval", type=float, default=0.5, metavar="S",
                      help="how often CPU and memory are sampled (default: 0.5)")
     return parser
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    """--mode: "all", one mode, or several separated by commas, in the order given."""
+    if text == "all":
+        return MODES
+    modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"{text!r}: modes are {', '.join(MODES)} (or a list of them, or all)")
+    return modes
 
 
 def _parse_urls(values: list[str] | None) -> list[tuple[str, str]]:
@@ -173,7 +185,7 @@ def _targets(args: argparse.Namespace) -> list[dict]:
         return [{"label": label, "kind": "url", "mode": None, "url": url,
                  "server_pid": pids[i] if i < len(pids) else None}
                 for i, (label, url) in enumerate(_parse_urls(args.url))]
-    modes = MODES if (args.mode or "all") == "all" else (args.mode,)
+    modes = args.mode or MODES
     return [{"label": mode, "kind": "mode", "mode": mode, "url": None, "server_pid": None} for mode in modes]
 
 
