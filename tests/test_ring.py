@@ -269,3 +269,32 @@ def test_an_aborted_reservation_gives_its_space_back(instance):
         ring.release(offset)
         st = ring.stats()
         assert (st.used_bytes, st.records_skipped, st.records_released) == (0, 1, 1)
+
+
+def test_records_a_dead_producer_committed_but_never_handed_on_are_freed(instance):
+    # The daemon's side: a KV producer commits two records, reports one (a hetero request holds it) and dies
+    # before reporting the other. The scheduler frees the unreported one so the ring's tail does not stick.
+    from syshaxd.config import Config
+    from syshaxd.engine.scheduler import Scheduler
+
+    class Held:  # a hetero request that holds the record it was told about
+        def __init__(self, offset):
+            self.handle = type("Handle", (), {"offset": offset})()
+
+    with KVRing.create(instance, 64 * 1024) as ring:
+        producer = spawn(f"""
+            from syshaxd.kv.ring import KVRing
+            ring = KVRing.attach({instance!r})
+            print(ring.write(b"told" * 1000), ring.write(b"lost" * 1000), flush=True)
+        """)
+        told, lost = map(int, producer.stdout.readline().split())
+        assert producer.wait(10) == 0
+        scheduler = Scheduler(Config(), [], ring)
+        holder = Held(told)
+        scheduler._handoffs.add(holder)
+        assert scheduler.release_orphans(producer.pid) == 1
+        assert [(r.offset, r.state) for r in ring.records()] == [(told, "committed"), (lost, "released")]
+        assert scheduler.kv_status()["orphans_released"] == 1
+        assert scheduler.release_orphans(producer.pid + 1) == 0  # another writer's records are not touched
+        ring.release(told)  # the request's decoder takes it up: now the ring is empty again
+        assert ring.stats().used_bytes == 0

@@ -49,6 +49,11 @@ class HandoffStream:
             self.finished = True
         return event
 
+    @property
+    def handle(self):
+        """The ring record this request holds and no decoder has taken yet, if any."""
+        return self._handle
+
     def cancel(self) -> None:
         if self.finished:
             return

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import weakref
 from collections import Counter, deque
 from dataclasses import asdict, replace
 
@@ -17,6 +19,7 @@ from syshaxd.engine.types import GenerateRequest, KVHandle
 log = logging.getLogger(__name__)
 
 ROUTES = ("cpu", "gpu", "hetero")  # where one request runs; "auto" picks one of gpu and hetero per request
+ORPHAN_GRACE = 2.0  # seconds after a KV producer died before its unclaimed records are freed
 
 
 class Overloaded(RuntimeError):
@@ -63,11 +66,13 @@ class Scheduler:
         self.routes: Counter = Counter()
         self.refused: Counter = Counter()
         self.handoff = {"records_written": 0, "bytes_written": 0, "records_read": 0, "records_failed": 0,
-                        "fallbacks": Counter(), "latency": deque(maxlen=1000)}
+                        "orphans_released": 0, "fallbacks": Counter(), "latency": deque(maxlen=1000)}
         self.auto = {"decisions": Counter(), "queued": 0, "reconsidered": 0, "moved_to_gpu": 0, "move_failed": 0,
                      "last": None}
+        self._handoffs: weakref.WeakSet = weakref.WeakSet()  # hetero requests that may hold a ring record
         for w in self.prefill + self.gpu:
             w.on_orphan_record = self.release_record
+            w.on_exit = self.producer_died
 
     @property
     def mode(self) -> str:
@@ -176,6 +181,7 @@ class Scheduler:
                 stream = self.pick_decoder().submit(request)
             else:
                 stream = HandoffStream(self, request, prefill)
+                self._handoffs.add(stream)
             if decision is not None and decision.token_limit:
                 stream = OffloadStream(self, request, stream, decision.token_limit)
         stream.route = route
@@ -220,14 +226,42 @@ class Scheduler:
 
     def release_record(self, handle: KVHandle) -> None:
         """Free a ring record that no decoder will take (its request was cancelled or re-routed)."""
+        self._release_offset(handle.offset)
+
+    def _release_offset(self, offset: int) -> None:
         if self.ring is None:
             return
         from syshaxd.kv.ring import RingError
 
         try:
-            self.ring.release(handle.offset)
+            self.ring.release(offset)
         except RingError as exc:  # already released by a decoder that died after reading it
-            log.debug("record at %d already gone: %s", handle.offset, exc)
+            log.debug("record at %d already gone: %s", offset, exc)
+
+    def producer_died(self, pid: int) -> None:
+        """A worker that writes KV records died: soon free the records it committed that no request holds.
+
+        It may have died after committing a record and before reporting it; nobody would release that
+        one, and the ring's tail would stick behind it. The grace lets the requests it did report take
+        up their records first; a record freed under a request anyway only makes its decoder recompute.
+        """
+        if self.ring is not None:
+            asyncio.get_running_loop().call_later(ORPHAN_GRACE, self.release_orphans, pid)
+
+    def release_orphans(self, pid: int) -> int:
+        """Release the committed records of writer `pid` that no live hetero request holds; how many."""
+        if self.ring is None:
+            return 0
+        held = {stream.handle.offset for stream in self._handoffs if stream.handle is not None}
+        freed = 0
+        for record in list(self.ring.records()):
+            if record.state == "committed" and record.writer_pid == pid and record.offset not in held:
+                self._release_offset(record.offset)
+                freed += 1
+        if freed:
+            self.handoff["orphans_released"] += freed
+            log.warning("freed %d KV record(s) that KV producer pid %d committed but never handed on", freed, pid)
+        return freed
 
     @staticmethod
     def _states(workers) -> str:
@@ -247,6 +281,7 @@ class Scheduler:
             "records_written": self.handoff["records_written"],
             "records_read": self.handoff["records_read"],
             "records_failed": self.handoff["records_failed"],
+            "orphans_released": self.handoff["orphans_released"],
             "bytes_moved": self.handoff["bytes_written"],
             "fallbacks": dict(self.handoff["fallbacks"]),
             "handoff_latency_s": {"count": len(lat), "p50": _percentile(lat, 0.5), "p99": _percentile(lat, 0.99)},

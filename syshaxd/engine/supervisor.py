@@ -102,6 +102,7 @@ class WorkerHandle:
         self._cpu_seen: float | None = None  # the silent worker's CPU seconds at the previous look
         self._loop = asyncio.get_running_loop()
         self.on_orphan_record = None  # called with a Prefilled whose request is gone (its record must go)
+        self.on_exit = None  # called with the pid of a worker that died, once its last events were routed
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -245,7 +246,7 @@ class WorkerHandle:
         if self._process is None:
             return
         self._process.join(1)
-        code = self._process.exitcode
+        code, pid = self._process.exitcode, self._process.pid
         if self._conn is not None:
             self._on_readable()  # events it sent just before dying still count
         was_failed = self.state == "failed"
@@ -265,6 +266,8 @@ class WorkerHandle:
                 )
             else:
                 stream.queue.put_nowait(Delta(stream.request_id, "", 0, "error", during))
+        if self.on_exit is not None and not self._stopping:
+            self.on_exit(pid)
         if self._stopping:
             return
         if was_failed:
