@@ -158,6 +158,25 @@ def test_overload_beyond_the_queue_is_refused_with_429_and_the_daemon_serves_on(
     assert after["choices"][0]["text"].strip().startswith("9, 10")
 
 
+def test_while_the_gpu_engine_restarts_auto_serves_on_the_cpu(auto):
+    import os
+    import signal
+
+    settle(auto)
+    (gpu0,) = [w for w in auto.status()["workers"] if w["name"] == "gpu0"]
+    os.kill(gpu0["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while next(w for w in auto.status()["workers"] if w["name"] == "gpu0")["state"] == "ready":
+        assert time.monotonic() < deadline, "the daemon did not notice gpu0's death"
+        time.sleep(0.01)
+    (answer,) = run_all(auto.url, [counting_prompt(0)], 8)  # within worker_restart_delay (1 s)
+    assert answer["syshax"]["route"] == "cpu" and "GPU engine is not ready" in answer["syshax"]["reason"]
+    assert answer["choices"][0]["text"].strip().startswith("9, 10")
+    auto.wait_healthy()
+    (answer,) = run_all(auto.url, [counting_prompt(0)], 8)
+    assert answer["syshax"]["route"] == "gpu"
+
+
 def test_a_request_that_waits_past_request_timeout_gets_a_clean_503(default_model, tmp_path):
     d = start_daemon(tmp_path, {"model": str(default_model), "cpu_max_batch_size": 1, "request_timeout": 1.0})
     try:

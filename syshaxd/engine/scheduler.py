@@ -127,12 +127,11 @@ class Scheduler:
         """Requests admitted beyond the engines' batch slots: they wait in an engine's queue."""
         return max(0, self.in_flight() - self.slots("cpu") - self.slots("gpu"))
 
-    @staticmethod
-    def _least_loaded(workers: list[WorkerHandle], what: str) -> WorkerHandle:
+    @classmethod
+    def _least_loaded(cls, workers: list[WorkerHandle], what: str) -> WorkerHandle:
         ready = [w for w in workers if w.state == "ready"]
         if not ready:
-            states = ", ".join(f"{w.name} {w.state}" + (f" ({w.error})" if w.error else "") for w in workers)
-            raise EngineUnavailable(f"no {what} is ready ({states or 'none'}); retry shortly")
+            raise EngineUnavailable(f"no {what} is ready ({cls._states(workers)}); retry shortly")
         return min(ready, key=lambda w: w.in_flight)
 
     def pick_decoder(self) -> WorkerHandle:
@@ -157,7 +156,12 @@ class Scheduler:
                 f"queue of {self.config.max_queue_size} full); retry later"
             )
         decision = None
-        if route == "auto":
+        if route == "auto" and not any(w.state == "ready" for w in self.gpu):
+            # the GPU engine is loading or being restarted: the CPU workers serve meanwhile
+            decision = Decision("cpu", f"the GPU engine is not ready ({self._states(self.gpu)}); serving on the CPU")
+            self.auto["decisions"]["cpu"] += 1
+            route = "cpu"
+        elif route == "auto":
             decision = self.decide()
             if decision.route == "refuse":
                 # both sides are full: wait in the GPU engine's queue, which admission bounded above
