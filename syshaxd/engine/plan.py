@@ -22,7 +22,6 @@ from syshaxd.numa import (
 log = logging.getLogger(__name__)
 
 
-
 class PlanError(RuntimeError):
     """The configuration asks for workers this host cannot run; the message says what to change."""
 
@@ -58,8 +57,11 @@ def default_prefill_cpus(cpus: frozenset[int]) -> frozenset[int]:
     return frozenset(ordered[: max(1, len(ordered) // 4)])
 
 
-_ROLES_NEEDED = {"hetero": ("prefill", "prefill"), "gpu": ("generate", "generate (gpu mode runs both phases on it)"),
-                 "auto": ("generate", "generate and prefill (auto mode runs both phases on it, or the prompt alone)")}
+# the roles the prefill_engine backend needs in each mode, and how the error says it
+_ROLES_NEEDED = {"hetero": ({"prefill"}, "prefill"),
+                 "gpu": ({"generate"}, "generate (gpu mode runs both phases on it)"),
+                 "auto": ({"generate", "prefill"}, "generate and prefill (auto mode runs both phases on it, "
+                                                   "or the prompt alone)")}
 
 
 def _prefill_backend(name: str, mode: str) -> str:
@@ -74,8 +76,8 @@ def _prefill_backend(name: str, mode: str) -> str:
         backend = find_backend(make_plugin_manager(), name)
     except BackendNotFound as exc:
         raise PlanError(f"prefill_engine: {exc}") from None
-    role, doing = _ROLES_NEEDED[mode]
-    if role not in backend.roles or (mode == "auto" and "prefill" not in backend.roles):
+    roles, doing = _ROLES_NEEDED[mode]
+    if not roles <= backend.roles:
         raise PlanError(f"prefill_engine: backend {name!r} cannot {doing} (its roles: {', '.join(sorted(backend.roles))})")
     available = backend.availability()
     if not available.available:
