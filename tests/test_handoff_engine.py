@@ -109,3 +109,32 @@ def test_record_for_other_tokens_is_refused(default_model, ring, reference):
     other = dataclasses.replace(request(kv=handed.handle), prompt=PROMPT + " and")
     events = run(dec, other)
     assert [e for e in events if isinstance(e, Imported)][0].reason == "TokenMismatch"
+
+
+def test_a_generating_engine_hands_a_prompt_on_without_waiting_for_a_batch_slot(default_model, ring, reference):
+    # auto mode's GPU engine with every batch slot busy generating: an offloaded request's prompt still runs
+    # at once (it needs the prompt context, not a slot) and its KV decodes elsewhere to the same text
+    from syshax_llamacpp.engine import LlamaCppEngine
+
+    gpu = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_path=str(default_model),
+                                    model_name="m", n_ctx=512, max_batch_size=1, threads=1, prefill_chunk_size=128,
+                                    ring=_instance(ring)))
+    dec = engine(default_model, ring, "generate")
+    try:
+        long = dataclasses.replace(request(), max_tokens=200, ignore_eos=True)
+        gpu.submit(long)
+        gpu.step()  # the long one holds the only slot
+        offloaded = request(handoff=True)
+        gpu.submit(offloaded)
+        steps, handed = 0, None
+        while handed is None:
+            steps += 1
+            handed = next((e for e in gpu.step() if isinstance(e, Prefilled)), None)
+        assert steps <= 3, f"the offloaded prompt waited {steps} steps"
+        assert gpu.stats()["running"] == 1 and handed.handle is not None
+        taken = run(dec, dataclasses.replace(request(), request_id=handed.request_id, kv=handed.handle))
+        assert [e.ok for e in taken if isinstance(e, Imported)] == [True]
+        assert text_of(taken) == reference
+    finally:
+        gpu.close()
+        dec.close()

@@ -228,7 +228,8 @@ class LlamaCppEngine:
         return []
 
     def has_work(self) -> bool:
-        return bool(self.active) or (bool(self.waiting) and self._can_admit(self.waiting[0]))
+        return bool(self.active) or (bool(self.waiting) and (bool(self.free_ids) or any(
+            not self._needs_slot(s) for s in self.waiting)))
 
     def step(self) -> list:
         """One llama_decode for every decoding sequence, then one chunk of the oldest prompt."""
@@ -327,25 +328,35 @@ class LlamaCppEngine:
             return self.tokenize(text, add_special=False)
         return self.tokenize(request.prompt or "", add_special=True)
 
-    def _can_admit(self, seq: _Sequence) -> bool:
-        return bool(self.free_ids)
+    def _needs_slot(self, seq: _Sequence) -> bool:
+        """A sequence that decodes here holds a batch slot; a prompt that is only handed on (prefill role, or
+        auto mode offloading its decode) runs in the prompt context alone and holds none."""
+        return self.decodes and not seq.request.handoff
 
     def _admit(self) -> list:
-        # FIFO: the head of the queue is never overtaken, so a long request is not starved
+        # FIFO for batch slots: the head of the queue is never overtaken, so a long request is not starved.
+        # Prompts only handed on need no slot: they start at once, or an offloaded request's prefill would
+        # wait here for a whole generation to end.
         deltas = []
-        while self.waiting and self._can_admit(self.waiting[0]):
-            seq = self.waiting.popleft()
-            del self.queued[seq.request.request_id]
-            seq.seq_id = self.free_ids.popleft()
-            seq.sampler = make_sampler(seq.request.sampling, self.n_vocab)
-            seq.text = TextStream(seq.request.stop).primed(self._piece_bytes(t) for t in seq.request.resume_tokens)
-            self.active[seq.request.request_id] = seq
-            self.counters["prompt_tokens"] += len(seq.prompt)
-            if seq.request.kv is not None or seq.request.kv_missing:
-                deltas += self._take_kv(seq)
-            else:
-                seq.pending = deque(seq.prompt)
+        while self.waiting and (self.free_ids or not self._needs_slot(self.waiting[0])):
+            deltas += self._start(self.waiting.popleft())
+        for seq in [s for s in self.waiting if not self._needs_slot(s)]:
+            self.waiting.remove(seq)
+            deltas += self._start(seq)
         return deltas
+
+    def _start(self, seq: _Sequence) -> list:
+        del self.queued[seq.request.request_id]
+        if self._needs_slot(seq):
+            seq.seq_id = self.free_ids.popleft()
+        seq.sampler = make_sampler(seq.request.sampling, self.n_vocab)
+        seq.text = TextStream(seq.request.stop).primed(self._piece_bytes(t) for t in seq.request.resume_tokens)
+        self.active[seq.request.request_id] = seq
+        self.counters["prompt_tokens"] += len(seq.prompt)
+        if seq.request.kv is not None or seq.request.kv_missing:
+            return self._take_kv(seq)
+        seq.pending = deque(seq.prompt)
+        return []
 
     def _take_kv(self, seq: _Sequence) -> list:
         """Start seq from the KV another engine computed; if it cannot be used, recompute the prompt."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,11 @@ class VllmEngine:
         self.fingerprint = folder_fingerprint(self.folder)
         self.vocab = Vocab(self.gguf)
         self.n_ctx = min(spec.n_ctx, self.vocab.n_ctx_train)
-        self.max_seqs = gpu.max_num_seqs
+        self.max_seqs = gpu.max_num_seqs  # sequences it generates at once (the daemon's slots for it)
+        # auto mode's GPU engine also runs the prompts of offloaded requests; room for as many again beside a
+        # full batch, or such a prompt would wait in vLLM's queue for a whole generation to end
+        self.handoff_room = self.max_seqs if spec.ring and spec.role == "generate" else 0
+        self.held: deque[tuple[_Live, list[int], object]] = deque()  # generations waiting for one of max_seqs
         started = time.monotonic()
         self.llm = self._build(gpu)
         from vllm import SamplingParams
@@ -98,7 +103,7 @@ class VllmEngine:
         from vllm import EngineArgs, LLMEngine
 
         kw = dict(model=str(self.folder), tokenizer=str(self.folder), max_model_len=self.n_ctx,
-                  max_num_seqs=self.max_seqs, tensor_parallel_size=gpu.tensor_parallel_size, seed=0,
+                  max_num_seqs=self.max_seqs + self.handoff_room, tensor_parallel_size=gpu.tensor_parallel_size, seed=0,
                   disable_log_stats=True,
                   # as the llama.cpp engine feeds prompts: at most prefill_chunk_size tokens of one per step
                   long_prefill_token_threshold=self.spec.prefill_chunk_size)
@@ -108,7 +113,7 @@ class VllmEngine:
             # fraction of the host's memory.
             per_token = self.fingerprint.n_layer * 2 * self.fingerprint.n_head_kv * self.fingerprint.head_dim * 4
             kw.update(dtype="float32", enforce_eager=True,
-                      kv_cache_memory_bytes=per_token * (self.max_seqs * self.n_ctx + 1024))
+                      kv_cache_memory_bytes=per_token * ((self.max_seqs + self.handoff_room) * self.n_ctx + 1024))
         else:
             kw.update(dtype="bfloat16", gpu_memory_utilization=gpu.gpu_memory_utilization)
         if self.spec.ring:  # prefill role, or auto mode's GPU engine, which hands some prompts on
@@ -151,22 +156,38 @@ class VllmEngine:
             # generate: end-of-generation and stop strings are decided here, as the llama.cpp engine does
             max_tokens=1 if prefill else max_tokens, ignore_eos=True, detokenize=False,
             output_kind=self._DELTA, extra_args=dict(self._export_args) if prefill else None)
-        live.internal_id = self.llm.add_request(rid, self._TokensPrompt(prompt_token_ids=prompt), params)
         self.live[rid] = live
-        self.by_internal[live.internal_id] = rid
         self.counters["prompt_tokens"] += len(prompt)
+        if not prefill and (self.held or self._generating() >= self.max_seqs):
+            self.held.append((live, prompt, params))  # FIFO behind the others waiting for a slot
+        else:
+            self._add(live, prompt, params)
         return [Accepted(rid, len(prompt), max_tokens)]
+
+    def _add(self, live: _Live, prompt: list[int], params) -> None:
+        live.internal_id = self.llm.add_request(live.request.request_id, self._TokensPrompt(prompt_token_ids=prompt),
+                                                params)
+        self.by_internal[live.internal_id] = live.request.request_id
+
+    def _generating(self) -> int:
+        return sum(1 for x in self.live.values() if x.internal_id and not x.handoff)
+
+    def _release_held(self) -> None:
+        while self.held and self._generating() < self.max_seqs:
+            self._add(*self.held.popleft())
 
     def cancel(self, request_id: str) -> list:
         live = self.live.get(request_id)
         if live is not None:
+            self.held = deque(h for h in self.held if h[0] is not live)
             self._drop(live, abort=True)
         return []
 
     def has_work(self) -> bool:
-        return self.llm.has_unfinished_requests()
+        return self.llm.has_unfinished_requests() or bool(self.held)
 
     def step(self) -> list:
+        self._release_held()
         outputs = self.llm.step()
         self.counters["steps"] += 1
         events: list = []
@@ -181,17 +202,18 @@ class VllmEngine:
             else:
                 events += self._deltas(live, out)
         self._count(sum(isinstance(e, Delta) for e in events))
+        self._release_held()
         return events
 
     def stats(self) -> dict:
-        held = len(self.live)
-        running, waiting = min(held, self.max_seqs), max(0, held - self.max_seqs)
+        n_live = len(self.live)
+        running, waiting = min(n_live, self.max_seqs), max(0, n_live - self.max_seqs)
         kv_usage = sum(len(x.prompt) + x.n_generated for x in self.live.values()) / (self.n_ctx * self.max_seqs)
         scheduler = self._vllm_scheduler()
         if scheduler is not None:  # vLLM's own view: what auto mode's decider should see (the seed read it too)
-            running, waiting = len(scheduler.running), len(scheduler.waiting)
+            running, waiting = len(scheduler.running), len(scheduler.waiting) + len(self.held)
             kv_usage = float(scheduler.kv_cache_manager.usage)
-        return {"running": running, "waiting": waiting, "free_slots": max(0, self.max_seqs - held),
+        return {"running": running, "waiting": waiting, "free_slots": max(0, self.max_seqs - self._generating()),
                 "max_batch_size": self.max_seqs, "n_ctx": self.n_ctx, "kv_usage": kv_usage,
                 "tokens_per_second": self._rate.per_second(), **self.counters}
 
@@ -259,7 +281,7 @@ class VllmEngine:
     def _drop(self, live: _Live, abort: bool) -> None:
         self.live.pop(live.request.request_id, None)
         self.by_internal.pop(live.internal_id, None)
-        if abort and self.llm is not None:
+        if abort and self.llm is not None and live.internal_id:
             self.llm.abort_request([live.internal_id], internal=True)
         if live.handoff and abort:
             stale = self.outbox.pop(live.internal_id, None)

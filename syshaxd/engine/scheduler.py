@@ -125,7 +125,7 @@ class Scheduler:
 
     def queued(self) -> int:
         """Requests admitted beyond the engines' batch slots: they wait in an engine's queue."""
-        return max(0, self.in_flight() - self.slots("cpu") - self.slots("gpu"))
+        return max(0, sum(w.generating for w in self.workers) - self.slots("cpu") - self.slots("gpu"))
 
     @classmethod
     def _least_loaded(cls, workers: list[WorkerHandle], what: str) -> WorkerHandle:
@@ -208,7 +208,7 @@ class Scheduler:
         from the workers' reports (an engine may queue below its batch size: vLLM preempts sequences when
         its KV cache runs out); KV usage and recent tokens/s from the reports."""
         workers = [w for w in self.pools[pool] if w.state == "ready"]
-        held = sum(w.in_flight for w in workers)
+        held = sum(w.generating for w in workers)  # an offloaded prompt on the GPU engine takes no slot there
         slots = sum(w.spec.max_batch_size for w in workers)
         reported_waiting = sum(int(w.stats.get("waiting", 0)) for w in workers)
         return EngineState(running=min(held, slots), waiting=max(held - slots, reported_waiting, 0),

@@ -45,6 +45,7 @@ class RequestStream:
     finished: bool = False
     route: str = ""  # where the scheduler sent it, and why (auto mode), for the response and the logs
     reason: str = ""
+    handoff: bool = False  # only its prompt runs here (its KV goes on to a decoder): it holds no batch slot
 
     async def next_event(self):
         event = await self.queue.get()
@@ -288,7 +289,7 @@ class WorkerHandle:
     def submit(self, request: GenerateRequest) -> RequestStream:
         if self.state != "ready" or self._conn is None:
             raise EngineUnavailable(f"{self.name} is {self.state}")
-        stream = RequestStream(request.request_id, self)
+        stream = RequestStream(request.request_id, self, handoff=request.handoff)
         self.streams[request.request_id] = stream
         self._conn.send(Submit(request))
         return stream
@@ -304,6 +305,11 @@ class WorkerHandle:
     @property
     def in_flight(self) -> int:
         return len(self.streams)
+
+    @property
+    def generating(self) -> int:
+        """Requests it holds that take (or wait for) a batch slot: all but prompts it only hands on."""
+        return sum(1 for s in self.streams.values() if not s.handoff)
 
     def status(self) -> dict:
         return {
