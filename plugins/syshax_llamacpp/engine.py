@@ -211,6 +211,10 @@ class LlamaCppEngine:
                 )
             ]
         seq = _Sequence(request=request, prompt=prompt, max_tokens=max_tokens, started=time.monotonic())
+        if not self._needs_slot(seq):
+            # a prompt only handed on runs in the prompt context and holds no batch slot: it starts at once,
+            # or an offloaded request's prefill would wait here for a whole generation to end
+            return [Accepted(rid, len(prompt), max_tokens), *self._start(seq)]
         self.waiting.append(seq)
         self.queued[rid] = seq
         return [Accepted(rid, len(prompt), max_tokens)]
@@ -228,8 +232,7 @@ class LlamaCppEngine:
         return []
 
     def has_work(self) -> bool:
-        return bool(self.active) or (bool(self.waiting) and (bool(self.free_ids) or any(
-            not self._needs_slot(s) for s in self.waiting)))
+        return bool(self.active) or (bool(self.waiting) and bool(self.free_ids))
 
     def step(self) -> list:
         """One llama_decode for every decoding sequence, then one chunk of the oldest prompt."""
@@ -334,21 +337,17 @@ class LlamaCppEngine:
         return self.decodes and not seq.request.handoff
 
     def _admit(self) -> list:
-        # FIFO for batch slots: the head of the queue is never overtaken, so a long request is not starved.
-        # Prompts only handed on need no slot: they start at once, or an offloaded request's prefill would
-        # wait here for a whole generation to end.
+        # FIFO: the head of the queue is never overtaken, so a long request is not starved
         deltas = []
-        while self.waiting and (self.free_ids or not self._needs_slot(self.waiting[0])):
-            deltas += self._start(self.waiting.popleft())
-        for seq in [s for s in self.waiting if not self._needs_slot(s)]:
-            self.waiting.remove(seq)
+        while self.waiting and self.free_ids:
+            seq = self.waiting.popleft()
+            del self.queued[seq.request.request_id]
+            seq.seq_id = self.free_ids.popleft()
             deltas += self._start(seq)
         return deltas
 
     def _start(self, seq: _Sequence) -> list:
-        del self.queued[seq.request.request_id]
-        if self._needs_slot(seq):
-            seq.seq_id = self.free_ids.popleft()
+        """Make seq active: a sampler, its text stream, and its prompt to evaluate or its KV to import."""
         seq.sampler = make_sampler(seq.request.sampling, self.n_vocab)
         seq.text = TextStream(seq.request.stop).primed(self._piece_bytes(t) for t in seq.request.resume_tokens)
         self.active[seq.request.request_id] = seq

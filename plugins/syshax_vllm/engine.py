@@ -142,23 +142,23 @@ class VllmEngine:
             return [admitted]
         prompt, max_tokens = admitted
         rid = request.request_id
-        prefill = self.spec.role == "prefill" or request.handoff
-        if prefill and not self.spec.ring:
+        handoff = self.spec.role == "prefill" or request.handoff
+        if handoff and not self.spec.ring:
             return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
         prompt += request.resume_tokens  # a decode moved here continues after what it generated
         text = TextStream(request.stop).primed(self.vocab.piece_bytes(t) for t in request.resume_tokens)
-        live = _Live(request, prompt, max_tokens, text=text, handoff=prefill)
+        live = _Live(request, prompt, max_tokens, text=text, handoff=handoff)
         s = request.sampling
         params = self._SamplingParams(
             n=1, temperature=max(s.temperature, 0.0), top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=s.repetition_penalty,
             # generate: end-of-generation and stop strings are decided here, as the llama.cpp engine does
-            max_tokens=1 if prefill else max_tokens, ignore_eos=True, detokenize=False,
-            output_kind=self._DELTA, extra_args=dict(self._export_args) if prefill else None)
+            max_tokens=1 if handoff else max_tokens, ignore_eos=True, detokenize=False,
+            output_kind=self._DELTA, extra_args=dict(self._export_args) if handoff else None)
         self.live[rid] = live
         self.counters["prompt_tokens"] += len(prompt)
-        if not prefill and (self.held or self._generating() >= self.max_seqs):
+        if not handoff and (self.held or self._generating() >= self.max_seqs):
             self.held.append((live, prompt, params))  # FIFO behind the others waiting for a slot
         else:
             self._add(live, prompt, params)
@@ -202,17 +202,17 @@ class VllmEngine:
             else:
                 events += self._deltas(live, out)
         self._count(sum(isinstance(e, Delta) for e in events))
-        self._release_held()
         return events
 
     def stats(self) -> dict:
-        n_live = len(self.live)
-        running, waiting = min(n_live, self.max_seqs), max(0, n_live - self.max_seqs)
-        kv_usage = sum(len(x.prompt) + x.n_generated for x in self.live.values()) / (self.n_ctx * self.max_seqs)
         scheduler = self._vllm_scheduler()
         if scheduler is not None:  # vLLM's own view: what auto mode's decider should see (the seed read it too)
             running, waiting = len(scheduler.running), len(scheduler.waiting) + len(self.held)
             kv_usage = float(scheduler.kv_cache_manager.usage)
+        else:  # an estimate from what this engine holds
+            n_live = len(self.live)
+            running, waiting = min(n_live, self.max_seqs), max(0, n_live - self.max_seqs)
+            kv_usage = sum(len(x.prompt) + x.n_generated for x in self.live.values()) / (self.n_ctx * self.max_seqs)
         return {"running": running, "waiting": waiting, "free_slots": max(0, self.max_seqs - self._generating()),
                 "max_batch_size": self.max_seqs, "n_ctx": self.n_ctx, "kv_usage": kv_usage,
                 "tokens_per_second": self._rate.per_second(), **self.counters}

@@ -101,10 +101,10 @@ async def _next_event(request: web.Request, stream: RequestStream, deadline: flo
 
 def _route_of(stream) -> dict:
     """Where the request ran: "cpu", "gpu" or "hetero"; in auto mode why, and whether its decode moved back."""
-    route = {"route": getattr(stream, "route", "") or ""}
-    if getattr(stream, "reason", ""):
+    route = {"route": stream.route}
+    if stream.reason:
         route["reason"] = stream.reason
-    if getattr(stream, "moved_to", ""):
+    if getattr(stream, "moved_to", ""):  # only an offloaded decode (engine/offload.py) can move
         route["moved_to"] = stream.moved_to
     return route
 

@@ -88,7 +88,7 @@ class OffloadStream:
         continuation = replace(self._request, kv=None, kv_missing="", handoff=False, route="gpu",
                                resume_tokens=tuple(self._generated), max_tokens=remaining)
         try:
-            stream = scheduler._least_loaded(scheduler.gpu, "GPU engine").submit(continuation)
+            stream = scheduler.pick_gpu().submit(continuation)
         except EngineUnavailable as exc:
             scheduler.auto["move_failed"] += 1
             log.info("%s: staying on the CPU (%s)", self.request_id, exc)

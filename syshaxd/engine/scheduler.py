@@ -18,7 +18,6 @@ from syshaxd.engine.types import GenerateRequest, KVHandle
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("cpu", "gpu", "hetero")  # where one request runs; "auto" picks one of gpu and hetero per request
 ORPHAN_GRACE = 2.0  # seconds after a KV producer died before its unclaimed records are freed
 
 
@@ -73,6 +72,7 @@ class Scheduler:
         for w in self.prefill + self.gpu:
             w.on_orphan_record = self.release_record
             w.on_exit = self.producer_died
+        self._unservable = self._why_unservable()  # the pools never change: worked out once, read per request
 
     @property
     def mode(self) -> str:
@@ -82,6 +82,9 @@ class Scheduler:
 
     def servable_modes(self) -> dict[str, str]:
         """Each mode, and why this daemon cannot route to it ("" when it can)."""
+        return dict(self._unservable)
+
+    def _why_unservable(self) -> dict[str, str]:
         restart = "; set mode = \"{}\" in the config file (syshax config set mode {} --save) and restart syshaxd"
         exports = any(w.spec.ring for w in self.gpu)
         why = {}
@@ -103,7 +106,7 @@ class Scheduler:
         """The default route of new requests; raises ValueError when this daemon cannot serve it."""
         if mode not in MODES:
             raise ValueError(f"mode: must be one of {', '.join(MODES)}; got {mode!r}")
-        reason = self.servable_modes()[mode]
+        reason = self._unservable[mode]
         if reason:
             raise ValueError(f"mode {mode!r} is not available: {reason}")
         self.config = self.config.replace(mode=mode)
@@ -137,12 +140,15 @@ class Scheduler:
     def pick_decoder(self) -> WorkerHandle:
         return self._least_loaded(self.decoders, "CPU worker")
 
+    def pick_gpu(self) -> WorkerHandle:
+        return self._least_loaded(self.gpu, "GPU engine")
+
     def submit(self, request: GenerateRequest):
         """A stream of the request's events; raises Overloaded, EngineUnavailable or RouteUnavailable."""
         route = request.route or self.mode
         if route not in MODES:
             raise RouteUnavailable(f"route {route!r} is not one of {', '.join(MODES)}")
-        why = self.servable_modes()[route]
+        why = self._unservable[route]
         if why:
             raise RouteUnavailable(f"this daemon cannot serve route {route!r}: {why}")
         needed = self.gpu if route == "gpu" else self.decoders
@@ -176,7 +182,7 @@ class Scheduler:
         if route == "cpu":
             stream = self.pick_decoder().submit(request)
         elif route == "gpu":
-            stream = self._least_loaded(self.gpu, "GPU engine").submit(request)
+            stream = self.pick_gpu().submit(request)
         else:
             prefill = min(self.prefill or self.gpu, key=lambda w: w.in_flight)
             if prefill.state != "ready":
@@ -293,7 +299,7 @@ class Scheduler:
 
     def auto_status(self) -> dict | None:
         """The decider's counts and its last inputs and decision (what `syshax status` explains)."""
-        if self.servable_modes()["auto"]:
+        if self._unservable["auto"]:
             return None
         return {"decisions": dict(self.auto["decisions"]), "queued_for_gpu": self.auto["queued"],
                 "reconsidered": self.auto["reconsidered"], "moved_to_gpu": self.auto["moved_to_gpu"],
@@ -303,7 +309,7 @@ class Scheduler:
     def status(self) -> dict:
         return {
             "mode": self.mode,
-            "modes": {m: why or "available" for m, why in self.servable_modes().items()},
+            "modes": {m: why or "available" for m, why in self._unservable.items()},
             "ready": self.is_ready(),
             "in_flight": self.in_flight(),
             "queued": self.queued(),
