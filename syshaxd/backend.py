@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from syshaxd.engine.types import Engine, EngineSpec
 
-ROLES = ("prefill", "decode", "generate")
-DEVICES = ("cpu", "gpu", "npu")
+
+
+class Role(StrEnum):
+    """What an engine does with a request."""
+
+    GENERATE = "generate"  # prefill and decode
+    PREFILL = "prefill"  # the prompt alone, its KV handed on through the ring
+    DECODE = "decode"  # continues from KV computed elsewhere
+
+
+class Device(StrEnum):
+    CPU = "cpu"
+    GPU = "gpu"
+    NPU = "npu"
+
+
+ROLES = tuple(Role)
+DEVICES = tuple(Device)
 
 
 @dataclass(frozen=True)

@@ -176,58 +176,55 @@ def _duration(seconds: float) -> str:
 
 
 def _print_status(st: dict) -> None:
+    import dataclasses
+
+    from syshaxd.engine.status import SchedulerStatus
     from syshaxd.numa import format_cpulist
 
-    state = "draining" if st.get("draining") else ("ready" if st.get("ready") else "not ready")
-    print(f"syshaxd {st.get('version')}  pid {st.get('pid')}  up {_duration(st.get('uptime_s', 0))}  "
-          f"mode {st.get('mode')}  {state}")
-    print(f"model {st.get('model')} on {st.get('listen')}  config {st.get('config_source') or '(built-in defaults)'}")
-    print(f"requests in flight {st.get('in_flight', 0)} of capacity {st.get('capacity', 0)} "
-          f"(queue {st.get('max_queue_size')})  HTTP generations active {st.get('http_active', 0)}")
-    if st.get("draining"):
-        print(f"draining: {st.get('drain_reason')}  (syshax resume admits requests again)")
-    workers = st.get("workers") or []
+    sched = SchedulerStatus.from_json(st)  # a key the daemon renamed fails here, not as a silent blank
+    state = "draining" if st["draining"] else ("ready" if sched.ready else "not ready")
+    print(f"syshaxd {st['version']}  pid {st['pid']}  up {_duration(st['uptime_s'])}  mode {sched.mode}  {state}")
+    print(f"model {st['model']} on {st['listen']}  config {st['config_source'] or '(built-in defaults)'}")
+    print(f"requests in flight {sched.in_flight} of capacity {sched.capacity} (queue {sched.max_queue_size})  "
+          f"HTTP generations active {st['http_active']}")
+    if st["draining"]:
+        print(f"draining: {st['drain_reason']}  (syshax resume admits requests again)")
     print()
     print(f"{'WORKER':<10} {'ROLE':<9} {'STATE':<11} {'PID':>7} {'CPUS':<10} {'RUN':>4} {'WAIT':>5} {'SLOTS':>5} "
           f"{'KV':>6} {'TOK/S':>7} {'RESTARTS':>8}")
-    for w in workers:
-        stats = w.get("stats") or {}
-        kv = stats.get("kv_usage")
-        print(f"{w.get('name', ''):<10} {w.get('role', ''):<9} {w.get('state', ''):<11} {w.get('pid') or '-':>7} "
-              f"{format_cpulist(w.get('cpus') or []) or '-':<10} {stats.get('running', '-'):>4} "
-              f"{stats.get('waiting', '-'):>5} {stats.get('max_batch_size', '-'):>5} "
-              f"{'-' if kv is None else f'{kv:.1%}':>6} {stats.get('tokens_per_second', 0.0):>7.1f} "
-              f"{w.get('restarts', 0):>8}")
-        if w.get("error"):
-            print(f"{'':<10} error: {w['error']}")
-    for key in ("routes", "refused"):
-        if st.get(key):
-            print(f"{key}: " + ", ".join(f"{k}={v}" for k, v in st[key].items()))
-    auto = st.get("auto")
-    if auto:
-        print("auto offload: decisions " + (", ".join(f"{k}={v}" for k, v in auto.get("decisions", {}).items())
-                                            or "none yet")
-              + f"; reconsidered {auto.get('reconsidered', 0)}, moved back to the GPU {auto.get('moved_to_gpu', 0)}, "
-                f"queued for the GPU {auto.get('queued_for_gpu', 0)}")
-        last = auto.get("last")
-        if last:
-            g, c = last["gpu"], last["cpu"]
-            print(f"  last: {last['route']} ({last['reason']}) from GPU running {g['running']} waiting "
-                  f"{g['waiting']} KV {g['kv_usage']:.1%} {g['tokens_per_second']:.1f} tok/s; CPU running "
-                  f"{c['running']} {c['tokens_per_second']:.1f} tok/s")
-    kv = st.get("kv")
-    if kv:
-        ring = kv.get("ring") or {}
-        if ring:
-            print(f"kv ring: {ring.get('used_bytes', 0)} of {ring.get('capacity', 0)} bytes "
-                  f"({ring.get('occupancy', 0.0):.1%})")
-        rest = {k: v for k, v in kv.items() if k != "ring"}
-        if rest:
-            print("kv handoff: " + json.dumps(rest, default=str))
-    shown = {"version", "pid", "uptime_s", "mode", "ready", "draining", "drain_reason", "model", "listen",
-             "config_source", "in_flight", "capacity", "max_queue_size", "http_active", "workers", "routes",
-             "refused", "kv", "auto", "modes"}
-    for key, value in st.items():  # whatever else the scheduler reports (decider state, ...)
+    for w in sched.workers:
+        s = w.stats
+        print(f"{w.name:<10} {w.role:<9} {w.state:<11} {w.pid or '-':>7} {format_cpulist(w.cpus) or '-':<10} "
+              f"{s.running:>4} {s.waiting:>5} {s.max_batch_size:>5} {s.kv_usage:>6.1%} {s.tokens_per_second:>7.1f} "
+              f"{w.restarts:>8}")
+        if w.error:
+            print(f"{'':<10} error: {w.error}")
+    for key, counts in (("routes", sched.routes), ("refused", sched.refused)):
+        if counts:
+            print(f"{key}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
+    auto = sched.auto
+    if auto is not None:
+        print("auto offload: decisions " + (", ".join(f"{k}={v}" for k, v in auto.decisions.items()) or "none yet")
+              + f"; reconsidered {auto.reconsidered}, moved back to the GPU {auto.moved_to_gpu}, "
+                f"queued for the GPU {auto.queued_for_gpu}")
+        last = auto.last
+        if last is not None:
+            g, c = last.gpu, last.cpu
+            print(f"  last: {last.route} ({last.reason}) from GPU running {g.running} waiting {g.waiting} "
+                  f"KV {g.kv_usage:.1%} {g.tokens_per_second:.1f} tok/s; CPU running {c.running} "
+                  f"{c.tokens_per_second:.1f} tok/s")
+    kv = sched.kv
+    if kv is not None:
+        print(f"kv ring: {kv.ring.used_bytes} of {kv.ring.capacity} bytes ({kv.ring.occupancy:.1%}), "
+              f"{kv.records_held} records held")
+        lat = kv.handoff_latency_s
+        print(f"kv handoff: written {kv.records_written}, read {kv.records_read}, failed {kv.records_failed}, "
+              f"orphans freed {kv.orphans_released}, {kv.bytes_moved} bytes moved; latency p50 {lat.p50 * 1000:.1f} ms "
+              f"p99 {lat.p99 * 1000:.1f} ms over {lat.count}"
+              + ("; fallbacks " + ", ".join(f"{k}={v}" for k, v in kv.fallbacks.items()) if kv.fallbacks else ""))
+    shown = {f.name for f in dataclasses.fields(SchedulerStatus)} | {
+        "version", "pid", "uptime_s", "draining", "drain_reason", "model", "listen", "config_source", "http_active"}
+    for key, value in st.items():  # whatever else the daemon reports
         if key not in shown and value not in (None, {}, []):
             print(f"{key}: {json.dumps(value, default=str)}")
 

@@ -6,10 +6,21 @@ import dataclasses
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Mapping
 
-MODES = ("cpu", "gpu", "hetero", "auto")
+
+class Mode(StrEnum):
+    """Where prefill and decode run (DESIGN.md's table of modes)."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+    HETERO = "hetero"
+    AUTO = "auto"
+
+
+MODES = tuple(Mode)
 QUANTIZE_TYPES = ("", "q4_0")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PREEMPTION_MODES = ("recompute",)

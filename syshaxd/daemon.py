@@ -22,6 +22,7 @@ from syshaxd.api.state import ServiceState
 from syshaxd.config import MODES, Config, ConfigError, load
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.engine.supervisor import WorkerHandle
+from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.plan import PlanError, plan_engines
 from syshaxd.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
@@ -92,9 +93,10 @@ class Service:
         self.model_path = model_path
         self.model_name = model_name
         self.notifier = notifier
-        self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout)
-                        for name, spec in engines.workers]
-        self.scheduler = Scheduler(cfg, self.workers, engines.ring)
+        ledger = KVLedger(engines.ring)  # the one owner of the ring's records: every worker reports to it
+        self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
+                                     ledger) for name, spec in engines.workers]
+        self.scheduler = Scheduler(cfg, self.workers, ledger)
         self.state = ServiceState(self.scheduler, reload)
         self.app = make_app(cfg, self.scheduler, model_name, self.state)
         self.url = ""

@@ -21,8 +21,8 @@ batch occupancy and slots per worker, worker readiness and restarts, requests
 in flight, capacity, refusals and routes, draining, and the KV handoff of
 hetero mode — ring capacity/used bytes/occupancy, records written/read/failed,
 bytes moved, fallbacks by reason, handoff latency quantiles. Engine state is
-read from ``Scheduler.status()`` when Prometheus scrapes, never cached; the KV
-series read its ``kv`` entry, and are zero (latency: absent) while there is none.
+read from ``Scheduler.status()`` (a typed SchedulerStatus) when Prometheus scrapes, never
+cached; the KV series read its ``kv`` part, and are zero (latency: absent) while there is none.
 
 Every series lives in a registry this object owns, never prometheus_client's
 global default one, so two daemons in one process (tests) do not collide.
@@ -39,6 +39,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from syshaxd import __version__
+from syshaxd.engine.kv_ledger import KVStatus
+from syshaxd.engine.status import AutoStatus, SchedulerStatus
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,8 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 class Metrics:
     """The daemon's metrics: observed around each request, and engine gauges collected at scrape time."""
 
-    def __init__(self, model_name: str, status: Callable[[], dict], service: Callable[[], dict] | None = None) -> None:
+    def __init__(self, model_name: str, status: Callable[[], SchedulerStatus],
+                 service: Callable[[], dict] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -142,7 +145,7 @@ class RequestTimer:
 class _EngineCollector:
     """Gauges and counters read from Scheduler.status() (and the service's own state) at each scrape."""
 
-    def __init__(self, model_name: str, status: Callable[[], dict], service: Callable[[], dict]) -> None:
+    def __init__(self, model_name: str, status: Callable[[], SchedulerStatus], service: Callable[[], dict]) -> None:
         self.model_name = model_name
         self.status = status
         self.service = service
@@ -152,20 +155,19 @@ class _EngineCollector:
 
     def collect(self):
         try:
-            status = self.status() or {}
+            status = self.status()
             service = self.service() or {}
         except Exception:  # a scrape must not fail because the engine state is odd for a moment
             log.exception("could not read the scheduler's status for /metrics")
             return
         yield from self._engines(status)
         yield from self._daemon(status, service)
-        yield from self._kv(status.get("kv") or {})
-        if status.get("auto"):
-            yield from self._auto(status["auto"])
+        yield from self._kv(status.kv)
+        if status.auto is not None:
+            yield from self._auto(status.auto)
 
-    def _engines(self, status: dict):
+    def _engines(self, status: SchedulerStatus):
         m = [self.model_name]
-        workers = status.get("workers") or []
         running = GaugeMetricFamily("vllm:num_requests_running", "Requests in an engine's running batch.",
                                     labels=["model_name"])
         waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting for a batch slot.",
@@ -182,100 +184,93 @@ class _EngineCollector:
                                        labels=["worker"])
         n_run = n_wait = 0
         cells = used = 0.0
-        for w in workers:
-            stats = w.get("stats") or {}
-            name, role = str(w.get("name", "")), str(w.get("role", ""))
-            r, q = int(stats.get("running", 0)), int(stats.get("waiting", 0))
-            size = int(stats.get("max_batch_size", 0) or 0)
-            n_run += r
-            n_wait += q
-            if size:
-                occupancy.add_metric([name, role], r / size)
-                slots.add_metric([name, role], size)
-                weight = size * int(stats.get("n_ctx", 0) or 0)
+        for w in status.workers:
+            stats = w.stats
+            n_run += stats.running
+            n_wait += stats.waiting
+            if stats.max_batch_size:
+                occupancy.add_metric([w.name, w.role], stats.running / stats.max_batch_size)
+                slots.add_metric([w.name, w.role], stats.max_batch_size)
+                weight = stats.max_batch_size * stats.n_ctx
                 cells += weight
-                used += weight * float(stats.get("kv_usage", 0.0) or 0.0)
-            up.add_metric([name, role, str(w.get("backend", "")), str(w.get("state", ""))],
-                          1.0 if w.get("state") == "ready" else 0.0)
-            restarts.add_metric([name], float(w.get("restarts", 0)))
+                used += weight * stats.kv_usage
+            up.add_metric([w.name, w.role, w.backend, w.state], 1.0 if w.state == "ready" else 0.0)
+            restarts.add_metric([w.name], float(w.restarts))
         running.add_metric(m, n_run)
         waiting.add_metric(m, n_wait)
         kv.add_metric(m, used / cells if cells else 0.0)
         yield from (running, waiting, kv, occupancy, slots, up, restarts)
 
-    def _daemon(self, status: dict, service: dict):
+    def _daemon(self, status: SchedulerStatus, service: dict):
         def gauge(name, doc, value):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             return g
 
-        yield gauge("syshax_requests_in_flight", "Requests held by engine workers.", status.get("in_flight", 0))
+        yield gauge("syshax_requests_in_flight", "Requests held by engine workers.", status.in_flight)
         yield gauge("syshax_capacity", "Requests the daemon holds at once: batch slots plus the queue.",
-                    status.get("capacity", 0))
-        yield gauge("syshax_ready", "1 once every engine worker is loaded.", 1 if status.get("ready") else 0)
+                    status.capacity)
+        yield gauge("syshax_ready", "1 once every engine worker is loaded.", 1 if status.ready else 0)
         yield gauge("syshax_draining", "1 while the daemon takes no new requests (shutdown or syshax drain).",
                     1 if service.get("draining") else 0)
         yield gauge("syshax_http_generations_active", "Completion requests the API admitted and has not finished.",
                     service.get("active", 0))
-        refused = CounterMetricFamily("syshax_requests_refused", "Requests refused by the scheduler, by reason.",
-                                      labels=["reason"])
-        for reason, n in (status.get("refused") or {}).items():
-            refused.add_metric([str(reason)], float(n))
-        yield refused
-        routed = CounterMetricFamily("syshax_requests_routed", "Requests routed, by route (cpu, hetero, ...).",
-                                     labels=["route"])
-        for route, n in (status.get("routes") or {}).items():
-            routed.add_metric([str(route)], float(n))
-        yield routed
+        yield _labelled(CounterMetricFamily, "syshax_requests_refused", "Requests refused by the scheduler, by reason.",
+                        "reason", status.refused)
+        yield _labelled(CounterMetricFamily, "syshax_requests_routed", "Requests routed, by route (cpu, hetero, ...).",
+                        "route", status.routes)
         info = GaugeMetricFamily("syshax_info", "The daemon's version and mode (value 1).", labels=["version", "mode"])
-        info.add_metric([__version__, str(status.get("mode", ""))], 1.0)
+        info.add_metric([__version__, str(status.mode)], 1.0)
         yield info
 
-    def _kv(self, kv: dict):
-        ring = kv.get("ring") or {}
+    def _kv(self, kv: KVStatus | None):
+        def one(family, name, doc, value):
+            f = family(name, doc)
+            f.add_metric([], float(value))
+            return f
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], float(value or 0))
-            return g
-
-        def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], float(value or 0))
-            return c
-
-        yield gauge("syshax_kv_ring_capacity_bytes", "Size of the shared-memory KV ring.", ring.get("capacity"))
-        yield gauge("syshax_kv_ring_used_bytes", "Bytes of the KV ring held by records.", ring.get("used_bytes"))
-        yield gauge("syshax_kv_ring_occupancy", "Used over capacity of the KV ring (0..1).", ring.get("occupancy"))
-        yield counter("syshax_kv_records_written", "KV records the prefill side wrote.", kv.get("records_written"))
-        yield counter("syshax_kv_records_read", "KV records a decoder imported.", kv.get("records_read"))
-        yield counter("syshax_kv_records_failed", "KV records a decoder could not use.", kv.get("records_failed"))
-        yield counter("syshax_kv_bytes_moved", "Bytes of KV handed from prefill to decode.", kv.get("bytes_moved"))
-        fallbacks = CounterMetricFamily("syshax_kv_fallbacks",
-                                        "Requests whose decoder recomputed the prompt instead of importing it.",
-                                        labels=["reason"])
-        for reason, n in (kv.get("fallbacks") or {}).items():
-            fallbacks.add_metric([str(reason)], float(n))
-        yield fallbacks
-        latency = kv.get("handoff_latency_s") or {}
-        if latency.get("count"):
+        ring = kv.ring if kv is not None else None
+        yield one(GaugeMetricFamily, "syshax_kv_ring_capacity_bytes", "Size of the shared-memory KV ring.",
+                  ring.capacity if ring else 0)
+        yield one(GaugeMetricFamily, "syshax_kv_ring_used_bytes", "Bytes of the KV ring held by records.",
+                  ring.used_bytes if ring else 0)
+        yield one(GaugeMetricFamily, "syshax_kv_ring_occupancy", "Used over capacity of the KV ring (0..1).",
+                  ring.occupancy if ring else 0)
+        yield one(CounterMetricFamily, "syshax_kv_records_written", "KV records the prefill side wrote.",
+                  kv.records_written if kv else 0)
+        yield one(CounterMetricFamily, "syshax_kv_records_read", "KV records a decoder imported.",
+                  kv.records_read if kv else 0)
+        yield one(CounterMetricFamily, "syshax_kv_records_failed", "KV records a decoder could not use.",
+                  kv.records_failed if kv else 0)
+        yield one(CounterMetricFamily, "syshax_kv_bytes_moved", "Bytes of KV handed from prefill to decode.",
+                  kv.bytes_moved if kv else 0)
+        yield _labelled(CounterMetricFamily, "syshax_kv_fallbacks",
+                        "Requests whose decoder recomputed the prompt instead of importing it.", "reason",
+                        kv.fallbacks if kv else {})
+        latency = kv.handoff_latency_s if kv else None
+        if latency is not None and latency.count:
             g = GaugeMetricFamily("syshax_kv_handoff_latency_seconds",
                                   "Prefill-to-decode handoff latency over recent requests, by quantile.",
                                   labels=["quantile"])
-            for key, quantile in (("p50", "0.5"), ("p90", "0.9"), ("p99", "0.99")):
-                if key in latency:
-                    g.add_metric([quantile], float(latency[key]))
+            for quantile, value in (("0.5", latency.p50), ("0.9", latency.p90), ("0.99", latency.p99)):
+                g.add_metric([quantile], value)
             yield g
 
-    def _auto(self, auto: dict):
-        decisions = CounterMetricFamily("syshax_auto_decisions", "auto mode's offload decisions, by outcome (gpu, "
-                                        "hetero: decode offloaded to the CPU, refuse: both sides full).",
-                                        labels=["decision"])
-        for decision, n in (auto.get("decisions") or {}).items():
-            decisions.add_metric([str(decision)], float(n))
-        yield decisions
-        for key, doc in (("reconsidered", "Offloaded decodes reconsidered after their token limit."),
-                         ("moved_to_gpu", "Offloaded decodes that moved back to the GPU engine.")):
-            c = CounterMetricFamily(f"syshax_auto_{key}", doc)
-            c.add_metric([], float(auto.get(key, 0)))
+    def _auto(self, auto: AutoStatus):
+        yield _labelled(CounterMetricFamily, "syshax_auto_decisions", "auto mode's offload decisions, by outcome "
+                        "(gpu, hetero: decode offloaded to the CPU, refuse: both sides full).", "decision",
+                        auto.decisions)
+        for name, value, doc in (("reconsidered", auto.reconsidered,
+                                  "Offloaded decodes reconsidered after their token limit."),
+                                 ("moved_to_gpu", auto.moved_to_gpu,
+                                  "Offloaded decodes that moved back to the GPU engine.")):
+            c = CounterMetricFamily(f"syshax_auto_{name}", doc)
+            c.add_metric([], float(value))
             yield c
+
+
+def _labelled(family, name: str, doc: str, label: str, counts: dict):
+    f = family(name, doc, labels=[label])
+    for key, n in counts.items():
+        f.add_metric([str(key)], float(n))
+    return f

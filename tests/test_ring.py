@@ -273,13 +273,9 @@ def test_an_aborted_reservation_gives_its_space_back(instance):
 
 def test_records_a_dead_producer_committed_but_never_handed_on_are_freed(instance):
     # The daemon's side: a KV producer commits two records, reports one (a hetero request holds it) and dies
-    # before reporting the other. The scheduler frees the unreported one so the ring's tail does not stick.
-    from syshaxd.config import Config
-    from syshaxd.engine.scheduler import Scheduler
-
-    class Held:  # a hetero request that holds the record it was told about
-        def __init__(self, offset):
-            self.handle = type("Handle", (), {"offset": offset})()
+    # before reporting the other. The ledger frees the unreported one so the ring's tail does not stick.
+    from syshaxd.engine.kv_ledger import KVLedger
+    from syshaxd.engine.types import Imported, KVHandle
 
     with KVRing.create(instance, 64 * 1024) as ring:
         producer = spawn(f"""
@@ -289,12 +285,14 @@ def test_records_a_dead_producer_committed_but_never_handed_on_are_freed(instanc
         """)
         told, lost = map(int, producer.stdout.readline().split())
         assert producer.wait(10) == 0
-        scheduler = Scheduler(Config(), [], ring)
-        holder = Held(told)
-        scheduler._handoffs.add(holder)
-        assert scheduler.release_orphans(producer.pid) == 1
+        ledger = KVLedger(ring)
+        ledger.written("req-1", KVHandle(told, 4000, 0, 0, 1, 0, 0.0), producer.pid)
+        assert ledger.release_orphans(producer.pid) == 1
         assert [(r.offset, r.state) for r in ring.records()] == [(told, "committed"), (lost, "released")]
-        assert scheduler.kv_status()["orphans_released"] == 1
-        assert scheduler.release_orphans(producer.pid + 1) == 0  # another writer's records are not touched
-        ring.release(told)  # the request's decoder takes it up: now the ring is empty again
-        assert ring.stats().used_bytes == 0
+        assert ledger.status().orphans_released == 1
+        assert ledger.release_orphans(producer.pid + 1) == 0  # another writer's records are not touched
+        ledger.lend("req-1", "decode0")
+        ledger.drop("req-1")  # cancelled while its decoder reads it: the space stays until the decoder reports
+        assert ring.stats().used_bytes > 0
+        ledger.imported(Imported("req-1", False, reason="cancelled"))
+        assert ring.stats().used_bytes == 0 and ledger.held() == 0

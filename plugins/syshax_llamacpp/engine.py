@@ -16,7 +16,8 @@ from syshax_llamacpp.quantize import ensure_quantized
 from syshax_llamacpp.sampling import make_sampler
 from syshaxd.engine.output import TextStream
 from syshaxd.engine.rate import TokenRate
-from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, Imported, Prefilled, Rejected
+from syshaxd.engine.types import (Accepted, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest, Imported,
+                                  Prefilled, Rejected)
 from syshaxd.kv.llamacpp_codec import StateBuffer, export_seq, widen_streams
 
 log = logging.getLogger(__name__)
@@ -124,10 +125,7 @@ class LlamaCppEngine:
         self.waiting: deque[_Sequence] = deque()
         self.active: dict[str, _Sequence] = {}  # request_id -> sequence holding a seq_id
         self.queued: dict[str, _Sequence] = {}  # request_id -> sequence waiting for a slot
-        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "decode_errors": 0,
-                         "records_written": 0, "records_read": 0, "records_failed": 0, "kv_bytes_written": 0,
-                         "kv_bytes_read": 0, "fallbacks": 0}
-        self.fallback_reasons: dict[str, int] = {}
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "decode_errors": 0}
         self._rate = TokenRate()
         log.info(
             "llama.cpp engine ready: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d",
@@ -223,8 +221,8 @@ class LlamaCppEngine:
         seq = self.queued.pop(request_id, None)
         if seq is not None:
             self.waiting.remove(seq)
-            if seq.request.kv is not None and self.port is not None:
-                self.port.ring.release(seq.request.kv.offset)  # nobody will import it now
+            if seq.request.kv is not None:  # the daemon's ledger frees the record once it hears it was not read
+                return [Imported(request_id, False, reason=Fallback.CANCELLED)]
             return []
         seq = self.active.get(request_id)
         if seq is not None:
@@ -290,18 +288,11 @@ class LlamaCppEngine:
         self._rate.add(n)
         self.counters["generated_tokens"] += n
 
-    def stats(self) -> dict:
-        return {
-            "running": len(self.active),
-            "waiting": len(self.waiting),
-            "free_slots": len(self.free_ids),
-            "max_batch_size": self.max_seqs,
-            "n_ctx": self.n_ctx,
-            "kv_usage": sum(s.n_past for s in self.active.values()) / (self.n_ctx * self.max_seqs),
-            "tokens_per_second": self._rate.per_second(),
-            **self.counters,
-            "fallback_reasons": dict(self.fallback_reasons),
-        }
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.active), waiting=len(self.waiting), free_slots=len(self.free_ids),
+                           max_batch_size=self.max_seqs, n_ctx=self.n_ctx,
+                           kv_usage=sum(s.n_past for s in self.active.values()) / (self.n_ctx * self.max_seqs),
+                           tokens_per_second=self._rate.per_second(), **self.counters)
 
     def close(self) -> None:
         for seq in list(self.active.values()):
@@ -359,10 +350,7 @@ class LlamaCppEngine:
 
     def _take_kv(self, seq: _Sequence) -> list:
         """Start seq from the KV another engine computed; if it cannot be used, recompute the prompt."""
-        from syshax_llamacpp.handoff import TokenMismatch
-        from syshaxd.kv.llamacpp_codec import StateFormatError, StateImportError
-        from syshaxd.kv.record import RecordError
-        from syshaxd.kv.ring import RingError
+        from syshax_llamacpp.handoff import ImportRefused
 
         rid, handle = seq.request.request_id, seq.request.kv
         reason = seq.request.kv_missing
@@ -370,23 +358,18 @@ class LlamaCppEngine:
         if handle is not None:
             try:
                 if self.port is None:
-                    raise RingError("this worker has no KV ring")
+                    raise ImportRefused(Fallback.NO_RING, "this worker has no KV ring")
                 nbytes = self.port.import_into(self.ctx, seq.seq_id, handle, seq.prompt)
-            except (RingError, RecordError, StateFormatError, StateImportError, TokenMismatch) as exc:
-                reason = type(exc).__name__
-                self.counters["records_failed"] += 1
+            except ImportRefused as exc:
+                reason = exc.reason
                 llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
                 log.warning("%s: KV record unusable (%s: %s); recomputing the prompt here", rid, reason, exc)
             else:
-                self.counters["records_read"] += 1
-                self.counters["kv_bytes_read"] += nbytes
                 seq.n_past = len(seq.prompt)
                 took = time.monotonic() - started
                 return [Imported(rid, True, seconds=took, nbytes=nbytes), self._emit(seq, handle.first_token)]
         else:
             log.warning("%s: no KV record (%s); recomputing the prompt here", rid, reason)
-        self.counters["fallbacks"] += 1
-        self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
         seq.pending = deque(seq.prompt)
         return [Imported(rid, False, reason=reason)]
 
@@ -399,11 +382,8 @@ class LlamaCppEngine:
             handle = self.port.export(self.prefill_ctx, 0, seq.prompt, token)
         except RingError as exc:
             log.warning("%s: KV record not written (%s); the decoder will recompute the prompt", rid, exc)
-            event = Prefilled(rid, None, "ring_full" if type(exc).__name__ == "RingFull" else type(exc).__name__)
-            self.counters["records_failed"] += 1
+            event = Prefilled(rid, None, Fallback.of_export(exc))
         else:
-            self.counters["records_written"] += 1
-            self.counters["kv_bytes_written"] += handle.length
             event = Prefilled(rid, handle)
         llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         self._release(seq)

@@ -5,23 +5,39 @@ from __future__ import annotations
 import logging
 import time
 
-from syshaxd.engine.types import KVHandle
+from syshaxd.engine.types import Fallback, KVHandle
 from syshaxd.kv.llamacpp_codec import (
     StateBuffer,
+    StateFormatError,
+    StateImportError,
     encode_state_into,
     export_seq,
     fingerprint_from_gguf,
     import_record,
     parse_seq_state,
 )
-from syshaxd.kv.record import RecordCorrupt, decode, record_size
-from syshaxd.kv.ring import KVRing
+from syshaxd.kv.record import FingerprintMismatch, RecordCorrupt, RecordError, decode, record_size
+from syshaxd.kv.ring import KVRing, RingError
 
 log = logging.getLogger(__name__)
 
 
-class TokenMismatch(ValueError):
-    """The record holds the KV of other tokens than this request's prompt."""
+class ImportRefused(Exception):
+    """A KV record could not be used; `reason` says why, as the ledger counts it."""
+
+    def __init__(self, reason: Fallback, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _refusal(exc: Exception) -> Fallback:
+    if isinstance(exc, RingError):
+        return Fallback.STALE  # released, reset or reused since it was reported
+    if isinstance(exc, FingerprintMismatch):
+        return Fallback.FINGERPRINT
+    if isinstance(exc, RecordError):
+        return Fallback.CHECKSUM
+    return Fallback.STATE_FORMAT
 
 
 class KVPort:
@@ -47,18 +63,20 @@ class KVPort:
         return KVHandle(offset, size, res.seq, checksum, len(tokens), first_token, time.time())
 
     def import_into(self, ctx, seq_id: int, handle: KVHandle, prompt: list[int]) -> int:
-        """Load the record into seq_id of ctx and free its ring space; raises if it cannot be used."""
-        view = self.ring.read(handle.offset, handle.seq)
+        """Load the record into seq_id of ctx; raises ImportRefused if it cannot be used.
+
+        The ring space is not ours to free: the daemon's ledger frees it when the Imported event says
+        this worker is done with it, used or not.
+        """
         try:
-            record = decode(view, expect=self.fingerprint)
+            record = decode(self.ring.read(handle.offset, handle.seq), expect=self.fingerprint)
             if record.checksum != handle.checksum:
                 raise RecordCorrupt(f"record checksum {record.checksum:#x} is not the {handle.checksum:#x} reported")
             if record.n_tokens != len(prompt) or record.tokens.tolist() != prompt:
-                raise TokenMismatch("the record holds other tokens than this request's prompt")
+                raise ImportRefused(Fallback.TOKEN_MISMATCH, "the record holds other tokens than this request's prompt")
             import_record(ctx, seq_id, record, v_trans=False, scratch=self.scratch, n_stream=self.n_stream)
-        finally:
-            # used or not, the space goes back: a bad record must not wedge the ring
-            self.ring.release(handle.offset)
+        except (RingError, RecordError, StateFormatError, StateImportError) as exc:
+            raise ImportRefused(_refusal(exc), str(exc)) from exc
         return handle.length
 
     def close(self) -> None:

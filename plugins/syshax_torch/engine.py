@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from syshax_torch.prompts import Vocab, admit
-from syshaxd.engine.types import Accepted, EngineSpec, GenerateRequest, KVHandle, Prefilled, Rejected, SamplingParams
+from syshaxd.engine.types import (Accepted, EngineSpec, EngineStats, Fallback, GenerateRequest, KVHandle, Prefilled,
+                                  Rejected, SamplingParams)
 from syshaxd.kv.hf_codec import check_model, encode_tensors_into, hf_config_shape, past_key_values_layers
 from syshaxd.kv.record import DType, record_size
 
@@ -99,8 +100,7 @@ class TorchPrefillEngine:
         self.ring = KVRing.attach(spec.ring)
         self._pinned = _pin_for_device(self.ring, self.device)
         self.waiting: deque[_Prompt] = deque()
-        self.counters = {"prompt_tokens": 0, "finished": 0, "records_written": 0, "records_failed": 0,
-                         "kv_bytes_written": 0, "prefill_seconds": 0.0}
+        self.counters = {"prompt_tokens": 0, "finished": 0}
         log.info("torch prefill engine ready: %s on %s (%s), fingerprint %s/%d layers, loaded in %.1fs",
                  self.folder.name, self.device, str(self.dtype).removeprefix("torch."), self.fingerprint.arch,
                  self.fingerprint.n_layer, time.monotonic() - started)
@@ -132,16 +132,14 @@ class TorchPrefillEngine:
 
     def step(self) -> list:
         p = self.waiting.popleft()
-        started = time.monotonic()
         event = self._prefill(p)
-        self.counters["prefill_seconds"] += time.monotonic() - started
         self.counters["prompt_tokens"] += len(p.tokens)
         self.counters["finished"] += 1
         return [event]
 
-    def stats(self) -> dict:
-        return {"running": 0, "waiting": len(self.waiting), "free_slots": 1, "max_batch_size": 1,
-                "n_ctx": self.n_ctx, "kv_usage": 0.0, "device": str(self.device), **self.counters}
+    def stats(self) -> EngineStats:
+        return EngineStats(waiting=len(self.waiting), free_slots=1, max_batch_size=1, n_ctx=self.n_ctx,
+                           **self.counters)
 
     def close(self) -> None:
         if self.ring is not None:
@@ -173,10 +171,7 @@ class TorchPrefillEngine:
             handle = self.export(p.tokens, past, first)
         except RingError as exc:
             log.warning("%s: KV record not written (%s); the decoder will recompute the prompt", rid, exc)
-            self.counters["records_failed"] += 1
-            return Prefilled(rid, None, "ring_full" if type(exc).__name__ == "RingFull" else type(exc).__name__)
-        self.counters["records_written"] += 1
-        self.counters["kv_bytes_written"] += handle.length
+            return Prefilled(rid, None, Fallback.of_export(exc))
         return Prefilled(rid, handle)
 
     def export(self, tokens: list[int], past, first_token: int, *, permute: bool = True) -> KVHandle:

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from syshaxd.engine.types import Fallback
 from syshaxd.kv.hf_codec import LayoutError, fill_layer, gather_paged, paged_layout, slot_indices
 from syshaxd.kv.record import DType, ModelFingerprint, layout_into, record_size, seal
 
@@ -55,7 +56,7 @@ class Exported:
     seq: int = -1
     checksum: int = 0
     n_tokens: int = 0
-    reason: str = ""  # "" when written; else "ring_full", "export_failed", ...
+    reason: Fallback | str = ""  # "" when written; else why not
 
 
 OUTBOX: dict[str, Exported] = {}
@@ -176,7 +177,7 @@ class SyshaxRingConnector(KVConnectorBase_V1):
             del self._writers[req_id]
             if len(w.layers_done) != self.fingerprint.n_layer:
                 w.reservation.abort()
-                OUTBOX[req_id] = Exported(reason="export_failed")
+                OUTBOX[req_id] = Exported(reason=Fallback.EXPORT_FAILED)
                 log.warning("%s: %d of %d layers seen; record dropped", req_id, len(w.layers_done),
                             self.fingerprint.n_layer)
                 continue
@@ -200,7 +201,7 @@ class SyshaxRingConnector(KVConnectorBase_V1):
         try:
             res = self.ring.reserve(size, self.timeout)
         except RingFull:
-            OUTBOX[store.req_id] = Exported(reason="ring_full")
+            OUTBOX[store.req_id] = Exported(reason=Fallback.RING_FULL)
             raise
         record = layout_into(res.view, self.fingerprint, n, RECORD_DTYPE)
         record.tokens[:] = store.token_ids
@@ -214,7 +215,7 @@ class SyshaxRingConnector(KVConnectorBase_V1):
         if writer is not None:
             writer.reservation.abort()
         if req_id not in OUTBOX:
-            OUTBOX[req_id] = Exported(reason=type(exc).__name__)
+            OUTBOX[req_id] = Exported(reason=Fallback.EXPORT_FAILED)
             log.warning("%s: KV record not written (%s: %s)", req_id, type(exc).__name__, exc)
 
     def _layer_of(self, layer_name: str) -> int:

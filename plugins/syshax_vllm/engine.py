@@ -24,7 +24,8 @@ from syshax_torch.engine import resolve_gguf
 from syshax_torch.prompts import Vocab, admit
 from syshaxd.engine.output import TextStream
 from syshaxd.engine.rate import TokenRate
-from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, KVHandle, Prefilled, Rejected
+from syshaxd.engine.types import (Accepted, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest, KVHandle,
+                                  Prefilled, Rejected)
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,7 @@ class VllmEngine:
             self._export_args = connector.EXPORT_PARAMS
         self.live: dict[str, _Live] = {}  # our request id -> request, while vLLM holds it
         self.by_internal: dict[str, str] = {}  # vLLM's request id -> ours
-        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0,
-                         "records_written": 0, "records_failed": 0, "kv_bytes_written": 0}
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0}
         self._rate = TokenRate()
         log.info("vLLM engine ready (%s, role %s): %s, n_ctx=%d, max_num_seqs=%d, in %.1fs",
                  "CPU build" if self.on_cpu else "CUDA", spec.role, self.folder.name, self.n_ctx, self.max_seqs,
@@ -178,9 +178,14 @@ class VllmEngine:
 
     def cancel(self, request_id: str) -> list:
         live = self.live.get(request_id)
-        if live is not None:
-            self.held = deque(h for h in self.held if h[0] is not live)
-            self._drop(live, abort=True)
+        if live is None:
+            return []
+        self.held = deque(h for h in self.held if h[0] is not live)
+        self._drop(live, abort=True)
+        exported = self.outbox.pop(live.internal_id, None) if live.handoff else None
+        if exported is not None and not exported.reason:
+            # written before the request went: reported like any record, so the daemon's ledger frees it
+            return [self._prefilled(live, exported, first_token=-1)]
         return []
 
     def has_work(self) -> bool:
@@ -204,7 +209,7 @@ class VllmEngine:
         self._count(sum(isinstance(e, Delta) for e in events))
         return events
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         scheduler = self._vllm_scheduler()
         if scheduler is not None:  # vLLM's own view: what auto mode's decider should see (the seed read it too)
             running, waiting = len(scheduler.running), len(scheduler.waiting) + len(self.held)
@@ -213,9 +218,9 @@ class VllmEngine:
             n_live = len(self.live)
             running, waiting = min(n_live, self.max_seqs), max(0, n_live - self.max_seqs)
             kv_usage = sum(len(x.prompt) + x.n_generated for x in self.live.values()) / (self.n_ctx * self.max_seqs)
-        return {"running": running, "waiting": waiting, "free_slots": max(0, self.max_seqs - self._generating()),
-                "max_batch_size": self.max_seqs, "n_ctx": self.n_ctx, "kv_usage": kv_usage,
-                "tokens_per_second": self._rate.per_second(), **self.counters}
+        return EngineStats(running=running, waiting=waiting, free_slots=max(0, self.max_seqs - self._generating()),
+                           max_batch_size=self.max_seqs, n_ctx=self.n_ctx, kv_usage=kv_usage,
+                           tokens_per_second=self._rate.per_second(), **self.counters)
 
     def _vllm_scheduler(self):
         """vLLM's scheduler, reachable because its engine core runs in this process; None if this vLLM hides it."""
@@ -269,37 +274,22 @@ class VllmEngine:
         self.counters["finished"] += 1
         tokens = out.outputs[0].token_ids if out.outputs else []
         if exported is None or exported.reason or not tokens:
-            reason = (exported.reason if exported is not None else "") or "export_failed"
-            self.counters["records_failed"] += 1
+            reason = (exported.reason if exported is not None else "") or Fallback.EXPORT_FAILED
             log.warning("%s: no KV record (%s); the decoder will recompute the prompt", rid, reason)
             return Prefilled(rid, None, reason)
-        self.counters["records_written"] += 1
-        self.counters["kv_bytes_written"] += exported.length
-        return Prefilled(rid, KVHandle(exported.offset, exported.length, exported.seq, exported.checksum,
-                                       exported.n_tokens, int(tokens[0]), time.time()))
+        return self._prefilled(live, exported, int(tokens[0]))
+
+    @staticmethod
+    def _prefilled(live: _Live, exported, first_token: int) -> Prefilled:
+        return Prefilled(live.request.request_id, KVHandle(exported.offset, exported.length, exported.seq,
+                                                           exported.checksum, exported.n_tokens, first_token,
+                                                           time.time()))
 
     def _drop(self, live: _Live, abort: bool) -> None:
         self.live.pop(live.request.request_id, None)
         self.by_internal.pop(live.internal_id, None)
         if abort and self.llm is not None and live.internal_id:
             self.llm.abort_request([live.internal_id], internal=True)
-        if live.handoff and abort:
-            stale = self.outbox.pop(live.internal_id, None)
-            if stale is not None and not stale.reason:
-                self._release_orphan(stale)
-
-    def _release_orphan(self, exported) -> None:
-        """A record was written for a request cancelled before its handle went out: free it."""
-        from syshaxd.kv.ring import KVRing, RingError
-
-        try:
-            ring = KVRing.attach(self.spec.ring)
-            try:
-                ring.release(exported.offset)
-            finally:
-                ring.close()
-        except (OSError, RingError) as exc:
-            log.debug("orphan record at %d already gone: %s", exported.offset, exc)
 
     def _count(self, n: int) -> None:
         self._rate.add(n)

@@ -308,7 +308,7 @@ class AdminServer:
             "draining": self.state.draining,
             "drain_reason": self.state.drain_reason,
             "http_active": self.state.active,
-        } | self.state.scheduler.status()
+        } | self.state.scheduler.status().to_json()
 
     async def cmd_plugins(self, request: dict) -> list:
         return await asyncio.get_running_loop().run_in_executor(None, list_plugins)

@@ -15,8 +15,8 @@ from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULE
 from syshaxd.api.state import Draining
 from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion, parse_json_body
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
-from syshaxd.engine.supervisor import EngineUnavailable, RequestStream
-from syshaxd.engine.types import Accepted, Delta, Rejected
+from syshaxd.engine.supervisor import EngineUnavailable
+from syshaxd.engine.types import Accepted, Delta, Rejected, RequestStream
 from syshaxd.metrics import RequestTimer
 
 log = logging.getLogger(__name__)
@@ -99,12 +99,12 @@ async def _next_event(request: web.Request, stream: RequestStream, deadline: flo
                                type="server_error", code="timeout") from None
 
 
-def _route_of(stream) -> dict:
+def _route_of(stream: RequestStream) -> dict:
     """Where the request ran: "cpu", "gpu" or "hetero"; in auto mode why, and whether its decode moved back."""
     route = {"route": stream.route}
     if stream.reason:
         route["reason"] = stream.reason
-    if getattr(stream, "moved_to", ""):  # only an offloaded decode (engine/offload.py) can move
+    if stream.moved_to:
         route["moved_to"] = stream.moved_to
     return route
 
@@ -288,9 +288,9 @@ async def health(request: web.Request) -> web.Response:
 @routes.get("/v1/syshax/status")
 async def status(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(request.app[SCHEDULER].status() | {"draining": state.draining,
-                                                                 "http_active": state.active,
-                                                                 "http_connections": request.app[CONNECTIONS].stats()})
+    return web.json_response(request.app[SCHEDULER].status().to_json() | {
+        "draining": state.draining, "http_active": state.active,
+        "http_connections": request.app[CONNECTIONS].stats()})
 
 
 @routes.get("/metrics")

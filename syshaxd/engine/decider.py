@@ -9,6 +9,17 @@ from live worker state rather than scraped Prometheus text.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Verdict(StrEnum):
+    """Where an auto request goes: the GPU engine, its prompt there and its decode on a CPU worker, or
+    nowhere yet (both sides full); CPU while the GPU engine is not ready."""
+
+    GPU = "gpu"
+    HETERO = "hetero"
+    REFUSE = "refuse"
+    CPU = "cpu"
 
 
 @dataclass(frozen=True)
@@ -32,7 +43,7 @@ class EngineState:
 
 @dataclass(frozen=True)
 class Decision:
-    route: str  # "gpu", "hetero" (prefill on the GPU, decode on a CPU worker), or "refuse"
+    route: Verdict
     reason: str
     token_limit: int = 0  # CPU decode budget before the request is reconsidered; 0: none
 
@@ -51,10 +62,10 @@ def decide(gpu: EngineState, cpu: EngineState, t: Thresholds) -> Decision:
     elif gpu.kv_usage * 100 > t.gpu_cache_threshold:
         why = f"GPU KV cache {gpu.kv_usage * 100:.1f}% > {t.gpu_cache_threshold:g}%"
     else:
-        return Decision("gpu", "GPU has room")
+        return Decision(Verdict.GPU, "GPU has room")
     if cpu.running >= t.cpu_max_batch_size:
-        return Decision("refuse", f"{why}; CPU batch full ({cpu.running}/{t.cpu_max_batch_size})")
+        return Decision(Verdict.REFUSE, f"{why}; CPU batch full ({cpu.running}/{t.cpu_max_batch_size})")
     if cpu.running >= 1 and cpu.tokens_per_second < t.cpu_throughput_threshold:
-        return Decision("refuse", f"{why}; CPU busy and slow ({cpu.tokens_per_second:.0f} tok/s < "
+        return Decision(Verdict.REFUSE, f"{why}; CPU busy and slow ({cpu.tokens_per_second:.0f} tok/s < "
                                   f"{t.cpu_throughput_threshold:g})")
-    return Decision("hetero", f"{why}; offloading decode to the CPU", token_limit(cpu.tokens_per_second, t))
+    return Decision(Verdict.HETERO, f"{why}; offloading decode to the CPU", token_limit(cpu.tokens_per_second, t))

@@ -17,28 +17,38 @@ the same sample it would have been without the move.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from syshaxd.engine.supervisor import EngineUnavailable
-from syshaxd.engine.types import Accepted, Delta, GenerateRequest, Rejected
-
-if TYPE_CHECKING:
-    from syshaxd.engine.scheduler import Scheduler
+from syshaxd.engine.decider import Decision, Verdict
+from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
+from syshaxd.engine.types import Accepted, Delta, Event, GenerateRequest, Rejected, RequestStream, Route
 
 log = logging.getLogger(__name__)
 
 
-class OffloadStream:
-    """Looks to the API like a RequestStream (next_event, cancel, finished, tokens_sent)."""
+@dataclass
+class OffloadCounts:
+    """What offloaded decodes did, over all of them (auto mode's status and /metrics)."""
 
-    def __init__(self, scheduler: "Scheduler", request: GenerateRequest, inner, token_limit: int) -> None:
+    reconsidered: int = 0  # token limits reached
+    moved_to_gpu: int = 0
+    move_failed: int = 0  # the decider said "gpu" but no GPU engine could take the rest
+
+
+class OffloadStream:
+    """A RequestStream around an offloaded decode (a HandoffStream, or a CPU worker's own stream)."""
+
+    def __init__(self, request: GenerateRequest, inner: RequestStream, token_limit: int,
+                 decide: Callable[[], Decision], pick_gpu: Callable[[], WorkerHandle], counts: OffloadCounts) -> None:
         self.request_id = request.request_id
-        self.route, self.reason = "hetero", ""
-        self.moved_to = ""  # "gpu" once the decode moved back
+        self.route, self.reason = Route.HETERO, ""
+        self.moved_to = ""  # Route.GPU once the decode moved back
         self.finished = False
         self.tokens_sent = 0
-        self._scheduler = scheduler
+        self._decide = decide
+        self._pick_gpu = pick_gpu
+        self._counts = counts
         self._request = request
         self._inner = inner
         self._token_limit = token_limit
@@ -46,7 +56,7 @@ class OffloadStream:
         self._generated: list[int] = []
         self._accepted: Accepted | None = None
 
-    async def next_event(self):
+    async def next_event(self) -> Event:
         while True:
             event = await self._inner.next_event()
             if isinstance(event, Accepted):
@@ -78,25 +88,24 @@ class OffloadStream:
 
     def _reconsider(self) -> None:
         """Decide again; move the rest of the decode to the GPU engine when it has room now."""
-        scheduler = self._scheduler
-        scheduler.auto["reconsidered"] += 1
-        decision = scheduler.decide()
-        if decision.route != "gpu" or self._accepted is None:
+        self._counts.reconsidered += 1
+        decision = self._decide()
+        if decision.route != Verdict.GPU or self._accepted is None:
             self._next_check = len(self._generated) + (decision.token_limit or self._token_limit)
             return
         remaining = self._accepted.max_tokens - len(self._generated)
-        continuation = replace(self._request, kv=None, kv_missing="", handoff=False, route="gpu",
+        continuation = replace(self._request, kv=None, kv_missing="", handoff=False, route=Route.GPU,
                                resume_tokens=tuple(self._generated), max_tokens=remaining)
         try:
-            stream = scheduler.pick_gpu().submit(continuation)
+            stream = self._pick_gpu().submit(continuation)
         except EngineUnavailable as exc:
-            scheduler.auto["move_failed"] += 1
+            self._counts.move_failed += 1
             log.info("%s: staying on the CPU (%s)", self.request_id, exc)
             self._next_check = len(self._generated) + self._token_limit
             return
         self._inner.cancel()  # frees the CPU sequence; its in-flight tokens are dropped with it
         self._inner = stream
-        self.moved_to = "gpu"
-        scheduler.auto["moved_to_gpu"] += 1
+        self.moved_to = Route.GPU
+        self._counts.moved_to_gpu += 1
         log.info("%s: decode moves back to the GPU after %d tokens on the CPU (%s)", self.request_id,
                  len(self._generated), decision.reason)

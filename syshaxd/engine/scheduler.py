@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-import weakref
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import asdict, replace
 
-from syshaxd.config import MODES, Config
-from syshaxd.engine.decider import Decision, EngineState, Thresholds, decide
+from syshaxd.config import MODES, Config, Mode
+from syshaxd.engine.decider import Decision, EngineState, Thresholds, Verdict, decide
 from syshaxd.engine.handoff import HandoffStream
-from syshaxd.engine.offload import OffloadStream
+from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.offload import OffloadCounts, OffloadStream
+from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
-from syshaxd.engine.types import GenerateRequest, KVHandle
+from syshaxd.engine.types import Fallback, GenerateRequest, Pool, RequestStream, Route
 
 log = logging.getLogger(__name__)
-
-ORPHAN_GRACE = 2.0  # seconds after a KV producer died before its unclaimed records are freed
 
 
 class Overloaded(RuntimeError):
@@ -31,13 +29,6 @@ class Overloaded(RuntimeError):
 
 class RouteUnavailable(ValueError):
     """The request asked for a route this daemon was not started for (400)."""
-
-
-def _percentile(values, q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Scheduler:
@@ -54,24 +45,20 @@ class Scheduler:
     mode is the default route; a request may name another that this daemon serves.
     """
 
-    def __init__(self, config: Config, workers: list[WorkerHandle], ring=None) -> None:
+    def __init__(self, config: Config, workers: list[WorkerHandle], ledger: KVLedger | None = None) -> None:
         self.config = config
         self.workers = workers
-        self.pools = {pool: [w for w in workers if w.spec.pool == pool] for pool in ("cpu", "gpu", "prefill")}
-        self.decoders = self.pools["cpu"]
-        self.prefill = self.pools["prefill"]
-        self.gpu = self.pools["gpu"]
-        self.ring = ring
+        self.pools = {pool: [w for w in workers if w.spec.pool == pool] for pool in Pool}
+        self.decoders = self.pools[Pool.CPU]
+        self.prefill = self.pools[Pool.PREFILL]
+        self.gpu = self.pools[Pool.GPU]
+        self.ledger = ledger or KVLedger()  # the KV records in the ring; the workers report to the same one
         self.routes: Counter = Counter()
         self.refused: Counter = Counter()
-        self.handoff = {"records_written": 0, "bytes_written": 0, "records_read": 0, "records_failed": 0,
-                        "orphans_released": 0, "fallbacks": Counter(), "latency": deque(maxlen=1000)}
-        self.auto = {"decisions": Counter(), "queued": 0, "reconsidered": 0, "moved_to_gpu": 0, "move_failed": 0,
-                     "last": None}
-        self._handoffs: weakref.WeakSet = weakref.WeakSet()  # hetero requests that may hold a ring record
-        for w in self.prefill + self.gpu:
-            w.on_orphan_record = self.release_record
-            w.on_exit = self.producer_died
+        self.decisions: Counter = Counter()
+        self.queued_for_gpu = 0
+        self.offload = OffloadCounts()
+        self.last_decision: AutoDecision | None = None
         self._unservable = self._why_unservable()  # the pools never change: worked out once, read per request
 
     @property
@@ -88,18 +75,19 @@ class Scheduler:
         restart = "; set mode = \"{}\" in the config file (syshax config set mode {} --save) and restart syshaxd"
         exports = any(w.spec.ring for w in self.gpu)
         why = {}
-        why["cpu"] = "" if self.decoders else "this daemon has no CPU workers (gpu mode)" + restart.format("auto", "auto")
-        why["gpu"] = "" if self.gpu else "this daemon has no GPU engine" + restart.format("gpu", "gpu")
+        why[Mode.CPU] = "" if self.decoders else "this daemon has no CPU workers (gpu mode)" + restart.format(
+            "auto", "auto")
+        why[Mode.GPU] = "" if self.gpu else "this daemon has no GPU engine" + restart.format("gpu", "gpu")
         if not self.decoders or not (self.prefill or exports):
-            why["hetero"] = "this daemon has no prefill engine, CPU decoders and KV ring" + restart.format("hetero",
-                                                                                                       "hetero")
+            why[Mode.HETERO] = "this daemon has no prefill engine, CPU decoders and KV ring" + restart.format(
+                "hetero", "hetero")
         else:
-            why["hetero"] = ""
+            why[Mode.HETERO] = ""
         if not (self.gpu and exports and self.decoders):
-            why["auto"] = "auto needs the GPU engine, CPU decoders and the KV ring between them" + restart.format(
+            why[Mode.AUTO] = "auto needs the GPU engine, CPU decoders and the KV ring between them" + restart.format(
                 "auto", "auto")
         else:
-            why["auto"] = ""
+            why[Mode.AUTO] = ""
         return why
 
     def set_mode(self, mode: str) -> None:
@@ -109,26 +97,26 @@ class Scheduler:
         reason = self._unservable[mode]
         if reason:
             raise ValueError(f"mode {mode!r} is not available: {reason}")
-        self.config = self.config.replace(mode=mode)
+        self.config = self.config.replace(mode=Mode(mode))
 
     def is_ready(self) -> bool:
         return bool(self.workers) and all(w.state == "ready" for w in self.workers)
 
     # --- admission ----------------------------------------------------------------------------
 
-    def slots(self, pool: str) -> int:
+    def slots(self, pool: Pool) -> int:
         return sum(w.spec.max_batch_size for w in self.pools[pool] if w.state == "ready")
 
     def capacity(self) -> int:
         """Requests the daemon holds at once: every batch slot of the CPU and GPU engines plus the queue."""
-        return self.slots("cpu") + self.slots("gpu") + self.config.max_queue_size
+        return self.slots(Pool.CPU) + self.slots(Pool.GPU) + self.config.max_queue_size
 
     def in_flight(self) -> int:
         return sum(w.in_flight for w in self.workers)
 
     def queued(self) -> int:
         """Requests admitted beyond the engines' batch slots: they wait in an engine's queue."""
-        return max(0, sum(w.generating for w in self.workers) - self.slots("cpu") - self.slots("gpu"))
+        return max(0, sum(w.generating for w in self.workers) - self.slots(Pool.CPU) - self.slots(Pool.GPU))
 
     @classmethod
     def _least_loaded(cls, workers: list[WorkerHandle], what: str) -> WorkerHandle:
@@ -143,15 +131,15 @@ class Scheduler:
     def pick_gpu(self) -> WorkerHandle:
         return self._least_loaded(self.gpu, "GPU engine")
 
-    def submit(self, request: GenerateRequest):
+    def submit(self, request: GenerateRequest) -> RequestStream:
         """A stream of the request's events; raises Overloaded, EngineUnavailable or RouteUnavailable."""
-        route = request.route or self.mode
-        if route not in MODES:
-            raise RouteUnavailable(f"route {route!r} is not one of {', '.join(MODES)}")
-        why = self._unservable[route]
+        mode = request.route or self.mode
+        if mode not in MODES:
+            raise RouteUnavailable(f"route {mode!r} is not one of {', '.join(MODES)}")
+        why = self._unservable[mode]
         if why:
-            raise RouteUnavailable(f"this daemon cannot serve route {route!r}: {why}")
-        needed = self.gpu if route == "gpu" else self.decoders
+            raise RouteUnavailable(f"this daemon cannot serve route {mode!r}: {why}")
+        needed = self.gpu if mode == Mode.GPU else self.decoders
         if not any(w.state == "ready" for w in needed):
             self.refused["unavailable"] += 1
             raise EngineUnavailable(f"no engine is ready to serve ({self._states(needed)}); retry shortly")
@@ -162,38 +150,38 @@ class Scheduler:
                 f"queue of {self.config.max_queue_size} full); retry later"
             )
         decision = None
-        if route == "auto" and not any(w.state == "ready" for w in self.gpu):
+        if mode == Mode.AUTO and not any(w.state == "ready" for w in self.gpu):
             # the GPU engine is loading or being restarted: the CPU workers serve meanwhile
-            decision = Decision("cpu", f"the GPU engine is not ready ({self._states(self.gpu)}); serving on the CPU")
-            self.auto["decisions"]["cpu"] += 1
-            route = "cpu"
-        elif route == "auto":
+            decision = Decision(Verdict.CPU, f"the GPU engine is not ready ({self._states(self.gpu)}); "
+                                "serving on the CPU")
+            self.decisions[decision.route] += 1
+        elif mode == Mode.AUTO:
             decision = self.decide()
-            if decision.route == "refuse":
+            if decision.route == Verdict.REFUSE:
                 # both sides are full: wait in the GPU engine's queue, which admission bounded above
-                self.auto["queued"] += 1
-                decision = replace(decision, route="gpu", reason=f"{decision.reason}; queued for the GPU engine")
-            route = decision.route
+                self.queued_for_gpu += 1
+                decision = replace(decision, route=Verdict.GPU, reason=f"{decision.reason}; queued for the GPU engine")
+        route = Route(decision.route) if decision is not None else Route(mode)
         stream = self._dispatch(route, request, decision)
         self.routes[route] += 1
         return stream
 
-    def _dispatch(self, route: str, request: GenerateRequest, decision: Decision | None):
-        if route == "cpu":
+    def _dispatch(self, route: Route, request: GenerateRequest, decision: Decision | None) -> RequestStream:
+        if route == Route.CPU:
             stream = self.pick_decoder().submit(request)
-        elif route == "gpu":
+        elif route == Route.GPU:
             stream = self.pick_gpu().submit(request)
         else:
             prefill = min(self.prefill or self.gpu, key=lambda w: w.in_flight)
             if prefill.state != "ready":
                 # the prefill engine is restarting: decode it on the CPU meanwhile, and say so
-                self.handoff["fallbacks"]["prefill_unavailable"] += 1
+                self.ledger.fallback(Fallback.PREFILL_UNAVAILABLE)
                 stream = self.pick_decoder().submit(request)
             else:
-                stream = HandoffStream(self, request, prefill)
-                self._handoffs.add(stream)
+                stream = HandoffStream(request, prefill, self.ledger, self.pick_decoder)
             if decision is not None and decision.token_limit:
-                stream = OffloadStream(self, request, stream, decision.token_limit)
+                stream = OffloadStream(request, stream, decision.token_limit, self.decide, self.pick_gpu,
+                                       self.offload)
         stream.route = route
         stream.reason = decision.reason if decision is not None else ""
         return stream
@@ -202,13 +190,14 @@ class Scheduler:
 
     def thresholds(self) -> Thresholds:
         c = self.config
-        return Thresholds(max_num_seqs=self.slots("gpu") or c.max_num_seqs, gpu_cache_threshold=c.gpu_cache_threshold,
+        return Thresholds(max_num_seqs=self.slots(Pool.GPU) or c.max_num_seqs,
+                          gpu_cache_threshold=c.gpu_cache_threshold,
                           cpu_throughput_threshold=c.cpu_throughput_threshold,
-                          cpu_max_batch_size=self.slots("cpu"),
+                          cpu_max_batch_size=self.slots(Pool.CPU),
                           token_limit_multiplier=c.token_limit_multiplier, token_limit_min=c.token_limit_min,
                           token_limit_max=c.token_limit_max)
 
-    def engine_state(self, pool: str) -> EngineState:
+    def engine_state(self, pool: Pool) -> EngineState:
         """A pool's load. Running and waiting come from the daemon's own count of what each worker holds
         (exact the moment a request is sent, where a worker's report is up to one step old), waiting also
         from the workers' reports (an engine may queue below its batch size: vLLM preempts sequences when
@@ -216,62 +205,20 @@ class Scheduler:
         workers = [w for w in self.pools[pool] if w.state == "ready"]
         held = sum(w.generating for w in workers)  # an offloaded prompt on the GPU engine takes no slot there
         slots = sum(w.spec.max_batch_size for w in workers)
-        reported_waiting = sum(int(w.stats.get("waiting", 0)) for w in workers)
+        reported_waiting = sum(w.stats.waiting for w in workers)
         return EngineState(running=min(held, slots), waiting=max(held - slots, reported_waiting, 0),
-                           kv_usage=max((float(w.stats.get("kv_usage", 0.0)) for w in workers), default=0.0),
-                           tokens_per_second=sum(float(w.stats.get("tokens_per_second", 0.0)) for w in workers))
+                           kv_usage=max((w.stats.kv_usage for w in workers), default=0.0),
+                           tokens_per_second=sum(w.stats.tokens_per_second for w in workers))
 
     def decide(self) -> Decision:
         """The decider's answer for an auto request now -- "gpu", "hetero", or "refuse" when both sides are
         full -- remembered with its inputs for the status."""
-        gpu, cpu, t = self.engine_state("gpu"), self.engine_state("cpu"), self.thresholds()
+        gpu, cpu, t = self.engine_state(Pool.GPU), self.engine_state(Pool.CPU), self.thresholds()
         decision = decide(gpu, cpu, t)
-        self.auto["decisions"][decision.route] += 1
-        self.auto["last"] = {"at": time.time(), "gpu": asdict(gpu), "cpu": asdict(cpu), "route": decision.route,
-                             "reason": decision.reason, "token_limit": decision.token_limit}
+        self.decisions[decision.route] += 1
+        self.last_decision = AutoDecision(time.time(), gpu, cpu, decision.route, decision.reason, decision.token_limit)
         log.debug("auto: %s (%s)", decision.route, decision.reason)
         return decision
-
-    # --- the KV ring ----------------------------------------------------------------------------
-
-    def release_record(self, handle: KVHandle) -> None:
-        """Free a ring record that no decoder will take (its request was cancelled or re-routed)."""
-        self._release_offset(handle.offset)
-
-    def _release_offset(self, offset: int) -> None:
-        if self.ring is None:
-            return
-        from syshaxd.kv.ring import RingError
-
-        try:
-            self.ring.release(offset)
-        except RingError as exc:  # already released by a decoder that died after reading it
-            log.debug("record at %d already gone: %s", offset, exc)
-
-    def producer_died(self, pid: int) -> None:
-        """A worker that writes KV records died: soon free the records it committed that no request holds.
-
-        It may have died after committing a record and before reporting it; nobody would release that
-        one, and the ring's tail would stick behind it. The grace lets the requests it did report take
-        up their records first; a record freed under a request anyway only makes its decoder recompute.
-        """
-        if self.ring is not None:
-            asyncio.get_running_loop().call_later(ORPHAN_GRACE, self.release_orphans, pid)
-
-    def release_orphans(self, pid: int) -> int:
-        """Release the committed records of writer `pid` that no live hetero request holds; how many."""
-        if self.ring is None:
-            return 0
-        held = {stream.handle.offset for stream in self._handoffs if stream.handle is not None}
-        freed = 0
-        for record in list(self.ring.records()):
-            if record.state == "committed" and record.writer_pid == pid and record.offset not in held:
-                self._release_offset(record.offset)
-                freed += 1
-        if freed:
-            self.handoff["orphans_released"] += freed
-            log.warning("freed %d KV record(s) that KV producer pid %d committed but never handed on", freed, pid)
-        return freed
 
     @staticmethod
     def _states(workers) -> str:
@@ -279,45 +226,27 @@ class Scheduler:
 
     # --- status ---------------------------------------------------------------------------------
 
-    def kv_status(self) -> dict | None:
-        if self.ring is None:
-            return None
-        ring = self.ring.stats()
-        lat = list(self.handoff["latency"])
-        return {
-            "ring": {"capacity": self.ring.capacity, "used_bytes": ring.used_bytes, "occupancy": ring.occupancy,
-                     "records_written": ring.records_written, "records_released": ring.records_released,
-                     "records_skipped": ring.records_skipped, "generation": ring.generation},
-            "records_written": self.handoff["records_written"],
-            "records_read": self.handoff["records_read"],
-            "records_failed": self.handoff["records_failed"],
-            "orphans_released": self.handoff["orphans_released"],
-            "bytes_moved": self.handoff["bytes_written"],
-            "fallbacks": dict(self.handoff["fallbacks"]),
-            "handoff_latency_s": {"count": len(lat), "p50": _percentile(lat, 0.5), "p99": _percentile(lat, 0.99)},
-        }
-
-    def auto_status(self) -> dict | None:
+    def auto_status(self) -> AutoStatus | None:
         """The decider's counts and its last inputs and decision (what `syshax status` explains)."""
-        if self._unservable["auto"]:
+        if self._unservable[Mode.AUTO]:
             return None
-        return {"decisions": dict(self.auto["decisions"]), "queued_for_gpu": self.auto["queued"],
-                "reconsidered": self.auto["reconsidered"], "moved_to_gpu": self.auto["moved_to_gpu"],
-                "move_failed": self.auto["move_failed"], "last": self.auto["last"],
-                "thresholds": asdict(self.thresholds())}
+        return AutoStatus(decisions=dict(self.decisions), queued_for_gpu=self.queued_for_gpu,
+                          reconsidered=self.offload.reconsidered, moved_to_gpu=self.offload.moved_to_gpu,
+                          move_failed=self.offload.move_failed, last=self.last_decision,
+                          thresholds=asdict(self.thresholds()))
 
-    def status(self) -> dict:
-        return {
-            "mode": self.mode,
-            "modes": {m: why or "available" for m, why in self._unservable.items()},
-            "ready": self.is_ready(),
-            "in_flight": self.in_flight(),
-            "queued": self.queued(),
-            "capacity": self.capacity(),
-            "max_queue_size": self.config.max_queue_size,
-            "routes": dict(self.routes),
-            "refused": dict(self.refused),
-            "auto": self.auto_status(),
-            "kv": self.kv_status(),
-            "workers": [w.status() for w in self.workers],
-        }
+    def status(self) -> SchedulerStatus:
+        return SchedulerStatus(
+            mode=self.mode,
+            modes={m: why or "available" for m, why in self._unservable.items()},
+            ready=self.is_ready(),
+            in_flight=self.in_flight(),
+            queued=self.queued(),
+            capacity=self.capacity(),
+            max_queue_size=self.config.max_queue_size,
+            routes=dict(self.routes),
+            refused=dict(self.refused),
+            auto=self.auto_status(),
+            kv=self.ledger.status(),
+            workers=[w.status() for w in self.workers],
+        )

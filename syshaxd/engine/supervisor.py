@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import multiprocessing
 import time
@@ -11,14 +10,19 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.status import WorkerStatus
 from syshaxd.engine.types import (
     Accepted,
     Cancel,
     Delta,
     EngineSpec,
+    EngineStats,
     GenerateRequest,
+    Imported,
     Prefilled,
     Rejected,
+    Route,
     Shutdown,
     Submit,
     WorkerFailed,
@@ -35,16 +39,20 @@ class EngineUnavailable(RuntimeError):
 
 
 @dataclass(eq=False)
-class RequestStream:
-    """One request's events from its worker, in order; the last is a finished Delta or Rejected."""
+class WorkerStream:
+    """One request's events from its worker, in order; the last is a finished Delta, Rejected or Prefilled.
+
+    A types.RequestStream on its own (cpu and gpu routes), and the inner stream of the other two.
+    """
 
     request_id: str
     worker: "WorkerHandle"
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tokens_sent: int = 0
     finished: bool = False
-    route: str = ""  # where the scheduler sent it, and why (auto mode), for the response and the logs
+    route: Route = Route.CPU  # where the scheduler sent it, and why (auto mode), for the response and the logs
     reason: str = ""
+    moved_to: str = ""  # a worker's own stream never moves
     handoff: bool = False  # only its prompt runs here (its KV goes on to a decoder): it holds no batch slot
 
     async def next_event(self):
@@ -75,11 +83,10 @@ class WorkerHandle:
     when no token was sent yet), and a new worker starts.
     """
 
-    _ids = itertools.count()
     BUSY_GRACE = 4
 
     def __init__(self, name: str, spec: EngineSpec, log_level: str, restart_delay: float,
-                 heartbeat_timeout: float = 30.0) -> None:
+                 heartbeat_timeout: float = 30.0, ledger: KVLedger | None = None) -> None:
         self.name = name
         self.spec = spec
         self.log_level = log_level
@@ -88,11 +95,12 @@ class WorkerHandle:
         self.hangs = 0  # workers killed for silence
         self.state = "stopped"
         self.info: dict = {}
-        self.stats: dict = {}
+        self.stats = EngineStats()
         self.error = ""
         self.restarts = 0
         self.last_heartbeat = 0.0
-        self.streams: dict[str, RequestStream] = {}
+        self.streams: dict[str, WorkerStream] = {}
+        self.ledger = ledger or KVLedger()  # the owner of the KV records this worker writes or reads
         self.ready = asyncio.Event()
         self._process = None
         self._conn = None
@@ -102,8 +110,6 @@ class WorkerHandle:
         self._hung_for = 0.0  # set when this worker was killed for silence: its requests' errors say so
         self._cpu_seen: float | None = None  # the silent worker's CPU seconds at the previous look
         self._loop = asyncio.get_running_loop()
-        self.on_orphan_record = None  # called with a Prefilled whose request is gone (its record must go)
-        self.on_exit = None  # called with the pid of a worker that died, once its last events were routed
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -222,9 +228,8 @@ class WorkerHandle:
         if isinstance(msg, list):
             for event in msg:
                 stream = self.streams.get(event.request_id)
+                self._report_kv(event, stream is None)
                 if stream is None:  # cancelled on our side already
-                    if isinstance(event, Prefilled) and event.handle is not None and self.on_orphan_record:
-                        self.on_orphan_record(event.handle)
                     continue
                 if isinstance(event, (Rejected, Prefilled)) or (isinstance(event, Delta) and event.finish_reason):
                     del self.streams[event.request_id]
@@ -242,6 +247,15 @@ class WorkerHandle:
             self.error = msg.message
             self.state = "failed"
             log.error("%s: engine failed to start: %s", self.name, msg.message)
+
+    def _report_kv(self, event, orphaned: bool) -> None:
+        """Tell the ledger of a record written (and, when its request is gone, no longer wanted) or read."""
+        if isinstance(event, Prefilled) and event.handle is not None:
+            self.ledger.written(event.request_id, event.handle, self.pid or 0)
+            if orphaned:
+                self.ledger.drop(event.request_id)
+        elif isinstance(event, Imported):
+            self.ledger.imported(event)
 
     def _on_exit(self) -> None:
         if self._process is None:
@@ -267,8 +281,8 @@ class WorkerHandle:
                 )
             else:
                 stream.queue.put_nowait(Delta(stream.request_id, "", 0, "error", during))
-        if self.on_exit is not None and not self._stopping:
-            self.on_exit(pid)
+        if not self._stopping:
+            self.ledger.worker_gone(self.name, pid)
         if self._stopping:
             return
         if was_failed:
@@ -286,10 +300,10 @@ class WorkerHandle:
 
     # --- requests -------------------------------------------------------------------------
 
-    def submit(self, request: GenerateRequest) -> RequestStream:
+    def submit(self, request: GenerateRequest) -> WorkerStream:
         if self.state != "ready" or self._conn is None:
             raise EngineUnavailable(f"{self.name} is {self.state}")
-        stream = RequestStream(request.request_id, self, handoff=request.handoff)
+        stream = WorkerStream(request.request_id, self, handoff=request.handoff)
         self.streams[request.request_id] = stream
         self._conn.send(Submit(request))
         return stream
@@ -311,21 +325,11 @@ class WorkerHandle:
         """Requests it holds that take (or wait for) a batch slot: all but prompts it only hands on."""
         return sum(1 for s in self.streams.values() if not s.handoff)
 
-    def status(self) -> dict:
-        return {
-            "name": self.name,
-            "backend": self.spec.backend,
-            "role": self.spec.role,
-            "state": self.state,
-            "pid": self.pid,
-            "error": self.error,
-            "restarts": self.restarts,
-            "hangs": self.hangs,
-            "in_flight": self.in_flight,
-            "cpus": self.info.get("cpus", []),
-            "threads": self.spec.threads,
-            "stats": self.stats,
-        }
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(name=self.name, backend=self.spec.backend, role=self.spec.role, pool=self.spec.pool,
+                            state=self.state, pid=self.pid, error=self.error, restarts=self.restarts,
+                            hangs=self.hangs, in_flight=self.in_flight, cpus=list(self.info.get("cpus", [])),
+                            threads=self.spec.threads, stats=self.stats)
 
 
-__all__ = ["Accepted", "EngineUnavailable", "RequestStream", "WorkerHandle"]
+__all__ = ["Accepted", "EngineUnavailable", "WorkerStream", "WorkerHandle"]

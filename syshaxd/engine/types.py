@@ -3,7 +3,51 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
+
+from syshaxd.backend import Role
+
+
+class Pool(StrEnum):
+    """Which of the scheduler's pools a worker serves."""
+
+    CPU = "cpu"  # CPU workers: cpu mode's engines, and the decoders of hetero and auto
+    GPU = "gpu"  # the GPU engine of gpu and auto modes
+    PREFILL = "prefill"  # hetero mode's prefill worker
+
+
+class Route(StrEnum):
+    """Where one request ran: a CPU worker alone, the GPU engine alone, or prefill there and decode on a CPU."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+    HETERO = "hetero"
+
+
+class Fallback(StrEnum):
+    """Why a decoder recomputed a prompt instead of importing its KV record (counted per reason)."""
+
+    RING_FULL = "ring_full"  # the producer found no ring space before handoff_timeout
+    EXPORT_FAILED = "export_failed"  # the producer could not write the record
+    PREFILL_DIED = "prefill_died"  # the prefill worker died before handing the record on
+    PREFILL_FAILED = "prefill_failed"  # it answered something other than a record
+    PREFILL_UNAVAILABLE = "prefill_unavailable"  # it was restarting: the request went to a decoder alone
+    DECODER_DIED = "decoder_died"  # the decoder that took the record died before its first token
+    CHECKSUM = "checksum"  # the record's bytes do not match its checksum
+    FINGERPRINT = "fingerprint"  # the record is of another model
+    STALE = "stale"  # the ring was reset or the offset reused since the record was reported
+    TOKEN_MISMATCH = "token_mismatch"  # the record holds other tokens than the request's prompt
+    STATE_FORMAT = "state_format"  # the engine could not take the record's KV into its cache
+    NO_RING = "no_ring"  # the decoder has no ring to read from
+    CANCELLED = "cancelled"  # not a fallback: the request was cancelled before its record was read
+
+    @classmethod
+    def of_export(cls, exc: Exception) -> "Fallback":
+        """Why a producer's record was not written, from the ring's error."""
+        from syshaxd.kv.ring import RingFull
+
+        return cls.RING_FULL if isinstance(exc, RingFull) else cls.EXPORT_FAILED
 
 
 @dataclass(frozen=True)
@@ -21,12 +65,10 @@ class EngineSpec:
     """Everything a worker needs to build its engine; crosses the process boundary once."""
 
     backend: str
-    role: str  # "generate" (prefill and decode), "prefill" or "decode"
+    role: Role  # generate (prefill and decode), prefill or decode
     model_path: str
     model_name: str
-    # which of the scheduler's pools the worker serves: "cpu" (CPU decoders, cpu mode's engines),
-    # "gpu" (the GPU engine of gpu and auto modes) or "prefill" (hetero mode's prefill worker)
-    pool: str = "cpu"
+    pool: Pool = Pool.CPU
     n_ctx: int = 4096
     max_batch_size: int = 8
     threads: int = 1
@@ -83,8 +125,8 @@ class GenerateRequest:
     default_max_tokens: int = 1024
     # hetero: the prompt's KV, computed elsewhere; or why there is none (the decoder recomputes)
     kv: KVHandle | None = None
-    kv_missing: str = ""
-    route: str = ""  # "cpu", "gpu", "hetero" or "auto" for this request alone; empty: the daemon's mode
+    kv_missing: Fallback | str = ""
+    route: str = ""  # a Mode for this request alone ("auto" lets the decider choose); empty: the daemon's mode
     # a generate engine with a ring runs only the prompt, writes its KV into the ring and answers
     # Prefilled, as a prefill worker does (auto mode offloading this request's decode to the CPU)
     handoff: bool = False
@@ -111,7 +153,7 @@ class Prefilled:
 
     request_id: str
     handle: KVHandle | None
-    reason: str = ""  # why there is no handle: "ring_full", "export_failed", ...
+    reason: Fallback | str = ""  # why there is no handle: RING_FULL, EXPORT_FAILED
 
 
 @dataclass(frozen=True)
@@ -120,7 +162,7 @@ class Imported:
 
     request_id: str
     ok: bool
-    reason: str = ""  # why the record could not be used ("checksum", "fingerprint", "stale", ...)
+    reason: Fallback | str = ""  # why the record was not used: a Fallback (CANCELLED: never read)
     seconds: float = 0.0  # read, verify and import time
     nbytes: int = 0
 
@@ -154,8 +196,26 @@ class WorkerReady:
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    """An engine's load and counters, reported every STATS_INTERVAL; what the decider, status and /metrics read."""
+
+    running: int = 0  # sequences in the running batch
+    waiting: int = 0  # accepted sequences waiting for a batch slot (or preempted, in vLLM)
+    free_slots: int = 0
+    max_batch_size: int = 0
+    n_ctx: int = 0  # tokens one sequence may hold
+    kv_usage: float = 0.0  # 0..1 of the engine's KV cache
+    tokens_per_second: float = 0.0  # generated, over the last few seconds
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    finished: int = 0
+    decode_errors: int = 0
+
+
+@dataclass(frozen=True)
 class WorkerStats:
-    stats: dict
+    stats: EngineStats
 
 
 @dataclass(frozen=True)
@@ -200,6 +260,31 @@ class Engine(Protocol):
     def step(self) -> list:
         """Run one batched forward pass and return the Deltas it produced."""
 
-    def stats(self) -> dict: ...
+    def stats(self) -> EngineStats: ...
 
     def close(self) -> None: ...
+
+
+Event = Accepted | Prefilled | Imported | Rejected | Delta
+
+
+class RequestStream(Protocol):
+    """One request's events as the API reads them, whichever way the request runs.
+
+    Three kinds exist: a worker's own stream (supervisor.WorkerStream), a hetero request's prefill
+    then decode on two workers (handoff.HandoffStream), and an auto-mode decode offloaded to the CPU
+    that may move back to the GPU (offload.OffloadStream). The API sees Accepted first, then Deltas
+    until one has a finish_reason, or a Rejected instead.
+    """
+
+    request_id: str
+    route: Route  # where it runs
+    reason: str  # why the scheduler chose that route (auto mode); "" otherwise
+    moved_to: Route | str  # where an offloaded decode moved for its rest; "" when it did not move
+    finished: bool
+    tokens_sent: int
+
+    async def next_event(self) -> Event: ...
+
+    def cancel(self) -> None:
+        """Stop (client gone, timeout): frees the request's sequence and whatever KV record it holds."""

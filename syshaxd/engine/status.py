@@ -1,0 +1,92 @@
+"""What the scheduler reports of itself: one typed object that /v1/syshax/status, `syshax status` and /metrics render."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+
+from syshaxd.engine.decider import EngineState
+from syshaxd.engine.kv_ledger import KVStatus
+from syshaxd.engine.types import EngineStats
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    name: str
+    backend: str
+    role: str
+    pool: str
+    state: str  # stopped, starting, ready, restarting, failed
+    pid: int | None
+    error: str
+    restarts: int
+    hangs: int  # times it was killed for silence
+    in_flight: int
+    cpus: list[int]
+    threads: int
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class AutoDecision:
+    at: float  # time.time()
+    gpu: EngineState  # each pool's load as the decider saw it
+    cpu: EngineState
+    route: str  # gpu, hetero or refuse
+    reason: str
+    token_limit: int
+
+
+@dataclass(frozen=True)
+class AutoStatus:
+    """auto mode's decider: its counts and its last inputs and decision."""
+
+    decisions: dict[str, int]
+    queued_for_gpu: int
+    reconsidered: int
+    moved_to_gpu: int
+    move_failed: int
+    last: AutoDecision | None
+    thresholds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class SchedulerStatus:
+    mode: str
+    modes: dict[str, str]  # each mode: "available", or why this daemon cannot serve it
+    ready: bool
+    in_flight: int
+    queued: int
+    capacity: int
+    max_queue_size: int
+    routes: dict[str, int]
+    refused: dict[str, int]
+    auto: AutoStatus | None
+    kv: KVStatus | None
+    workers: list[WorkerStatus]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SchedulerStatus":
+        """The status from its JSON form (the admin socket's answer); KeyError names a key that is missing."""
+        return _build(cls, data)
+
+
+def _build(kind, value):
+    """`value` (JSON) as `kind`: dataclasses field by field, optional ones None, the rest as they are."""
+    if value is None:
+        return None
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kinds = [k for k in typing.get_args(kind) if k is not type(None)]
+        return _build(kinds[0], value) if len(kinds) == 1 else value
+    if dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        return kind(**{f.name: _build(hints[f.name], value[f.name]) for f in dataclasses.fields(kind)})
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        return [_build(item, v) for v in value]
+    return value
