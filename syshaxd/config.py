@@ -14,6 +14,15 @@ QUANTIZE_TYPES = ("", "q4_0")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PREEMPTION_MODES = ("recompute",)
 
+SYSTEM_CONFIG = Path("/etc/syshax/syshax.toml")
+
+# Keys a running daemon applies at once (SIGHUP, `syshax config set`). Everything else
+# is read when workers are planned or the listener is bound, so it needs a restart.
+LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "log_level", "drain_timeout",
+                       # auto mode's decider reads these at every decision
+                       "gpu_cache_threshold", "cpu_throughput_threshold", "token_limit_multiplier",
+                       "token_limit_min", "token_limit_max"})
+
 
 class ConfigError(ValueError):
     """A configuration key has a bad value; the message names the key and what is allowed."""
@@ -247,6 +256,16 @@ def from_mapping(data: Mapping[str, Any], source: str = "") -> Config:
     cfg = Config(source=source, **values)
     _validate(cfg)
     return cfg
+
+
+def find_config(explicit: str | None) -> Path | None:
+    """The config file to read: `explicit`, else $SYSHAX_CONFIG, ./etc/syshax.toml, SYSTEM_CONFIG; None: defaults."""
+    if explicit:
+        return Path(explicit)
+    for candidate in (os.environ.get("SYSHAX_CONFIG"), "etc/syshax.toml", str(SYSTEM_CONFIG)):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
 
 
 def load(path: str | os.PathLike | None, overrides: Mapping[str, Any] | None = None) -> Config:

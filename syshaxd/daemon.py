@@ -19,7 +19,7 @@ from syshaxd.api.admin import AdminServer, default_path
 from syshaxd.api.app import make_app
 from syshaxd.api.limits import CappedTCPSite
 from syshaxd.api.state import ServiceState
-from syshaxd.config import MODES, Config, ConfigError, load
+from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, load
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.engine.plan import PlanError, plan_engines
@@ -27,9 +27,6 @@ from syshaxd.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
 
 log = logging.getLogger("syshaxd")
-
-SYSTEM_CONFIG = Path("/etc/syshax/syshax.toml")
-
 
 class StartupError(RuntimeError):
     """The daemon cannot start as configured; the message says what to change."""
@@ -50,15 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--version", action="version", version=f"syshaxd {__version__}")
     return p
-
-
-def find_config(explicit: str | None) -> Path | None:
-    if explicit:
-        return Path(explicit)
-    for candidate in (os.environ.get("SYSHAX_CONFIG"), "etc/syshax.toml", str(SYSTEM_CONFIG)):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
 
 
 async def serve(cfg: Config, notifier: Notifier | None = None, reload: Callable[[], Config] | None = None) -> int:
