@@ -144,6 +144,19 @@ def shown(key: str, value: Any) -> str:
     return f"<{n} secret value{'s' if n != 1 else ''}>"
 
 
+# API keys are HTTP header values: printable ASCII, no spaces.
+_KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
+
+
+def check_api_key(key: str, where: str) -> None:
+    """Raise ConfigError (naming `where`, never the key) unless `key` can travel as a Bearer token."""
+    if not key:
+        raise ConfigError(f"{where}: an API key must not be empty")
+    if not set(key) <= _KEY_CHARS:
+        raise ConfigError(f"{where}: an API key must be printable ASCII without spaces (it travels in the "
+                          "Authorization header); generate one with: openssl rand -hex 32")
+
+
 def _validate(cfg: Config) -> None:
     def at_least(key: str, low: float) -> None:
         if getattr(cfg, key) < low:
@@ -197,10 +210,11 @@ def _validate(cfg: Config) -> None:
                     parse_cpulist(part, what=key)
             except ValueError as exc:
                 raise ConfigError(str(exc) if str(exc).startswith(key) else f"{key}: {exc}") from None
-    # --- security and limits (issue 8) ---
-    from syshaxd.api.auth import configured_keys
-
-    configured_keys(cfg)  # checks each key and that api_key_file can be read
+    # --- security and limits ---
+    for i, key in enumerate(cfg.api_keys):
+        check_api_key(key, f"api_keys[{i}]")
+    # api_key_file is read when the daemon starts or reloads (api.auth.configured_keys), not here:
+    # a Config.replace (`syshax mode`, `config set`) must not touch the disk
     at_least("max_connections", 1)
     at_least("worker_heartbeat_timeout", 0)
     if 0 < cfg.worker_heartbeat_timeout <= cfg.handoff_timeout:

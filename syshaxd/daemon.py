@@ -17,6 +17,7 @@ from aiohttp import web
 from syshaxd import __version__
 from syshaxd.api.admin import AdminServer, default_path
 from syshaxd.api.app import make_app
+from syshaxd.api.auth import KeyCheck, configured_keys
 from syshaxd.api.limits import CappedTCPSite
 from syshaxd.api.state import ServiceState
 from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, load
@@ -49,7 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(cfg: Config, notifier: Notifier | None = None, reload: Callable[[], Config] | None = None) -> int:
+def load_checked(path: Path | None, overrides: dict) -> Config:
+    """load(), and a ConfigError too when api_key_file cannot be read (the keys themselves apply at a restart)."""
+    cfg = load(path, overrides)
+    configured_keys(cfg)
+    return cfg
+
+
+async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
+                reload: Callable[[], Config] | None = None) -> int:
+    """Run the daemon until it is stopped; `keys`: the API keys, read once at start."""
     notifier = notifier or Notifier(None)
     notifier.status(f"preparing {cfg.model or 'the default model'}")
     try:
@@ -62,7 +72,7 @@ async def serve(cfg: Config, notifier: Notifier | None = None, reload: Callable[
     except PlanError as exc:
         raise StartupError(str(exc)) from None
     try:
-        return await Service(cfg, engines, model_path, model_name, notifier, reload).run()
+        return await Service(cfg, engines, model_path, model_name, notifier, reload, keys).run()
     finally:
         engines.close()  # the KV ring's segment goes with the daemon
 
@@ -75,7 +85,7 @@ class Service:
     """
 
     def __init__(self, cfg: Config, engines, model_path: Path, model_name: str, notifier: Notifier,
-                 reload: Callable[[], Config] | None) -> None:
+                 reload: Callable[[], Config] | None, keys: KeyCheck) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.model_name = model_name
@@ -84,7 +94,7 @@ class Service:
                         for name, spec in engines.workers]
         self.scheduler = Scheduler(cfg, self.workers, engines.ring)
         self.state = ServiceState(self.scheduler, reload)
-        self.app = make_app(cfg, self.scheduler, model_name, self.state)
+        self.app = make_app(cfg, self.scheduler, model_name, self.state, keys=keys)
         self.url = ""
         self.admin: AdminServer | None = None
         self._stop = asyncio.Event()
@@ -263,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     path = find_config(args.config)
     try:
         cfg = load(path, overrides)
+        keys = KeyCheck.from_config(cfg)  # the one read of api_key_file until a reload
     except ConfigError as exc:
         print(f"syshaxd: {exc}", file=sys.stderr)
         return 2
@@ -272,11 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Before any worker is spawned: they must not inherit NOTIFY_SOCKET (NotifyAccess=main).
     notifier = Notifier.from_env(os.environ, unset_environment=True)
-    reload = (lambda: load(path, overrides)) if path is not None else None
+    reload = (lambda: load_checked(path, overrides)) if path is not None else None
     try:
         import uvloop
 
-        return uvloop.run(serve(cfg, notifier, reload))
+        return uvloop.run(serve(cfg, keys, notifier, reload))
     except StartupError as exc:
         notifier.status(f"failed: {exc}")
         print(f"syshaxd: {exc}", file=sys.stderr)
