@@ -23,7 +23,8 @@ from syshaxd.api.state import ServiceState
 from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, load
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.engine.supervisor import WorkerHandle
-from syshaxd.engine.plan import PlanError, plan_engines
+from syshaxd.engine.plan import Engines, PlanError, RingPlan, plan_engines
+from syshaxd.kv.ring import KVRing, sweep_stale
 from syshaxd.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
 
@@ -71,10 +72,20 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
         engines = plan_engines(cfg, model_path, model_name, dict(os.environ))
     except PlanError as exc:
         raise StartupError(str(exc)) from None
+    ring = _create_ring(engines.ring) if engines.ring is not None else None
     try:
-        return await Service(cfg, engines, model_path, model_name, notifier, reload, keys).run()
+        return await Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys).run()
     finally:
-        engines.close()  # the KV ring's segment goes with the daemon
+        if ring is not None:  # the KV ring's segment goes with the daemon
+            ring.unlink()
+            ring.close()
+
+
+def _create_ring(plan: RingPlan) -> KVRing:
+    """The plan's KV ring, created in /dev/shm after removing any that daemons killed with -9 left."""
+    for stale in sweep_stale():
+        log.warning("removed a KV ring left by a daemon that is gone: %s", stale)
+    return KVRing.create(plan.instance, plan.size)
 
 
 class Service:
@@ -84,7 +95,7 @@ class Service:
     a second one stops at once. SIGHUP re-reads the config file and applies the live keys.
     """
 
-    def __init__(self, cfg: Config, engines, model_path: Path, model_name: str, notifier: Notifier,
+    def __init__(self, cfg: Config, engines: Engines, ring: KVRing | None, model_path: Path, model_name: str, notifier: Notifier,
                  reload: Callable[[], Config] | None, keys: KeyCheck) -> None:
         self.cfg = cfg
         self.model_path = model_path
@@ -92,7 +103,7 @@ class Service:
         self.notifier = notifier
         self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout)
                         for name, spec in engines.workers]
-        self.scheduler = Scheduler(cfg, self.workers, engines.ring)
+        self.scheduler = Scheduler(cfg, self.workers, ring)
         self.state = ServiceState(self.scheduler, reload)
         self.app = make_app(cfg, self.scheduler, model_name, self.state, keys=keys)
         self.url = ""
