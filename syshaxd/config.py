@@ -81,14 +81,14 @@ class Config:
 
     log_level: str = "info"
 
-    # --- security and limits (issue 8): API keys, connections, hung workers ---
+    # --- security and limits: API keys, connections, hung workers ---
     api_keys: tuple[str, ...] = ()  # when any key is set (here or in api_key_file), /v1/* needs one as a Bearer token
     api_key_file: str = ""  # one key per line (# comments); $VARS expand, e.g. "$CREDENTIALS_DIRECTORY/api-keys"
     metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
     max_connections: int = 1024  # open HTTP connections; past it a new one gets 503 and is closed
     worker_heartbeat_timeout: float = 30.0  # seconds a ready worker may send nothing before it is killed; 0: off
 
-    # --- operations (issue 7): shutdown drain, admin socket. Keep this block last. ---
+    # --- operations: shutdown drain, admin socket. Keep this block last. ---
     drain_timeout: float = 30.0  # seconds SIGTERM waits for accepted requests before stopping workers
     admin_socket: str = ""  # the admin Unix socket; empty: $RUNTIME_DIRECTORY, else a default (api/admin.py)
     admin_group: str = "syshax"  # members may use the admin socket (besides root and the daemon's user)
@@ -221,7 +221,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"worker_heartbeat_timeout: must be above handoff_timeout ({cfg.handoff_timeout:g}s, "
                           "which a prefill may spend waiting for ring space) or 0 to turn the check off; "
                           f"got {cfg.worker_heartbeat_timeout:g}")
-    # --- operations (issue 7) ---
+    # --- operations ---
     at_least("drain_timeout", 0)
     if cfg.admin_socket and len(os.fsencode(os.path.abspath(os.path.expanduser(cfg.admin_socket)))) > 107:
         raise ConfigError(f"admin_socket: a Unix socket path must be at most 107 bytes, got {cfg.admin_socket!r}; "

@@ -287,4 +287,4 @@ def test_prompts_never_reach_the_log(daemon):
     stream.close()  # a client that leaves mid-stream is logged by request id only
     time.sleep(1.5)
     assert MARK not in daemon.log()
-    print(f"\n[issue 8] security: {len(KEY)}-char keys never logged; prompts with a marker word: 0 log lines")
+    print(f"\n[security] keys: {len(KEY)}-char keys never logged; prompts with a marker word: 0 log lines")
