@@ -95,8 +95,8 @@ class Service:
     a second one stops at once. SIGHUP re-reads the config file and applies the live keys.
     """
 
-    def __init__(self, cfg: Config, engines: Engines, ring: KVRing | None, model_path: Path, model_name: str, notifier: Notifier,
-                 reload: Callable[[], Config] | None, keys: KeyCheck) -> None:
+    def __init__(self, cfg: Config, engines: Engines, ring: KVRing | None, model_path: Path, model_name: str,
+                 notifier: Notifier, reload: Callable[[], Config] | None, keys: KeyCheck) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.model_name = model_name
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     path = find_config(args.config)
     try:
         cfg = load(path, overrides)
-        keys = KeyCheck.from_config(cfg)  # the one read of api_key_file until a reload
+        keys = KeyCheck.from_config(cfg)  # read once: a reload checks the file again but keys change at a restart
     except ConfigError as exc:
         print(f"syshaxd: {exc}", file=sys.stderr)
         return 2
