@@ -1,16 +1,16 @@
 """syshaxd against llama_cpp.server on the same model and threads, in one run; prints a table, writes bench/results/bench_serving.json.
 
-Issue 2's serving benchmark. Both servers are started here on free loopback ports
+The serving comparison with llama.cpp's own server. Both servers are started here on free loopback ports
 (same GGUF, same thread count, flash attention on both, since syshaxd's engine uses
 it), then `syshax benchmark --url llama_cpp.server=... --url syshaxd=...` runs one
 concurrency level at a time (128-token prompts, 256 forced output tokens by default),
 alternating the servers level by level so that a drift of the machine hits both.
 Each level sends max(min_iterations, factor x concurrency) requests. The table shows
 output tokens/s per server and the ratio syshaxd / llama_cpp.server against the
-issue's aims (>= 0.9x at concurrency 1, >= 2.5x at concurrency 8). Both servers are
+aims (>= 0.9x at concurrency 1, >= 2.5x at concurrency 8). Both servers are
 stopped at the end, also on failure or Ctrl-C.
 
-    .venv/bin/python bench/bench_serving.py            # the issue's figures, ~5 minutes on 2 cores
+    .venv/bin/python bench/bench_serving.py            # the full table, ~5 minutes on 2 cores
     .venv/bin/python bench/bench_serving.py --concurrency 1,8 --output-len 64   # quicker look
 """
 
@@ -42,7 +42,8 @@ from syshaxd.bench.resources import describe_machine  # noqa: E402
 
 SCHEMA = "syshax-bench-serving/1"
 PEER, OURS = "llama_cpp.server", "syshaxd"
-# Issue 2's aims for syshaxd / llama_cpp.server output tokens/s, per concurrency.
+# The aims for syshaxd / llama_cpp.server output tokens/s, per concurrency: as fast alone, and
+# continuous batching well ahead at 8.
 AIMS = {1: 0.9, 8: 2.5}
 # Other processes using more of a core than this (mean) during a level make it worth running again.
 DISTURBED_PERCENT = 25.0

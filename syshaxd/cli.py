@@ -16,13 +16,13 @@ PACKAGED_CONFIG = Path(__file__).resolve().parent.parent / "etc" / "syshax.toml"
 
 
 def _default_config_file() -> Path:
-    from syshaxd.daemon import find_config
+    from syshaxd.config import find_config
 
     return find_config(None) or Path("etc/syshax.toml")
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from syshaxd.api.admin import list_plugins
+    from syshaxd.plugins import list_plugins
 
     rows = list_plugins()  # local: works with or without a running daemon
     if args.json:
@@ -126,8 +126,7 @@ def _admin_client(args: argparse.Namespace):
     if args.socket:
         return AdminClient(args.socket)
     try:
-        from syshaxd.config import load
-        from syshaxd.daemon import find_config
+        from syshaxd.config import find_config, load
 
         cfg = load(find_config(None))
     except (ConfigError, OSError):
@@ -440,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _live_keys() -> frozenset:
-    from syshaxd.api.state import LIVE_KEYS
+    from syshaxd.config import LIVE_KEYS
 
     return LIVE_KEYS
 

@@ -25,6 +25,15 @@ QUANTIZE_TYPES = ("", "q4_0")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PREEMPTION_MODES = ("recompute",)
 
+SYSTEM_CONFIG = Path("/etc/syshax/syshax.toml")
+
+# Keys a running daemon applies at once (SIGHUP, `syshax config set`). Everything else
+# is read when workers are planned or the listener is bound, so it needs a restart.
+LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "log_level", "drain_timeout",
+                       # auto mode's decider reads these at every decision
+                       "gpu_cache_threshold", "cpu_throughput_threshold", "token_limit_multiplier",
+                       "token_limit_min", "token_limit_max"})
+
 
 class ConfigError(ValueError):
     """A configuration key has a bad value; the message names the key and what is allowed."""
@@ -83,14 +92,14 @@ class Config:
 
     log_level: str = "info"
 
-    # --- security and limits (issue 8): API keys, connections, hung workers ---
+    # --- security and limits: API keys, connections, hung workers ---
     api_keys: tuple[str, ...] = ()  # when any key is set (here or in api_key_file), /v1/* needs one as a Bearer token
     api_key_file: str = ""  # one key per line (# comments); $VARS expand, e.g. "$CREDENTIALS_DIRECTORY/api-keys"
     metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
     max_connections: int = 1024  # open HTTP connections; past it a new one gets 503 and is closed
     worker_heartbeat_timeout: float = 30.0  # seconds a ready worker may send nothing before it is killed; 0: off
 
-    # --- operations (issue 7): shutdown drain, admin socket. Keep this block last. ---
+    # --- operations: shutdown drain, admin socket. Keep this block last. ---
     drain_timeout: float = 30.0  # seconds SIGTERM waits for accepted requests before stopping workers
     admin_socket: str = ""  # the admin Unix socket; empty: $RUNTIME_DIRECTORY, else a default (api/admin.py)
     admin_group: str = "syshax"  # members may use the admin socket (besides root and the daemon's user)
@@ -146,6 +155,19 @@ def shown(key: str, value: Any) -> str:
     return f"<{n} secret value{'s' if n != 1 else ''}>"
 
 
+# API keys are HTTP header values: printable ASCII, no spaces.
+_KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
+
+
+def check_api_key(key: str, where: str) -> None:
+    """Raise ConfigError (naming `where`, never the key) unless `key` can travel as a Bearer token."""
+    if not key:
+        raise ConfigError(f"{where}: an API key must not be empty")
+    if not set(key) <= _KEY_CHARS:
+        raise ConfigError(f"{where}: an API key must be printable ASCII without spaces (it travels in the "
+                          "Authorization header); generate one with: openssl rand -hex 32")
+
+
 def _validate(cfg: Config) -> None:
     def at_least(key: str, low: float) -> None:
         if getattr(cfg, key) < low:
@@ -199,17 +221,18 @@ def _validate(cfg: Config) -> None:
                     parse_cpulist(part, what=key)
             except ValueError as exc:
                 raise ConfigError(str(exc) if str(exc).startswith(key) else f"{key}: {exc}") from None
-    # --- security and limits (issue 8) ---
-    from syshaxd.api.auth import configured_keys
-
-    configured_keys(cfg)  # checks each key and that api_key_file can be read
+    # --- security and limits ---
+    for i, key in enumerate(cfg.api_keys):
+        check_api_key(key, f"api_keys[{i}]")
+    # api_key_file is read when the daemon starts or reloads (api.auth.configured_keys), not here:
+    # a Config.replace (`syshax mode`, `config set`) must not touch the disk
     at_least("max_connections", 1)
     at_least("worker_heartbeat_timeout", 0)
     if 0 < cfg.worker_heartbeat_timeout <= cfg.handoff_timeout:
         raise ConfigError(f"worker_heartbeat_timeout: must be above handoff_timeout ({cfg.handoff_timeout:g}s, "
                           "which a prefill may spend waiting for ring space) or 0 to turn the check off; "
                           f"got {cfg.worker_heartbeat_timeout:g}")
-    # --- operations (issue 7) ---
+    # --- operations ---
     at_least("drain_timeout", 0)
     if cfg.admin_socket and len(os.fsencode(os.path.abspath(os.path.expanduser(cfg.admin_socket)))) > 107:
         raise ConfigError(f"admin_socket: a Unix socket path must be at most 107 bytes, got {cfg.admin_socket!r}; "
@@ -258,6 +281,16 @@ def from_mapping(data: Mapping[str, Any], source: str = "") -> Config:
     cfg = Config(source=source, **values)
     _validate(cfg)
     return cfg
+
+
+def find_config(explicit: str | None) -> Path | None:
+    """The config file to read: `explicit`, else $SYSHAX_CONFIG, ./etc/syshax.toml, SYSTEM_CONFIG; None: defaults."""
+    if explicit:
+        return Path(explicit)
+    for candidate in (os.environ.get("SYSHAX_CONFIG"), "etc/syshax.toml", str(SYSTEM_CONFIG)):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
 
 
 def load(path: str | os.PathLike | None, overrides: Mapping[str, Any] | None = None) -> Config:

@@ -17,20 +17,19 @@ from aiohttp import web
 from syshaxd import __version__
 from syshaxd.api.admin import AdminServer, default_path
 from syshaxd.api.app import make_app
+from syshaxd.api.auth import KeyCheck, configured_keys
 from syshaxd.api.limits import CappedTCPSite
 from syshaxd.api.state import ServiceState
-from syshaxd.config import MODES, Config, ConfigError, load
+from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, load
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.plan import PlanError, plan_engines
+from syshaxd.engine.plan import Engines, PlanError, RingPlan, plan_engines
+from syshaxd.kv.ring import KVRing, sweep_stale
 from syshaxd.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
 
 log = logging.getLogger("syshaxd")
-
-SYSTEM_CONFIG = Path("/etc/syshax/syshax.toml")
-
 
 class StartupError(RuntimeError):
     """The daemon cannot start as configured; the message says what to change."""
@@ -53,16 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def find_config(explicit: str | None) -> Path | None:
-    if explicit:
-        return Path(explicit)
-    for candidate in (os.environ.get("SYSHAX_CONFIG"), "etc/syshax.toml", str(SYSTEM_CONFIG)):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
+def load_checked(path: Path | None, overrides: dict) -> Config:
+    """load(), and a ConfigError too when api_key_file cannot be read (the keys themselves apply at a restart)."""
+    cfg = load(path, overrides)
+    configured_keys(cfg)
+    return cfg
 
 
-async def serve(cfg: Config, notifier: Notifier | None = None, reload: Callable[[], Config] | None = None) -> int:
+async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
+                reload: Callable[[], Config] | None = None) -> int:
+    """Run the daemon until it is stopped; `keys`: the API keys, read once at start."""
     notifier = notifier or Notifier(None)
     notifier.status(f"preparing {cfg.model or 'the default model'}")
     try:
@@ -74,10 +73,20 @@ async def serve(cfg: Config, notifier: Notifier | None = None, reload: Callable[
         engines = plan_engines(cfg, model_path, model_name, dict(os.environ))
     except PlanError as exc:
         raise StartupError(str(exc)) from None
+    ring = _create_ring(engines.ring) if engines.ring is not None else None
     try:
-        return await Service(cfg, engines, model_path, model_name, notifier, reload).run()
+        return await Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys).run()
     finally:
-        engines.close()  # the KV ring's segment goes with the daemon
+        if ring is not None:  # the KV ring's segment goes with the daemon
+            ring.unlink()
+            ring.close()
+
+
+def _create_ring(plan: RingPlan) -> KVRing:
+    """The plan's KV ring, created in /dev/shm after removing any that daemons killed with -9 left."""
+    for stale in sweep_stale():
+        log.warning("removed a KV ring left by a daemon that is gone: %s", stale)
+    return KVRing.create(plan.instance, plan.size)
 
 
 class Service:
@@ -87,18 +96,18 @@ class Service:
     a second one stops at once. SIGHUP re-reads the config file and applies the live keys.
     """
 
-    def __init__(self, cfg: Config, engines, model_path: Path, model_name: str, notifier: Notifier,
-                 reload: Callable[[], Config] | None) -> None:
+    def __init__(self, cfg: Config, engines: Engines, ring: KVRing | None, model_path: Path, model_name: str,
+                 notifier: Notifier, reload: Callable[[], Config] | None, keys: KeyCheck) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.model_name = model_name
         self.notifier = notifier
-        ledger = KVLedger(engines.ring)  # the one owner of the ring's records: every worker reports to it
+        ledger = KVLedger(ring)  # the one owner of the ring's records: every worker reports to it
         self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
                                      ledger) for name, spec in engines.workers]
         self.scheduler = Scheduler(cfg, self.workers, ledger)
         self.state = ServiceState(self.scheduler, reload)
-        self.app = make_app(cfg, self.scheduler, model_name, self.state)
+        self.app = make_app(cfg, self.scheduler, model_name, self.state, keys=keys)
         self.url = ""
         self.admin: AdminServer | None = None
         self._stop = asyncio.Event()
@@ -277,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     path = find_config(args.config)
     try:
         cfg = load(path, overrides)
+        keys = KeyCheck.from_config(cfg)  # read once: a reload checks the file again but keys change at a restart
     except ConfigError as exc:
         print(f"syshaxd: {exc}", file=sys.stderr)
         return 2
@@ -286,11 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Before any worker is spawned: they must not inherit NOTIFY_SOCKET (NotifyAccess=main).
     notifier = Notifier.from_env(os.environ, unset_environment=True)
-    reload = (lambda: load(path, overrides)) if path is not None else None
+    reload = (lambda: load_checked(path, overrides)) if path is not None else None
     try:
         import uvloop
 
-        return uvloop.run(serve(cfg, notifier, reload))
+        return uvloop.run(serve(cfg, keys, notifier, reload))
     except StartupError as exc:
         notifier.status(f"failed: {exc}")
         print(f"syshaxd: {exc}", file=sys.stderr)

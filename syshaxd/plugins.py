@@ -38,10 +38,11 @@ def find_backend(pm: pluggy.PluginManager, name: str) -> Backend:
     raise BackendNotFound(f"no backend named {name!r} is installed (installed: {known})")
 
 
-def backends_for(pm: pluggy.PluginManager, role: str, device: str | None = None) -> list[Backend]:
-    """Available backends that can take `role` (and run on `device`, when given)."""
-    return [
-        b
-        for b in all_backends(pm)
-        if role in b.roles and (device is None or b.device == device) and b.availability().available
-    ]
+def list_plugins() -> list[dict]:
+    """Every installed backend: its roles, device, and whether it can run on this host (and why not)."""
+    rows = []
+    for b in all_backends(make_plugin_manager()):
+        a = b.availability()
+        rows.append({"name": b.name, "device": b.device, "roles": sorted(b.roles), "available": a.available,
+                     "reason": a.reason, "description": b.description})
+    return rows

@@ -29,7 +29,7 @@ def figures():
     yield FIGURES
     f = FIGURES
     lost = f["sent"] - f["completed"] - f["clean_error"]  # neither answered nor told why: must be 0
-    print(f"\n[issue 8] faults: requests sent {f['sent']} / completed {f['completed']} / ended with a clean error "
+    print(f"\n[faults] requests sent {f['sent']} / completed {f['completed']} / ended with a clean error "
           f"{f['clean_error']} / lost {lost}; faults injected {f['faults']} / survived {f['survived']}; "
           f"bad inputs tried {f['bad']} / 5xx seen {f['5xx']}; connections refused at the cap {f['conn_refused']}")
 

@@ -12,6 +12,9 @@ import openai
 import pytest
 
 from conftest import MODEL_NAME, start_daemon
+from syshaxd.config import Config
+from syshaxd.engine.plan import RingPlan, plan_engines
+from syshaxd.kv.ring import ring_path
 
 N_CTX = 1024
 
@@ -148,6 +151,14 @@ def test_full_ring_makes_the_decoder_recompute(default_model, tmp_path):
         assert "recomputing the prompt" in d.log()
     finally:
         assert d.stop() == 0
+
+
+def test_planning_names_the_ring_and_the_daemon_creates_it(default_model):
+    cfg = Config(mode="hetero", prefill_cpu_affinity="0", ring_size_mb=8)
+    engines = plan_engines(cfg, default_model, MODEL_NAME, {}, instance="plan-only")
+    assert engines.ring == RingPlan("plan-only", 8 << 20)
+    assert {spec.ring for _, spec in engines.workers} == {"plan-only"}
+    assert not ring_path("plan-only").exists()  # planning leaves nothing in /dev/shm
 
 
 def test_stale_segment_of_a_killed_daemon_is_swept(default_model, tmp_path):

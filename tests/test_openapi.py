@@ -110,7 +110,7 @@ def fuzzed(default_model, tmp_path_factory):
                       "default_max_tokens": 4, "cpu_max_batch_size": 4})
     yield d
     assert d.stop() == 0, d.log()
-    print(f"\n[issue 8] schemathesis: {sum(SEEN.values())} requests, statuses {dict(sorted(SEEN.items()))}, "
+    print(f"\n[openapi] schemathesis: {sum(SEEN.values())} requests, statuses {dict(sorted(SEEN.items()))}, "
           f"5xx seen {sum(n for s, n in SEEN.items() if s >= 500)}")
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import MODEL_NAME, http_json, start_daemon
 from syshaxd.api.admin import AdminClient
-from syshaxd.api.auth import KeyCheck
+from syshaxd.api.auth import KeyCheck, configured_keys
 from syshaxd.config import Config, ConfigError, from_mapping
 
 KEY = "sk-syshax-" + secrets.token_hex(16)  # in the config file
@@ -169,15 +169,20 @@ def test_config_errors_name_the_key_not_its_value(tmp_path):
         with pytest.raises(ConfigError) as exc:
             from_mapping(data)
         assert str(exc.value).startswith("api_keys") and KEY not in str(exc.value)
+    # validation never reads api_key_file (a `syshax mode` must not touch the disk); the daemon does, once
+    missing = from_mapping({"api_key_file": str(tmp_path / "not-yet")})
+    assert missing.replace(mode="hetero").api_key_file == str(tmp_path / "not-yet")
+    with pytest.raises(ConfigError, match="api_key_file: cannot read"):
+        configured_keys(missing)
     empty = tmp_path / "keys"
     empty.write_text("# no key yet\n\n")
     with pytest.raises(ConfigError, match="holds no key"):  # fail closed, never silently open
-        from_mapping({"api_key_file": str(empty)})
+        configured_keys(from_mapping({"api_key_file": str(empty)}))
     empty.write_text(f"{KEY}\n")
     empty.chmod(0)
     if os.geteuid() != 0:  # root reads it anyway
         with pytest.raises(ConfigError, match="api_key_file: cannot read"):
-            from_mapping({"api_key_file": str(empty)})
+            configured_keys(from_mapping({"api_key_file": str(empty)}))
     done = subprocess.run([sys.executable, "-m", "syshaxd", "--port", "0"], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path,
                           env=os.environ | {"SYSHAX_CONFIG": str(_write(tmp_path / "c.toml",
@@ -282,4 +287,4 @@ def test_prompts_never_reach_the_log(daemon):
     stream.close()  # a client that leaves mid-stream is logged by request id only
     time.sleep(1.5)
     assert MARK not in daemon.log()
-    print(f"\n[issue 8] security: {len(KEY)}-char keys never logged; prompts with a marker word: 0 log lines")
+    print(f"\n[security] keys: {len(KEY)}-char keys never logged; prompts with a marker word: 0 log lines")

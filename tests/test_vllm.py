@@ -167,7 +167,7 @@ def test_hetero_daemon_with_vllm_prefill_hands_every_prompt_to_the_decoder(defau
 
 
 def test_auto_daemon_with_vllm_offloads_when_saturated_and_every_text_is_right(default_model, hf_folder, tmp_path):
-    """The issue's end-to-end check: vLLM (CPU build) as the GPU engine with max_num_seqs 2; 12 requests at once."""
+    """End to end with the real GPU engine: vLLM (CPU build) as the GPU engine with max_num_seqs 2; 12 requests at once."""
     from conftest import start_daemon
     from test_auto import AUTO, counting_prompt, reference, run_all, settle
 

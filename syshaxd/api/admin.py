@@ -44,8 +44,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from syshaxd import __version__
-from syshaxd.api.state import LIVE_KEYS, ModeUnavailable, NeedsRestart, ServiceState
-from syshaxd.config import KEYS, MODES, SECRET_KEYS, Config, ConfigError, shown
+from syshaxd.api.state import ModeUnavailable, NeedsRestart, ServiceState
+from syshaxd.config import KEYS, LIVE_KEYS, MODES, SECRET_KEYS, Config, ConfigError, shown
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +311,8 @@ class AdminServer:
         } | self.state.scheduler.status().to_json()
 
     async def cmd_plugins(self, request: dict) -> list:
+        from syshaxd.plugins import list_plugins
+
         return await asyncio.get_running_loop().run_in_executor(None, list_plugins)
 
     async def cmd_config_get(self, request: dict) -> dict:
@@ -358,18 +360,6 @@ class AdminServer:
         old = self.config.mode
         change = self.state.set_mode(mode)
         return {"mode": self.config.mode, "previous": old, "changed": bool(change.applied)}
-
-
-def list_plugins() -> list[dict]:
-    """Every installed backend: its roles, device, and whether it can run on this host (and why not)."""
-    from syshaxd.plugins import all_backends, make_plugin_manager
-
-    rows = []
-    for b in all_backends(make_plugin_manager()):
-        a = b.availability()
-        rows.append({"name": b.name, "device": b.device, "roles": sorted(b.roles), "available": a.available,
-                     "reason": a.reason, "description": b.description})
-    return rows
 
 
 def _secret(key: str, value):

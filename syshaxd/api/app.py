@@ -73,11 +73,12 @@ async def require_api_key(request: web.Request, handler):
 
 
 def make_app(config: Config, scheduler: Scheduler, model_name: str, state: ServiceState | None = None,
-             metrics: Metrics | None = None) -> web.Application:
+             metrics: Metrics | None = None, *, keys: KeyCheck) -> web.Application:
+    """The application; `keys` were read once when the daemon started: they change with a restart."""
     state = state or ServiceState(scheduler)
     app = web.Application(middlewares=[count_requests, openai_errors, require_api_key],
                           client_max_size=config.max_body_bytes)
-    app[KEY_CHECK] = KeyCheck.from_config(config)  # read once: keys change with a restart
+    app[KEY_CHECK] = keys
     app[CONNECTIONS] = ConnectionCap(config.max_connections)  # bound to the server by api.limits.CappedTCPSite
     app[OPENAPI] = build_document(model_name, config.n_ctx,
                                   [m for m, why in scheduler.servable_modes().items() if not why],

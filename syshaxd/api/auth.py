@@ -17,25 +17,11 @@ import hmac
 import os
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # config validation imports this module: keep aiohttp out of its import
+if TYPE_CHECKING:  # for annotations only: this module imports without aiohttp
     from aiohttp import web
 
     from syshaxd.api.errors import APIError
     from syshaxd.config import Config
-
-# Tokens are HTTP header values: printable ASCII, no spaces.
-_ALLOWED = frozenset(chr(c) for c in range(0x21, 0x7F))
-
-
-def _check_key(key: str, where: str) -> None:
-    from syshaxd.config import ConfigError
-
-    if not key:
-        raise ConfigError(f"{where}: an API key must not be empty")
-    if not set(key) <= _ALLOWED:
-        raise ConfigError(f"{where}: an API key must be printable ASCII without spaces (it travels in the "
-                          "Authorization header); generate one with: openssl rand -hex 32")
-
 
 def key_file_path(cfg: "Config") -> str:
     """api_key_file with $VARIABLES and ~ expanded ("" when unset)."""
@@ -43,11 +29,15 @@ def key_file_path(cfg: "Config") -> str:
 
 
 def configured_keys(cfg: "Config") -> tuple[str, ...]:
-    """Every key from api_keys and api_key_file; raises ConfigError (naming the key, never a value)."""
-    from syshaxd.config import ConfigError
+    """Every key from api_keys and api_key_file, which is read now; raises ConfigError (naming the key, never a value).
+
+    The daemon calls this once at start (and again on SIGHUP, to refuse a reload whose file it cannot read);
+    config validation does not, so changing a key on the running daemon never touches the disk.
+    """
+    from syshaxd.config import ConfigError, check_api_key
 
     for i, key in enumerate(cfg.api_keys):
-        _check_key(key, f"api_keys[{i}]")
+        check_api_key(key, f"api_keys[{i}]")
     keys = list(cfg.api_keys)
     path = key_file_path(cfg)
     if path:
@@ -67,7 +57,7 @@ def configured_keys(cfg: "Config") -> tuple[str, ...]:
             raise ConfigError(f"api_key_file: {path} holds no key; write one key per line (lines starting with "
                               "# are comments), or unset api_key_file to run without keys")
         for n, key in enumerate(from_file, 1):
-            _check_key(key, f"api_key_file ({path}, key {n})")
+            check_api_key(key, f"api_key_file ({path}, key {n})")
         keys += from_file
     return tuple(dict.fromkeys(keys))
 

@@ -21,7 +21,7 @@ STARTED = web.AppKey("started", float)
 STATE = web.AppKey("state", ServiceState)
 METRICS = web.AppKey("metrics", Metrics)
 
-# issue 8: the API keys the app checks, the open-connection cap, and the OpenAPI document it serves
+# the API keys the app checks, the open-connection cap, and the OpenAPI document it serves
 KEY_CHECK = web.AppKey("key_check", KeyCheck)
 CONNECTIONS = web.AppKey("connections", ConnectionCap)
 OPENAPI = web.AppKey("openapi", dict)

@@ -16,17 +16,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from syshaxd.config import KEYS, MODES, Config, ConfigError, coerce, shown
+from syshaxd.config import KEYS, LIVE_KEYS, MODES, Config, ConfigError, coerce, shown
 
 log = logging.getLogger(__name__)
-
-# Keys a running daemon applies at once (SIGHUP, `syshax config set`). Everything else
-# is read when workers are planned or the listener is bound, so it needs a restart.
-LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "log_level", "drain_timeout",
-                       # auto mode's decider reads these at every decision
-                       "gpu_cache_threshold", "cpu_throughput_threshold", "token_limit_multiplier",
-                       "token_limit_min", "token_limit_max"})
-
 
 class Draining(RuntimeError):
     """The daemon takes no new requests (shutting down, or `syshax drain`); the client should go elsewhere."""

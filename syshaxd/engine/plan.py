@@ -1,10 +1,13 @@
-"""Which engine workers a configuration asks for, where each one runs, and the KV ring between them."""
+"""Which engine workers a configuration asks for, where each one runs, and the KV ring they need between them.
+
+Planning has no side effects: it reads the host's topology and the installed plugins and returns a
+plan; the daemon creates what the plan names (the ring's shared-memory segment) and removes it at exit.
+"""
 
 from __future__ import annotations
 
-import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from syshaxd.config import Config
@@ -19,26 +22,25 @@ from syshaxd.numa import (
     read_host_topology,
 )
 
-log = logging.getLogger(__name__)
-
 
 class PlanError(RuntimeError):
     """The configuration asks for workers this host cannot run; the message says what to change."""
 
 
+@dataclass(frozen=True)
+class RingPlan:
+    """The shared-memory KV ring a plan needs: the instance its workers attach to, and its capacity."""
+
+    instance: str
+    size: int  # bytes
+
+
 @dataclass
 class Engines:
-    """The planned workers (name, spec) and, in hetero mode, the ring they share."""
+    """The planned workers (name, spec) and, in hetero and auto modes, the ring they share."""
 
     workers: list[tuple[str, EngineSpec]]
-    ring: object = None  # syshaxd.kv.ring.KVRing, owned (created and unlinked) by the daemon
-    notes: list[str] = field(default_factory=list)
-
-    def close(self) -> None:
-        if self.ring is not None:
-            self.ring.unlink()
-            self.ring.close()
-            self.ring = None
+    ring: RingPlan | None = None  # the daemon creates it before the workers start, and unlinks it at exit
 
 
 def _overrides(cfg: Config, env: dict) -> dict:
@@ -86,7 +88,7 @@ def _prefill_backend(name: str, mode: str) -> str:
 
 
 def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None = None) -> Engines:
-    """Workers for cfg.mode; in hetero and auto modes also creates the shared-memory KV ring.
+    """Workers for cfg.mode; in hetero and auto modes also the shared-memory KV ring they need (not created here).
 
     cpu: CPU workers (pool "cpu"). gpu: the GPU engine alone (pool "gpu"). hetero: a prefill worker
     (pool "prefill") and CPU decoders. auto: the GPU engine, which also writes KV records, and CPU
@@ -121,12 +123,8 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
         raise PlanError(str(exc)) from None
 
     prefill_backend = _prefill_backend(cfg.prefill_engine, cfg.mode)
-    from syshaxd.kv.ring import KVRing, sweep_stale
-
-    for stale in sweep_stale():
-        log.warning("removed a KV ring left by a daemon that is gone: %s", stale)
     instance = instance or f"{os.getpid()}"
-    ring = KVRing.create(instance, cfg.ring_size_mb * 1024 * 1024)
+    ring = RingPlan(instance, cfg.ring_size_mb * 1024 * 1024)
     if cfg.mode == "auto":  # the GPU engine generates, and hands a prompt on when told to
         workers = [("gpu0", replace(base, backend=prefill_backend, role="generate", pool="gpu",
                                     max_batch_size=cfg.max_num_seqs, threads=pre.threads, placement=pre,
