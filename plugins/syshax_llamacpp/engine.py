@@ -11,13 +11,13 @@ from pathlib import Path
 
 import llama_cpp
 
-from syshax_llamacpp.chat import ChatTemplate
-from syshax_llamacpp.quantize import ensure_quantized
+from syshaxd.gguf.chat import ChatTemplate
+from syshaxd.gguf.quantize import ensure_quantized
 from syshax_llamacpp.sampling import make_sampler
 from syshaxd.engine.output import TextStream
 from syshaxd.engine.rate import TokenRate
 from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, Imported, Prefilled, Rejected
-from syshaxd.kv.llamacpp_codec import StateBuffer, export_seq, widen_streams
+from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +360,7 @@ class LlamaCppEngine:
     def _take_kv(self, seq: _Sequence) -> list:
         """Start seq from the KV another engine computed; if it cannot be used, recompute the prompt."""
         from syshax_llamacpp.handoff import TokenMismatch
-        from syshaxd.kv.llamacpp_codec import StateFormatError, StateImportError
+        from syshax_llamacpp.codec import StateFormatError, StateImportError
         from syshaxd.kv.record import RecordError
         from syshaxd.kv.ring import RingError
 

@@ -5,15 +5,9 @@ from __future__ import annotations
 import logging
 import time
 
+from syshax_llamacpp.codec import StateBuffer, encode_state_into, export_seq, import_record, parse_seq_state
 from syshaxd.engine.types import KVHandle
-from syshaxd.kv.llamacpp_codec import (
-    StateBuffer,
-    encode_state_into,
-    export_seq,
-    fingerprint_from_gguf,
-    import_record,
-    parse_seq_state,
-)
+from syshaxd.gguf.header import fingerprint_from_gguf
 from syshaxd.kv.record import RecordCorrupt, decode, record_size
 from syshaxd.kv.ring import KVRing
 

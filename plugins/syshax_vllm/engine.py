@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from syshax_torch.engine import resolve_gguf
-from syshax_torch.prompts import Vocab, admit
+from syshaxd.gguf.quantize import resolve_gguf
+from syshaxd.gguf.vocab import Vocab, admit
 from syshaxd.engine.output import TextStream
 from syshaxd.engine.rate import TokenRate
 from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, KVHandle, Prefilled, Rejected
