@@ -1,4 +1,4 @@
-"""NPU and torch backends on a host without them: listed as unavailable with the reason, refused clearly at start."""
+"""NPU and torch backends (both from the syshax_torch plugin) on a host without them: listed as unavailable with the reason, refused clearly at start."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def test_npu_backend_is_offered_where_torch_npu_imports():
 
 
 @pytest.mark.skipif(HAS_TORCH, reason="torch is installed here (make test installs it); the torch-missing path "
-                    "runs where syshax is installed without the [torch] extra")
+                    "runs where the syshax-torch plugin is installed without its dependencies")
 def test_torch_backends_say_why_not_when_torch_is_missing():
     backends = plugins_json()
     why = backends["torch"]
-    assert not why["available"] and why["reason"].startswith("torch not installed") and "syshax[torch]" in why["reason"]
+    assert not why["available"] and why["reason"].startswith("torch not installed") and "syshax-torch" in why["reason"]
     assert backends["npu"]["reason"].startswith("no torch_npu")

@@ -1,25 +1,26 @@
-"""Registers the torch prefill backend with syshax; imports torch only inside the worker."""
+"""Registers the torch-device backends with syshax: torch (cuda or cpu) and npu (Ascend); imports torch only inside the worker."""
 
 from __future__ import annotations
 
 import glob
 import importlib.util
 
-from syshaxd.backend import Availability, Backend
+from syshaxd.backend import Availability, Backend, requires_modules
 from syshaxd.hookspecs import hookimpl
 
-INSTALL_HINT = 'pip install "syshax[torch]"'
-
-
-def missing_modules(*names: str) -> list[str]:
-    return [n for n in names if importlib.util.find_spec(n) is None]
+INSTALL_HINT = "pip install syshax-torch"
 
 
 def check_torch() -> Availability:
-    missing = missing_modules("torch", "transformers", "safetensors")
-    if missing:
-        return Availability(False, f"{', '.join(missing)} not installed ({INSTALL_HINT})")
-    return Availability(True)
+    return requires_modules("torch", "transformers", "safetensors", hint=INSTALL_HINT)
+
+
+def check_npu() -> Availability:
+    # find_spec, not import: the hook runs in the daemon, and torch_npu initialises the device runtime
+    if importlib.util.find_spec("torch_npu") is None:
+        return Availability(False, "no torch_npu: this host has no Ascend NPU support for torch "
+                                   "(install CANN and torch_npu to prefill on an NPU)")
+    return check_torch()
 
 
 def cuda_present() -> bool:
@@ -27,10 +28,13 @@ def cuda_present() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def _create(spec):
-    from syshax_torch.engine import TorchPrefillEngine
+def _create(device: str):
+    def create(spec):
+        from syshax_torch.engine import TorchPrefillEngine
 
-    return TorchPrefillEngine(spec, device="auto")
+        return TorchPrefillEngine(spec, device=device)
+
+    return create
 
 
 @hookimpl
@@ -43,6 +47,14 @@ def syshax_backends():
             roles=frozenset({"prefill"}),
             description=f"transformers/torch prefill on {'cuda' if on_gpu else 'cpu'}, KV into the ring",
             check=check_torch,
-            factory=_create,
-        )
+            factory=_create("auto"),
+        ),
+        Backend(
+            name="npu",
+            device="npu",
+            roles=frozenset({"prefill"}),
+            description="transformers/torch prefill on an Ascend NPU (torch_npu), KV into the ring",
+            check=check_npu,
+            factory=_create("npu"),
+        ),
     ]
