@@ -1,4 +1,4 @@
-"""NPU and torch backends (both from the syshax_torch plugin) on a host without them: listed as unavailable with the reason, refused clearly at start."""
+"""NPU and torch backends (both from the torch plugin) on a host without them: listed with why not, refused at start."""
 
 from __future__ import annotations
 
@@ -61,3 +61,17 @@ def test_torch_backends_say_why_not_when_torch_is_missing():
     why = backends["torch"]
     assert not why["available"] and why["reason"].startswith("torch not installed") and "syshax-torch" in why["reason"]
     assert backends["npu"]["reason"].startswith("no torch_npu")
+
+
+@pytest.mark.parametrize(("mode", "engine", "why"), [
+    ("cpu", "npu", "cpu_engine: backend 'npu' cannot generate (its roles: prefill)"),
+    ("hetero", "vllm", "cpu_engine: backend 'vllm' cannot generate and decode"),
+    ("cpu", "nonesuch", "cpu_engine: no backend named 'nonesuch' is installed"),
+])
+def test_cpu_engine_is_checked_at_start(tmp_path, default_model, mode, engine, why):
+    config = tmp_path / "syshax.toml"
+    config.write_text(f'cpu_engine = "{engine}"\n')
+    done = subprocess.run([sys.executable, "-m", "syshaxd", "--config", str(config), "--model", str(default_model),
+                           "--mode", mode, "--port", "0"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert why in done.stderr, done.stderr
