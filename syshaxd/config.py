@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Config:
-    """Every key of etc/syshax.toml; the file documents each one."""
+    """Every key of syshaxd/etc/syshax.toml; the file documents each one."""
 
     # HTTP endpoint
     host: str = "127.0.0.1"
