@@ -20,6 +20,7 @@ A K row of a cell is already `[kv_head, head_dim]`, so K and untransposed V map 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import struct
 from dataclasses import dataclass
 
