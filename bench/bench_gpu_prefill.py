@@ -54,7 +54,7 @@ def hetero_comparison(repeats: int, threads: int) -> list[dict]:
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from syshax_llamacpp.engine import LlamaCppEngine
-    from syshax_llamacpp.quantize import ensure_quantized
+    from syshaxd.gguf.quantize import ensure_quantized
     from syshaxd.engine.types import Delta, EngineSpec, GenerateRequest, GpuSettings, Imported, Prefilled, SamplingParams
     from syshaxd.hf_model import ensure_hf_folder
     from syshaxd.kv.ring import KVRing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Callable
@@ -59,3 +60,14 @@ class Backend:
 
     def create_engine(self, spec: "EngineSpec") -> "Engine":
         return self.factory(spec)
+
+
+def requires_modules(*modules: str, hint: str) -> Availability:
+    """Available when every module is installed, else which are missing and `hint` (how to install them).
+
+    find_spec, not import: availability is asked in the daemon, which must stay light.
+    """
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        return Availability(False, f"{', '.join(missing)} not installed ({hint})")
+    return Availability(True)

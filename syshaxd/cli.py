@@ -12,7 +12,7 @@ from pathlib import Path
 from syshaxd import __version__
 from syshaxd.config import KEYS, MODES, ConfigError, coerce, from_mapping
 
-PACKAGED_CONFIG = Path(__file__).resolve().parent.parent / "etc" / "syshax.toml"
+PACKAGED_CONFIG = Path(__file__).resolve().parent / "etc" / "syshax.toml"  # package data: in the wheel too
 
 
 def _default_config_file() -> Path:

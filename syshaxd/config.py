@@ -41,7 +41,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Config:
-    """Every key of etc/syshax.toml; the file documents each one."""
+    """Every key of syshaxd/etc/syshax.toml; the file documents each one."""
 
     # HTTP endpoint
     host: str = "127.0.0.1"
@@ -56,6 +56,7 @@ class Config:
     quantize: str = "q4_0"  # quantize the GGUF at first load (llama.cpp's quantizer), cached
 
     # CPU engine (llama.cpp)
+    cpu_engine: str = "llamacpp"  # the backend plugin of the CPU workers ("syshax plugins" lists them)
     n_ctx: int = 4096  # the most tokens one request may hold (prompt + completion), per sequence
     cpu_max_batch_size: int = 8  # sequences decoded together in one llama_decode
     threads: int = 0  # 0: OMP_NUM_THREADS, else the number of CPUs in the worker's set
@@ -188,8 +189,9 @@ def _validate(cfg: Config) -> None:
     at_least("prefill_chunk_size", 1)
     at_least("ring_size_mb", 1)
     at_least("handoff_timeout", 0.0)
-    if not cfg.prefill_engine:
-        raise ConfigError('prefill_engine: must name a backend, e.g. "llamacpp" (see `syshax plugins`)')
+    for key in ("cpu_engine", "prefill_engine"):
+        if not getattr(cfg, key):
+            raise ConfigError(f'{key}: must name a backend, e.g. "llamacpp" (see `syshax plugins`)')
     if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"gpu_memory_utilization: must be above 0 and at most 1, got {cfg.gpu_memory_utilization!r}")
     at_least("max_num_seqs", 1)

@@ -60,7 +60,7 @@ def _is_current(folder: Path, fingerprint: ModelFingerprint) -> bool:
 
 def ensure_hf_folder(gguf: Path, cache_dir: Path | None = None) -> Path:
     """The HF folder for `gguf`, made the first time (about half a minute here) and reused after."""
-    from syshaxd.kv.llamacpp_codec import fingerprint_from_gguf
+    from syshaxd.gguf.header import fingerprint_from_gguf
 
     gguf = Path(gguf)
     if not gguf.is_file():
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.gguf:
             gguf = Path(args.gguf)
         else:  # the default model, quantized as the CPU decoders quantize it
-            from syshax_llamacpp.quantize import ensure_quantized
+            from syshaxd.gguf.quantize import ensure_quantized
             from syshaxd.model import prepare_default_model
 
             gguf = ensure_quantized(prepare_default_model(model_dir), "q4_0", model_dir)

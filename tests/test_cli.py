@@ -29,7 +29,7 @@ def test_plugins_lists_the_builtin_backend_through_its_entry_point():
 def test_init_writes_the_documented_config_and_refuses_to_overwrite(tmp_path):
     target = tmp_path / "syshax.toml"
     assert syshax("init", str(target)).returncode == 0
-    assert target.read_text() == (REPO / "etc" / "syshax.toml").read_text()
+    assert target.read_text() == (REPO / "syshaxd" / "etc" / "syshax.toml").read_text()
     again = syshax("init", str(target))
     assert again.returncode != 0 and "--force" in again.stderr
 
@@ -42,7 +42,7 @@ def test_config_edits_one_key_and_keeps_the_comments(tmp_path):
     text = target.read_text()
     assert "cpu_max_batch_size = 4" in text
     assert "# Sequences decoded together" in text  # the documentation survived
-    original = (REPO / "etc" / "syshax.toml").read_text()
+    original = (REPO / "syshaxd" / "etc" / "syshax.toml").read_text()
     assert len(text.splitlines()) == len(original.splitlines())
 
 

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_documented_file_equals_the_defaults():
-    cfg = load(REPO / "etc" / "syshax.toml")
+    cfg = load(REPO / "syshaxd" / "etc" / "syshax.toml")
     assert cfg == Config()
 
 

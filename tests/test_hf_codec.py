@@ -115,7 +115,7 @@ def test_unknown_paged_layouts_are_refused_not_guessed():
 
 def test_hf_folder_is_the_q4_0_ggufs_and_vllm_ready(default_model, hf_folder):
     from syshaxd.hf_model import folder_fingerprint
-    from syshaxd.kv.llamacpp_codec import fingerprint_from_gguf
+    from syshaxd.gguf.header import fingerprint_from_gguf
 
     fp = folder_fingerprint(hf_folder)
     assert fp == fingerprint_from_gguf(default_model)
@@ -127,7 +127,7 @@ def test_hf_folder_is_the_q4_0_ggufs_and_vllm_ready(default_model, hf_folder):
 
 def test_a_torch_record_is_refused_by_a_decoder_of_other_weights(default_model, hf_folder):
     from syshaxd.hf_model import folder_fingerprint
-    from syshaxd.kv.llamacpp_codec import fingerprint_from_gguf
+    from syshaxd.gguf.header import fingerprint_from_gguf
 
     fp = folder_fingerprint(hf_folder)
     n = 3
@@ -144,7 +144,7 @@ def test_hf_k_rows_match_llamacpps_only_through_the_map(default_model, hf_folder
     from transformers import AutoModelForCausalLM
 
     from syshaxd.hf_model import folder_fingerprint
-    from syshaxd.kv.llamacpp_codec import export_seq, parse_seq_state
+    from syshax_llamacpp.codec import export_seq, parse_seq_state
     from teacher_forced import Decoder
 
     fp = folder_fingerprint(hf_folder)

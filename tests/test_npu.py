@@ -1,4 +1,4 @@
-"""NPU and torch backends on a host without them: listed as unavailable with the reason, refused clearly at start."""
+"""NPU and torch backends (both from the torch plugin) on a host without them: listed with why not, refused at start."""
 
 from __future__ import annotations
 
@@ -55,9 +55,23 @@ def test_npu_backend_is_offered_where_torch_npu_imports():
 
 
 @pytest.mark.skipif(HAS_TORCH, reason="torch is installed here (make test installs it); the torch-missing path "
-                    "runs where syshax is installed without the [torch] extra")
+                    "runs where the syshax-torch plugin is installed without its dependencies")
 def test_torch_backends_say_why_not_when_torch_is_missing():
     backends = plugins_json()
     why = backends["torch"]
-    assert not why["available"] and why["reason"].startswith("torch not installed") and "syshax[torch]" in why["reason"]
+    assert not why["available"] and why["reason"].startswith("torch not installed") and "syshax-torch" in why["reason"]
     assert backends["npu"]["reason"].startswith("no torch_npu")
+
+
+@pytest.mark.parametrize(("mode", "engine", "why"), [
+    ("cpu", "npu", "cpu_engine: backend 'npu' cannot generate (its roles: prefill)"),
+    ("hetero", "vllm", "cpu_engine: backend 'vllm' cannot generate and decode"),
+    ("cpu", "nonesuch", "cpu_engine: no backend named 'nonesuch' is installed"),
+])
+def test_cpu_engine_is_checked_at_start(tmp_path, default_model, mode, engine, why):
+    config = tmp_path / "syshax.toml"
+    config.write_text(f'cpu_engine = "{engine}"\n')
+    done = subprocess.run([sys.executable, "-m", "syshaxd", "--config", str(config), "--model", str(default_model),
+                           "--mode", mode, "--port", "0"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert why in done.stderr, done.stderr

@@ -1,6 +1,7 @@
-"""TextStream: stop strings that span tokens, and UTF-8 characters split across tokens."""
+"""TextStream: stop strings that span tokens, and UTF-8 characters split across tokens; SequenceOutput: why a
+sequence ends (end of generation, stop string, max_tokens), as every engine decides it."""
 
-from syshaxd.engine.output import TextStream
+from syshaxd.engine.output import SequenceOutput, TextStream
 
 
 def feed_all(stream, pieces):
@@ -47,3 +48,43 @@ def test_a_primed_stream_finishes_what_began_on_another_engine():
     assert moved.feed("é".encode()[1:]) == "Eé"
     moved = TextStream(("END",)).primed([b"Hi E"])
     assert moved.feed(b"ND and more") == "" and moved.stopped
+
+
+# a tiny vocabulary: token 0 ends generation, the others are these pieces ("é" split over tokens 4 and 5)
+PIECES = {0: b"", 1: b"Hel", 2: b"lo", 3: b" STOP", 4: "é".encode()[:1], 5: "é".encode()[1:]}
+
+
+def output(max_tokens=10, stop=(), ignore_eos=False, resume=()):
+    return SequenceOutput(stop=stop, ignore_eos=ignore_eos, max_tokens=max_tokens, is_eog=lambda t: t == 0,
+                          piece_bytes=PIECES.__getitem__, resume_tokens=resume)
+
+
+def test_end_of_generation_stops_and_releases_held_text():
+    out = output(stop=("o!",))
+    assert out.token(1) == ("Hel", None)
+    assert out.token(2) == ("l", None)  # "o" could begin the stop string
+    assert out.token(0) == ("o", "stop")
+
+
+def test_ignore_eos_goes_on_to_max_tokens():
+    out = output(max_tokens=2, ignore_eos=True)
+    assert out.token(0) == ("", None)
+    assert out.token(1) == ("Hel", "length")
+    assert out.n_generated == 2
+
+
+def test_max_tokens_ends_with_length_and_flushes():
+    out = output(max_tokens=2)
+    assert out.token(1) == ("Hel", None)
+    assert out.token(4) == ("\ufffd", "length")  # the half character is flushed, not lost
+
+
+def test_stop_string_ends_with_stop_and_cuts_it():
+    out = output(stop=(" ST",))
+    assert out.token(1) == ("Hel", None)
+    assert out.token(3) == ("", "stop")
+
+
+def test_resumed_tokens_are_not_sent_again_and_not_counted():
+    out = output(max_tokens=1, resume=(1, 4))
+    assert out.token(5) == ("é", "length")  # the character begun before the move completes here

@@ -1,8 +1,12 @@
-"""Turn a sequence's token bytes into text deltas: incremental UTF-8 and stop strings."""
+"""Turn a sequence's tokens into text deltas and finish reasons: incremental UTF-8, stop strings, EOS, max_tokens."""
 
 from __future__ import annotations
 
 import codecs
+from typing import TYPE_CHECKING, Callable, Iterable
+
+if TYPE_CHECKING:
+    from syshaxd.engine.types import GenerateRequest
 
 
 class TextStream:
@@ -66,3 +70,45 @@ class TextStream:
                     best = n
                     break
         return best
+
+
+class SequenceOutput:
+    """One sequence's finish rules, the same in every engine: per sampled token, the text to send and why it ended.
+
+    An end-of-generation token ends it with "stop" (unless ignore_eos), as does a stop string (the
+    text before it is all that goes out); the max_tokens-th token ends it with "length". Whatever
+    text was held back goes out with the finishing token. `resume_tokens` went out elsewhere (a
+    decode moved between engines): their text is not sent again, and they do not count here.
+    """
+
+    def __init__(self, *, stop: tuple[str, ...], ignore_eos: bool, max_tokens: int,
+                 is_eog: Callable[[int], bool], piece_bytes: Callable[[int], bytes],
+                 resume_tokens: Iterable[int] = ()) -> None:
+        self.ignore_eos = ignore_eos
+        self.max_tokens = max_tokens
+        self.n_generated = 0
+        self._is_eog = is_eog
+        self._piece_bytes = piece_bytes
+        self.text = TextStream(stop).primed(piece_bytes(t) for t in resume_tokens)
+
+    @classmethod
+    def for_request(cls, request: "GenerateRequest", max_tokens: int, is_eog: Callable[[int], bool],
+                    piece_bytes: Callable[[int], bytes]) -> "SequenceOutput":
+        return cls(stop=request.stop, ignore_eos=request.ignore_eos, max_tokens=max_tokens, is_eog=is_eog,
+                   piece_bytes=piece_bytes, resume_tokens=request.resume_tokens)
+
+    def token(self, token: int) -> tuple[str, str | None]:
+        """(text to send now, finish reason or None) for the next sampled token."""
+        self.n_generated += 1
+        if self._is_eog(token) and not self.ignore_eos:
+            return self.text.flush(), "stop"
+        text = self.text.feed(self._piece_bytes(token))
+        if self.text.stopped:
+            return text, "stop"
+        if self.n_generated >= self.max_tokens:
+            return text + self.text.flush(), "length"
+        return text, None
+
+    def flush(self) -> str:
+        """The text still held back, for a sequence that ends some other way (an error)."""
+        return self.text.flush()

@@ -66,25 +66,38 @@ _ROLES_NEEDED = {"hetero": ({"prefill"}, "prefill"),
                                                    "or the prompt alone)")}
 
 
-def _prefill_backend(name: str, mode: str) -> str:
-    """The prefill_engine backend, checked here so a wrong name fails at start, not in a worker.
-
-    In gpu mode the same backend does both phases, so there it must be able to `generate`; in auto
-    mode it must also be able to `prefill` (hand a prompt's KV to the CPU).
-    """
+def _backend(key: str, name: str, roles: set[str], doing: str, device: str | None = None) -> str:
+    """The backend config `key` names, checked here so a wrong name fails at start, not in a worker."""
     from syshaxd.plugins import BackendNotFound, find_backend, make_plugin_manager
 
     try:
         backend = find_backend(make_plugin_manager(), name)
     except BackendNotFound as exc:
-        raise PlanError(f"prefill_engine: {exc}") from None
-    roles, doing = _ROLES_NEEDED[mode]
+        raise PlanError(f"{key}: {exc}") from None
     if not roles <= backend.roles:
-        raise PlanError(f"prefill_engine: backend {name!r} cannot {doing} (its roles: {', '.join(sorted(backend.roles))})")
+        raise PlanError(f"{key}: backend {name!r} cannot {doing} (its roles: {', '.join(sorted(backend.roles))})")
+    if device is not None and backend.device != device:
+        raise PlanError(f"{key}: backend {name!r} runs on {backend.device}; {key} needs one on {device}")
     available = backend.availability()
     if not available.available:
-        raise PlanError(f"prefill_engine: backend {name!r} is not available here: {available.reason}")
+        raise PlanError(f"{key}: backend {name!r} is not available here: {available.reason}")
     return backend.name
+
+
+def _prefill_backend(name: str, mode: str) -> str:
+    """The prefill_engine backend. In gpu mode the same backend does both phases, so there it must be able to
+    `generate`; in auto mode it must also be able to `prefill` (hand a prompt's KV to the CPU)."""
+    roles, doing = _ROLES_NEEDED[mode]
+    return _backend("prefill_engine", name, roles, doing)
+
+
+def _cpu_backend(name: str, mode: str) -> str:
+    """The cpu_engine backend of the CPU workers: on the CPU, generating, and in hetero and auto modes also
+    decoding a prompt another engine ran (importing its KV record)."""
+    if mode == "cpu":
+        return _backend("cpu_engine", name, {"generate"}, "generate", device="cpu")
+    return _backend("cpu_engine", name, {"generate", "decode"}, "generate and decode (the CPU workers take "
+                    "KV records from the prefill engine)", device="cpu")
 
 
 def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None = None) -> Engines:
@@ -95,7 +108,7 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
     decoders. On a host without a GPU the "GPU" engine runs on prefill_cpu_affinity's CPUs.
     """
     base = EngineSpec(
-        backend="llamacpp", role="generate", model_path=str(model_path), model_name=model_name,
+        backend=cfg.cpu_engine, role="generate", model_path=str(model_path), model_name=model_name,
         n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=1,
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
         handoff_timeout=cfg.handoff_timeout,
@@ -104,6 +117,7 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
     topology = read_host_topology()
     try:
         if cfg.mode == "cpu":
+            _cpu_backend(cfg.cpu_engine, cfg.mode)
             placements = plan_cpu_workers(topology, _overrides(cfg, env), role="generate")
             return Engines([(f"cpu{p.index}", replace(base, threads=p.threads, placement=p)) for p in placements])
         if cfg.mode == "gpu":
@@ -123,6 +137,7 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
         raise PlanError(str(exc)) from None
 
     prefill_backend = _prefill_backend(cfg.prefill_engine, cfg.mode)
+    _cpu_backend(cfg.cpu_engine, cfg.mode)
     instance = instance or f"{os.getpid()}"
     ring = RingPlan(instance, cfg.ring_size_mb * 1024 * 1024)
     if cfg.mode == "auto":  # the GPU engine generates, and hands a prompt on when told to

@@ -6,7 +6,7 @@ cancel map onto add_request / step / abort_request, and the KV connector's worke
 reports its records through a dict in the same process.
 
 Prompts are tokenized with the GGUF's own vocabulary (llama.cpp) and given to vLLM as token
-ids, and text comes out through the same TextStream as the llama.cpp engine's: usage counts,
+ids, and text comes out through the same SequenceOutput as the llama.cpp engine's: usage counts,
 stop strings and end-of-generation behave as in cpu mode, and a record's token ids are the
 decoder's own.
 """
@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from syshax_torch.engine import resolve_gguf
-from syshax_torch.prompts import Vocab, admit
-from syshaxd.engine.output import TextStream
+from syshaxd.gguf.quantize import resolve_gguf
+from syshaxd.gguf.vocab import Vocab, admit
+from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
 from syshaxd.engine.types import (Accepted, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest, KVHandle,
                                   Prefilled, Rejected)
@@ -43,11 +43,13 @@ def _prepare_environment(spec: EngineSpec) -> None:
 class _Live:
     request: GenerateRequest
     prompt: list[int]
-    max_tokens: int
+    out: SequenceOutput  # text, stop strings and finish reasons, as every engine decides them
     internal_id: str = ""
-    text: TextStream | None = None
-    n_generated: int = 0
     handoff: bool = False  # the prompt alone, its KV into the ring (prefill role, or offloaded in auto mode)
+
+    @property
+    def n_generated(self) -> int:
+        return self.out.n_generated
 
 
 class VllmEngine:
@@ -146,8 +148,8 @@ class VllmEngine:
         if handoff and not self.spec.ring:
             return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
         prompt += request.resume_tokens  # a decode moved here continues after what it generated
-        text = TextStream(request.stop).primed(self.vocab.piece_bytes(t) for t in request.resume_tokens)
-        live = _Live(request, prompt, max_tokens, text=text, handoff=handoff)
+        out = SequenceOutput.for_request(request, max_tokens, self.vocab.is_eog, self.vocab.piece_bytes)
+        live = _Live(request, prompt, out, handoff=handoff)
         s = request.sampling
         params = self._SamplingParams(
             n=1, temperature=max(s.temperature, 0.0), top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
@@ -246,16 +248,7 @@ class VllmEngine:
         rid = live.request.request_id
         deltas = []
         for token in out.outputs[0].token_ids if out.outputs else ():
-            live.n_generated += 1
-            finish, text = None, ""
-            if self.vocab.is_eog(token) and not live.request.ignore_eos:
-                finish, text = "stop", live.text.flush()
-            else:
-                text = live.text.feed(self.vocab.piece_bytes(token))
-                if live.text.stopped:
-                    finish = "stop"
-                elif live.n_generated >= live.max_tokens:
-                    finish, text = "length", text + live.text.flush()
+            text, finish = live.out.token(token)
             deltas.append(Delta(rid, text, 1, finish, tokens=(int(token),)))
             if finish is not None:
                 self._drop(live, abort=not out.finished)
@@ -263,7 +256,7 @@ class VllmEngine:
                 return deltas
         if out.finished:  # vLLM ended it (aborted or failed): say so rather than hang the client
             self._drop(live, abort=False)
-            deltas.append(Delta(rid, live.text.flush(), 0, "error", f"vLLM finished the request early "
+            deltas.append(Delta(rid, live.out.flush(), 0, "error", f"vLLM finished the request early "
                                 f"({out.outputs[0].finish_reason if out.outputs else 'no output'})"))
         return deltas
 

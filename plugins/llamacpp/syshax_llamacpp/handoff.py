@@ -5,17 +5,17 @@ from __future__ import annotations
 import logging
 import time
 
-from syshaxd.engine.types import Fallback, KVHandle
-from syshaxd.kv.llamacpp_codec import (
+from syshax_llamacpp.codec import (
     StateBuffer,
     StateFormatError,
     StateImportError,
     encode_state_into,
     export_seq,
-    fingerprint_from_gguf,
     import_record,
     parse_seq_state,
 )
+from syshaxd.engine.types import Fallback, KVHandle
+from syshaxd.gguf.header import fingerprint_from_gguf
 from syshaxd.kv.record import FingerprintMismatch, RecordCorrupt, RecordError, decode, record_size
 from syshaxd.kv.ring import KVRing, RingError
 

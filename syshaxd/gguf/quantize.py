@@ -8,6 +8,10 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from syshaxd.engine.types import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +76,11 @@ def _quantize(source: Path, target: Path, ftype: int) -> None:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"llama.cpp could not quantize {source} (error {rc})")
     os.replace(tmp, target)
+
+
+def resolve_gguf(spec: "EngineSpec") -> Path:
+    """The GGUF the CPU decoders load for this spec (quantized as they quantize it)."""
+    path = Path(spec.model_path)
+    if spec.quantize:
+        path = ensure_quantized(path, spec.quantize, Path(spec.cache_dir or path.parent))
+    return path

@@ -12,6 +12,7 @@ import ctypes
 from pathlib import Path
 
 from syshaxd.engine.types import GenerateRequest, Rejected
+from syshaxd.gguf.chat import ChatTemplate
 
 _PIECE_BUF = 256
 
@@ -21,8 +22,6 @@ class Vocab:
 
     def __init__(self, gguf: str | Path) -> None:
         import llama_cpp
-
-        from syshax_llamacpp.chat import ChatTemplate
 
         self._llama = llama_cpp
         llama_cpp.llama_backend_init()
