@@ -211,6 +211,7 @@ class EngineStats:
     steps: int = 0
     finished: int = 0
     decode_errors: int = 0
+    stream_moves: int = 0  # sequences moved between KV streams to keep the decode batch one ubatch
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import ctypes
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import llama_cpp
 from syshaxd.gguf.chat import ChatTemplate
 from syshaxd.gguf.quantize import ensure_quantized
 from syshax_llamacpp.sampling import make_sampler
+from syshax_llamacpp.streams import StreamRun
 from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
 from syshaxd.engine.types import (Accepted, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest, Imported,
@@ -23,6 +25,22 @@ from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
 log = logging.getLogger(__name__)
 
 _PIECE_BUF = 256
+
+
+def _graph_observer(on_graph: Callable[[], None]):
+    """llama.cpp's eval callback, asking to see only each graph's output node and calling on_graph there."""
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    ggml.ggml_get_name.restype = ctypes.c_char_p
+    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+
+    def observe(tensor, ask, _user_data):
+        if ggml.ggml_get_name(tensor) != b"result_output":
+            return False  # not wanted (ask), so never shown
+        if not ask:
+            on_graph()
+        return True  # wanted; and, when shown, go on computing
+
+    return llama_cpp.ggml_backend_sched_eval_callback(observe)
 
 
 @dataclass(eq=False)
@@ -36,6 +54,7 @@ class _Sequence:
     n_past: int = 0  # tokens of this sequence already in the KV cache
     pending: deque = field(default_factory=deque)  # prompt tokens not yet evaluated
     next_token: int | None = None  # sampled, not yet fed back
+    slotted: bool = False  # holds one of the max_batch_size slots (while queued, prefilling or decoding)
     sampler: object = None
     out: SequenceOutput | None = None
     started: float = 0.0
@@ -50,7 +69,9 @@ class LlamaCppEngine:
     not care which.
     """
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, on_graph: Callable[[], None] | None = None) -> None:
+        """on_graph (tests, diagnostics): called for every graph llama.cpp computes on the batch context --
+        once per ubatch -- through its eval callback, which costs a Python call per graph node."""
         self.spec = spec
         llama_cpp.llama_backend_init()
         path = Path(spec.model_path)
@@ -88,6 +109,9 @@ class LlamaCppEngine:
         # cells of the batch, so neighbours change the rounding (measured: 16 prompts batched
         # 8 at a time kept 16/16 of their alone-text with it, 7/16 without).
         cparams.flash_attn_type = 1
+        if on_graph is not None:
+            self._eval_callback = _graph_observer(on_graph)  # kept: llama.cpp holds only the pointer
+            cparams.cb_eval = self._eval_callback
         # a prefill-only worker hands every prompt on and never decodes: no batch context
         self.decodes = spec.role != "prefill"
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams) if self.decodes else None
@@ -120,11 +144,13 @@ class LlamaCppEngine:
         self.template = ChatTemplate(self._meta("tokenizer.chat_template"), self._piece_text(
             llama_cpp.llama_vocab_bos(self.vocab)), self._piece_text(llama_cpp.llama_vocab_eos(self.vocab)))
 
-        self.free_ids = deque(range(self.max_seqs))
+        self.free_slots = self.max_seqs
+        self.streams = StreamRun(self.max_seqs)  # a decoding sequence's KV stream: seq_id in the batch context
         self.waiting: deque[_Sequence] = deque()
         self.active: dict[str, _Sequence] = {}  # request_id -> sequence holding a seq_id
         self.queued: dict[str, _Sequence] = {}  # request_id -> sequence waiting for a slot
-        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "decode_errors": 0}
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "decode_errors": 0,
+                         "stream_moves": 0}
         self._rate = TokenRate()
         log.info(
             "llama.cpp engine ready: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d",
@@ -232,20 +258,21 @@ class LlamaCppEngine:
         return []
 
     def has_work(self) -> bool:
-        return bool(self.active) or (bool(self.waiting) and bool(self.free_ids))
+        return bool(self.active) or (bool(self.waiting) and self.free_slots > 0)
 
     def step(self) -> list:
         """One llama_decode for every decoding sequence, then one chunk of the oldest prompt."""
         deltas = self._admit()
         if not self.active:
             return deltas
+        self._compact()
         rows = []
         self.batch.n_tokens = 0
-        for seq in self.active.values():
-            if seq.next_token is not None:
-                rows.append((seq, self._add(self.batch, seq.next_token, seq.n_past, seq.seq_id, True)))
-                seq.n_past += 1
-                seq.next_token = None
+        # in stream order: with the streams one consecutive run, llama.cpp takes the batch in one ubatch
+        for seq in sorted((s for s in self.active.values() if s.next_token is not None), key=lambda s: s.seq_id):
+            rows.append((seq, self._add(self.batch, seq.next_token, seq.n_past, seq.seq_id, True)))
+            seq.n_past += 1
+            seq.next_token = None
         if rows:
             rc = llama_cpp.llama_decode(self.ctx, self.batch)
             self.counters["steps"] += 1
@@ -281,6 +308,7 @@ class LlamaCppEngine:
         export_seq(self.prefill_ctx, 0, self._state)
         llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         size = widen_streams(buf, size, self.max_seqs)
+        seq.seq_id = self.streams.take()  # it joins the decode batch now, next to the others
         got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, seq.seq_id)
         if got != size:
             return self._fail(-1, [seq], "could not move the prompt's KV into the batch context")
@@ -291,7 +319,7 @@ class LlamaCppEngine:
         self.counters["generated_tokens"] += n
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self.active), waiting=len(self.waiting), free_slots=len(self.free_ids),
+        return EngineStats(running=len(self.active), waiting=len(self.waiting), free_slots=self.free_slots,
                            max_batch_size=self.max_seqs, n_ctx=self.n_ctx,
                            kv_usage=sum(s.n_past for s in self.active.values()) / (self.n_ctx * self.max_seqs),
                            tokens_per_second=self._rate.per_second(), **self.counters)
@@ -332,10 +360,11 @@ class LlamaCppEngine:
     def _admit(self) -> list:
         # FIFO: the head of the queue is never overtaken, so a long request is not starved
         deltas = []
-        while self.waiting and self.free_ids:
+        while self.waiting and self.free_slots > 0:
             seq = self.waiting.popleft()
             del self.queued[seq.request.request_id]
-            seq.seq_id = self.free_ids.popleft()
+            seq.slotted = True
+            self.free_slots -= 1
             deltas += self._start(seq)
         return deltas
 
@@ -358,6 +387,7 @@ class LlamaCppEngine:
         reason = seq.request.kv_missing
         started = time.monotonic()
         if handle is not None:
+            seq.seq_id = self.streams.take()
             try:
                 if self.port is None:
                     raise ImportRefused(Fallback.NO_RING, "this worker has no KV ring")
@@ -365,6 +395,8 @@ class LlamaCppEngine:
             except ImportRefused as exc:
                 reason = exc.reason
                 llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
+                self.streams.give_back(seq.seq_id)  # it joins when its recomputed prompt is done
+                seq.seq_id = -1
                 log.warning("%s: KV record unusable (%s: %s); recomputing the prompt here", rid, reason, exc)
             else:
                 seq.n_past = len(seq.prompt)
@@ -420,13 +452,39 @@ class LlamaCppEngine:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
             seq.pending.clear()
         if seq.seq_id >= 0:
-            if self.memory is not None:
-                llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
-            self.free_ids.append(seq.seq_id)
+            llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
+            self.streams.give_back(seq.seq_id)  # a hole, if it was inside the run: the next step fills it
             seq.seq_id = -1
+        if seq.slotted:
+            self.free_slots += 1
+            seq.slotted = False
         if seq.sampler is not None:
             llama_cpp.llama_sampler_free(seq.sampler)
             seq.sampler = None
+
+    def _compact(self) -> None:
+        """Fill each hole in the run of decoding streams with the end of the run that holds fewer tokens."""
+        while holes := self.streams.holes():
+            by_stream = {s.seq_id: s for s in self.active.values() if s.seq_id >= 0}
+            lo, hi = self.streams.ends()
+            if not self._move(min(by_stream[lo], by_stream[hi], key=lambda s: s.n_past), holes[0]):
+                break
+
+    def _move(self, seq: _Sequence, target: int) -> bool:
+        """Move seq's KV into stream `target` of the batch context: the same bytes, so the same next tokens."""
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, seq.seq_id)
+        buf = export_seq(self.ctx, seq.seq_id, self._state)
+        got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, target)
+        if got != size:  # never seen; the sequence stays where it is, and the next step takes two ubatches
+            llama_cpp.llama_memory_seq_rm(self.memory, target, -1, -1)
+            log.error("could not move a sequence's KV from stream %d to %d (%d of %d bytes)", seq.seq_id, target,
+                      got, size)
+            return False
+        llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
+        self.streams.moved(seq.seq_id, target)
+        seq.seq_id = target
+        self.counters["stream_moves"] += 1
+        return True
 
     def _fail(self, rc: int, seqs: list, why: str = "") -> list:
         """llama.cpp refused a pass: end those sequences with an error rather than guess."""
