@@ -15,11 +15,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from syshaxd.bench.calibrate import calibrate_client
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path
-from syshaxd.bench.report import MODE_RATIOS
+from syshaxd.bench.client import StreamingClient, run_level
+from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, WordPromptBuilder, default_tokenizer_path
+from syshaxd.bench.report import MODE_RATIOS, level_summary
 from syshaxd.bench.scenarios import parse_concurrency, scenario_named
 from syshaxd.bench.stats import percentile, summarize
 from syshaxd.bench.stub import InstantServer
@@ -448,10 +450,6 @@ def test_chat_scenario_against_a_real_syshaxd(daemon, tmp_path: Path):
 
 def test_run_level_takes_one_output_length_per_prompt(model_path: Path):
     # The staggered-finish load: answers of different lengths, so batch slots free in scattered order.
-    from syshaxd.bench.client import StreamingClient, run_level
-    from syshaxd.bench.prompts import WordPromptBuilder
-    import aiohttp
-
     lengths = [3, 7, 5, 4]
     prompts = [WordPromptBuilder().build(4, i) for i in range(4)]
 
@@ -464,8 +462,6 @@ def test_run_level_takes_one_output_length_per_prompt(model_path: Path):
         run = asyncio.run(go())
     assert [r.output_tokens for r in run.records] == lengths
     assert [r.max_tokens for r in run.records] == lengths
-    from syshaxd.bench.report import level_summary
-
     summary = level_summary(run, None, None)
     assert summary["forced_length"]["exact"] == 4 and summary["forced_length"]["expected"] is None
 
