@@ -6,18 +6,22 @@ import asyncio
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from syshaxd.bench.calibrate import calibrate_client
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path
-from syshaxd.bench.report import MODE_RATIOS
+from syshaxd.bench.client import StreamingClient, run_level
+from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, WordPromptBuilder, default_tokenizer_path
+from syshaxd.bench.report import MODE_RATIOS, level_summary
 from syshaxd.bench.scenarios import parse_concurrency, scenario_named
 from syshaxd.bench.stats import percentile, summarize
 from syshaxd.bench.stub import InstantServer
@@ -299,6 +303,169 @@ def test_a_server_that_ignores_the_forced_length_is_reported(model_path: Path, t
     assert "did not honour the forced output length" in done.stdout
 
 
+class OneAnswerPerConnectionServer:
+    """A raw HTTP/1.1 server that answers one streamed completion per connection and then, as llama-server does,
+    drops the connection without a `Connection: close`: the next request sent on it is met by a close (how="close",
+    the client reads EOF) or a reset (how="reset", RST). keep_alive=True serves every request instead.
+
+    It records every request body, and answers each with max_tokens words "w0 w1 ...", usage in the last chunk.
+    """
+
+    def __init__(self, how: str = "close", keep_alive: bool = False):
+        self.how = how
+        self.keep_alive = keep_alive
+        self.bodies: list[dict] = []
+        self.connections = 0
+        self.dropped = 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def __enter__(self) -> "OneAnswerPerConnectionServer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _read_request(conn: socket.socket, pending: bytes) -> tuple[bytes | None, bytes]:
+        while b"\r\n\r\n" not in pending:
+            data = conn.recv(65536)
+            if not data:
+                return None, b""
+            pending += data
+        head, _, rest = pending.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(rest) < length:
+            data = conn.recv(65536)
+            if not data:
+                return None, b""
+            rest += data
+        return rest[:length], rest[length:]
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            pending, answered = b"", 0
+            while True:
+                body, pending = self._read_request(conn, pending)
+                if body is None:
+                    return
+                if answered and not self.keep_alive:
+                    self.dropped += 1
+                    if self.how == "reset":  # SO_LINGER 0: close() sends RST
+                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    return
+                request = json.loads(body)
+                self.bodies.append(request)
+                conn.sendall(self._answer(request))
+                answered += 1
+
+    @staticmethod
+    def _answer(request: dict) -> bytes:
+        chat = "messages" in request
+        n = int(request["max_tokens"])
+        events = []
+        for i in range(n):
+            choice = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
+            choice.update({"delta": {"content": f" w{i}"}} if chat else {"text": f" w{i}"})
+            events.append({"choices": [choice]})
+        events.append({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
+        payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_a_server_that_closes_keep_alive_connections_loses_no_request(model_path: Path, tmp_path: Path, how: str):
+    # llama-server closes the connection after each streamed answer without saying so: a client that reuses it
+    # meets a closed socket before any answer. That is the client's stale connection, not a server failure.
+    with OneAnswerPerConnectionServer(how) as server:
+        done, doc = benchmark_url(server.url, tmp_path, "--model-name", "m", "--scenario", "custom",
+                                  "--input-len", "8", "--output-len", "4", "--iterations", "16",
+                                  "--concurrency", "1", "--warmup", "0")
+    (level,) = doc["targets"][0]["levels"]
+    assert level["completed"] == 16 and level["failed"] == 0, level["error_examples"]
+    assert server.dropped > 0, "the client did reuse connections the server had dropped"
+    assert level["retries"] == server.dropped > 0, "each of them was sent again, once, and counted as a retry"
+    assert len(server.bodies) == 16 and level["forced_length"]["exact"] == 16
+    assert all(r["retries"] in (0, 1) for r in level["requests"])
+    assert "retried" in done.stdout and "sent again on a new one" in done.stdout
+    assert "failed" not in done.stdout
+    assert_consistent(doc, iterations=16)
+
+
+def test_chat_scenario_resends_the_whole_history_with_the_servers_answers(model_path: Path, tmp_path: Path):
+    system_len, turns, user_len, output_len = 24, 3, 6, 5
+    with OneAnswerPerConnectionServer(keep_alive=True) as server:
+        done, doc = benchmark_url(server.url, tmp_path, "--model-name", "m", "--scenario", "chat",
+                                  "--system-len", str(system_len), "--turns", str(turns), "--input-len", str(user_len),
+                                  "--output-len", str(output_len), "--concurrency", "2", "--warmup", "0")
+    assert doc["settings"]["endpoint"] == "chat"
+    assert doc["settings"]["chat"] == {"system_len": system_len, "turns": turns, "user_len": user_len}
+    (level,) = doc["targets"][0]["levels"]
+    assert level["sent"] == 2 * turns and level["completed"] == 2 * turns, level["error_examples"]
+    # what the server saw: one shared system prompt, and each turn the history so far with its own answers in it
+    assert len(server.bodies) == 2 * turns
+    systems = {b["messages"][0]["content"] for b in server.bodies}
+    assert len(systems) == 1 and all(b["messages"][0]["role"] == "system" for b in server.bodies)
+    answer = "".join(f" w{i}" for i in range(output_len))
+    for body in server.bodies:
+        roles = [m["role"] for m in body["messages"]]
+        turn = len(roles) // 2
+        assert roles == ["system"] + ["user", "assistant"] * (turn - 1) + ["user"]
+        assert all(m["content"] == answer for m in body["messages"] if m["role"] == "assistant")
+    by_turn = {}
+    for record in level["requests"]:
+        by_turn.setdefault(record["turn"], set()).add(record["input_tokens"])
+    assert sorted(by_turn) == list(range(1, turns + 1))
+    assert by_turn[1] == {system_len + user_len}
+    assert by_turn[turns] == {system_len + turns * user_len + (turns - 1) * output_len}
+    assert [row["turn"] for row in level["turns"]] == list(range(1, turns + 1))
+    assert all(row["completed"] == 2 and row["ttft_s"]["count"] == 2 for row in level["turns"])
+    assert "TTFT p50 ms per turn" in done.stdout and f"turn {turns}" in done.stdout
+    assert_consistent(doc, iterations=2 * turns)
+
+
+def test_chat_scenario_against_a_real_syshaxd(daemon, tmp_path: Path):
+    _, doc = benchmark_url(daemon.url, tmp_path, "--scenario", "chat", "--system-len", "32", "--turns", "2",
+                           "--input-len", "8", "--output-len", "4", "--concurrency", "2", "--warmup", "0", timeout=60)
+    (level,) = doc["targets"][0]["levels"]
+    assert level["completed"] == 4 and level["retries"] == 0, level["error_examples"]
+    first, second = level["turns"]
+    # the server's own count grows by the user message, the answer and the chat template's tokens around them
+    assert second["server_prompt_tokens"]["min"] > first["server_prompt_tokens"]["max"] + 8 + 4
+    assert level["forced_length"]["exact"] == 4
+
+
+def test_run_level_takes_one_output_length_per_prompt(model_path: Path):
+    # The staggered-finish load: answers of different lengths, so batch slots free in scattered order.
+    lengths = [3, 7, 5, 4]
+    prompts = [WordPromptBuilder().build(4, i) for i in range(4)]
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            client = StreamingClient(stub.url, "instant-stub", 16)
+            return await run_level(client, session, prompts, 2, output_len=lengths)
+
+    with InstantServer() as stub:
+        run = asyncio.run(go())
+    assert [r.output_tokens for r in run.records] == lengths
+    assert [r.max_tokens for r in run.records] == lengths
+    summary = level_summary(run, None, None)
+    assert summary["forced_length"]["exact"] == 4 and summary["forced_length"]["expected"] is None
+
+
 # ---------------------------------------------------------------- started daemons
 
 
@@ -396,7 +563,8 @@ def test_syshax_benchmark_starts_its_own_daemon_for_every_mode(default_model: Pa
 def test_syshax_benchmark_help_lists_its_options():
     done = subprocess.run([*syshax_cli(), "benchmark", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    for option in ("--scenario", "--concurrency", "--iterations", "--url", "--mode", "--json", "--plot", "--self-test"):
+    for option in ("--scenario", "--concurrency", "--iterations", "--url", "--mode", "--json", "--plot", "--self-test",
+                   "--system-len", "--turns"):
         assert option in done.stdout
 
 
@@ -420,6 +588,10 @@ def test_scenarios_and_concurrency_lists():
         parse_concurrency("0")
     done = benchmark("--scenario", "custom", "--input-len", "4")
     assert done.returncode == 2 and "--output-len" in done.stderr
+    done = benchmark("--scenario", "chat", "--endpoint", "completions")
+    assert done.returncode == 2 and "needs --endpoint chat" in done.stderr
+    done = benchmark("--scenario", "chat", "--turns", "0")
+    assert done.returncode == 2 and "--turns: 0 is not allowed" in done.stderr
 
 
 def test_percentiles_match_numpy_and_are_ordered():

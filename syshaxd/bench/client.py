@@ -4,7 +4,10 @@ One `StreamingClient` talks to one OpenAI-compatible server. `run_level` keeps
 `concurrency` requests in flight (closed loop: each worker sends its next
 request when the previous one ends) until the level's prompts are used up.
 Every request yields a `RequestRecord`, failed ones included: errors are
-counted by kind, never dropped.
+counted by kind, never dropped. A request whose pooled keep-alive connection the
+server had already closed (it fails before any byte of an answer) is sent once
+more on a fresh connection and counted in `retries`, not as a failure: that
+connection was the client's, not the server's, fault.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from .prompts import Prompt
 __all__ = ["RequestRecord", "LevelRun", "StreamingClient", "api_base", "list_models", "run_level"]
 
 _DETAIL_CHARS = 300
+# Failures of a connection before any answer came: the server closed a pooled keep-alive
+# connection (llama.cpp's llama-server does so after each streamed answer without a
+# Connection: close), and the request met the closed socket. Sent again, once, on a new one.
+_STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError)
 
 
 @dataclass
@@ -44,6 +51,11 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None  # kind: http_<status>, timeout, stream_error, <exception class>, ...
     error_detail: str | None = None
+    max_tokens: int | None = None  # the output length asked for
+    retries: int = 0  # sent again on a fresh connection after a stale keep-alive one failed before any answer
+    retry_detail: str | None = None  # what the stale connection raised
+    conversation: int | None = None  # chat scenario: which conversation, from 0
+    turn: int | None = None  # chat scenario: which turn of it, from 1
 
     @property
     def ok(self) -> bool:
@@ -117,9 +129,11 @@ class StreamingClient:
         self.extra_body = dict(extra_body or {})
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    def payload(self, prompt: Prompt, output_len: int | None = None) -> dict:
-        """The request body for prompt."""
+    def payload(self, prompt: Prompt, output_len: int | None = None, messages: list[dict] | None = None) -> dict:
+        """The request body for prompt (or, on the chat endpoint, for the conversation in messages)."""
         n = self.output_len if output_len is None else output_len
+        if messages is not None and self.endpoint != "chat":
+            raise ValueError("messages are sent on the chat endpoint only")
         body: dict = {
             "model": self.model,
             "max_tokens": n,
@@ -130,7 +144,7 @@ class StreamingClient:
         if self.endpoint == "completions":
             body["prompt"] = prompt.text
         else:
-            body["messages"] = [{"role": "user", "content": prompt.text}]
+            body["messages"] = messages if messages is not None else [{"role": "user", "content": prompt.text}]
         if self.force_length:
             body["ignore_eos"] = True
             body["min_tokens"] = n
@@ -144,23 +158,61 @@ class StreamingClient:
         prompt: Prompt,
         level_start: float,
         output_len: int | None = None,
+        *,
+        messages: list[dict] | None = None,
+        text_out: list[str] | None = None,
     ) -> RequestRecord:
-        """Send one request, read its stream to the end, and say what happened."""
-        record = RequestRecord(index=index, seed=prompt.seed, input_tokens=prompt.n_tokens)
-        body = json.dumps(self.payload(prompt, output_len))
+        """Send one request, read its stream to the end, and say what happened.
+
+        messages (chat endpoint): the whole conversation to send instead of prompt's text alone.
+        text_out: the answer's text pieces are appended to it (the chat scenario resends them).
+        A request that fails before any byte of an answer with a connection error is sent once
+        more on a fresh connection; its times are the second try's and record.retries says so.
+        """
+        n = self.output_len if output_len is None else output_len
+        body = json.dumps(self.payload(prompt, n, messages))
+        record = self._record(index, prompt, n)
+        try:
+            await self._attempt(session, record, body, level_start, text_out)
+        except _StaleConnection as stale:
+            record = self._record(index, prompt, n)
+            record.retries, record.retry_detail = 1, f"{stale.kind}: {stale.detail}"
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                try:
+                    await self._attempt(fresh, record, body, level_start, text_out)
+                except _StaleConnection as again:  # a new connection closed at once: the server's doing
+                    record.error, record.error_detail = again.kind, again.detail
+                    record.e2e_s = time.perf_counter() - level_start - record.start_s
+        return record
+
+    @staticmethod
+    def _record(index: int, prompt: Prompt, max_tokens: int) -> RequestRecord:
+        return RequestRecord(index=index, seed=prompt.seed, input_tokens=prompt.n_tokens, max_tokens=max_tokens)
+
+    async def _attempt(
+        self,
+        session: aiohttp.ClientSession,
+        record: RequestRecord,
+        body: str,
+        level_start: float,
+        text_out: list[str] | None,
+    ) -> None:
+        """One try of a request, filling record; raises _StaleConnection when the connection failed before any answer."""
         token_times: list[float] = []
         usage_tokens: int | None = None
+        answered = False  # the status line came: from here on a failure is the server's, and counted
         start = time.perf_counter()
         record.start_s = start - level_start
         try:
             async with session.post(
                 self.path, data=body, headers={"Content-Type": "application/json"}, timeout=self.timeout
             ) as resp:
+                answered = True
                 if resp.status != 200:
                     record.error = f"http_{resp.status}"
                     record.error_detail = (await resp.text())[:_DETAIL_CHARS]
                     record.e2e_s = time.perf_counter() - start
-                    return record
+                    return
                 buffer = b""
                 async for data in resp.content.iter_any():
                     now = time.perf_counter()
@@ -200,6 +252,8 @@ class StreamingClient:
                                 text = (choice.get("delta") or {}).get("content")
                             if text:
                                 token_times.append(now)
+                                if text_out is not None:
+                                    text_out.append(text)
                             if choice.get("finish_reason"):
                                 record.finish_reason = choice["finish_reason"]
                 end = time.perf_counter()
@@ -208,6 +262,12 @@ class StreamingClient:
             record.error_detail = f"no complete answer within {self.timeout.total} s"
         except aiohttp.ClientResponseError as exc:
             record.error = f"http_{exc.status}"
+            record.error_detail = str(exc)[:_DETAIL_CHARS]
+        except _STALE_CONNECTION_ERRORS as exc:
+            # A refused or unreachable connect (ClientConnectorError) was never a pooled connection.
+            if not answered and not isinstance(exc, aiohttp.ClientConnectorError):
+                raise _StaleConnection(type(exc).__name__, str(exc)[:_DETAIL_CHARS]) from exc
+            record.error = type(exc).__name__
             record.error_detail = str(exc)[:_DETAIL_CHARS]
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             record.error = type(exc).__name__
@@ -237,7 +297,15 @@ class StreamingClient:
         if record.error is None and not token_times:
             record.error = "no_tokens"
             record.error_detail = "the stream carried no output text"
-        return record
+
+
+class _StaleConnection(Exception):
+    """A connection failed before any byte of an answer: kind is the exception's class name."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
 
 
 async def run_level(
@@ -246,9 +314,14 @@ async def run_level(
     prompts: Sequence[Prompt],
     concurrency: int,
     on_record: Callable[[RequestRecord], None] | None = None,
-    output_len: int | None = None,
+    output_len: int | Sequence[int] | None = None,
 ) -> LevelRun:
-    """Send every prompt, keeping `concurrency` requests in flight, and collect all records."""
+    """Send every prompt, keeping `concurrency` requests in flight, and collect all records.
+
+    output_len: one length for all, or one per prompt (a staggered finish: slots free in scattered order).
+    """
+    if output_len is not None and not isinstance(output_len, int) and len(output_len) != len(prompts):
+        raise ValueError(f"output_len: {len(output_len)} lengths for {len(prompts)} prompts")
     pending = deque(enumerate(prompts))
     records: list[RequestRecord] = []
     level_start = time.perf_counter()
@@ -256,7 +329,8 @@ async def run_level(
     async def worker() -> None:
         while pending:
             index, prompt = pending.popleft()
-            record = await client.send(session, index, prompt, level_start, output_len)
+            n = output_len if output_len is None or isinstance(output_len, int) else output_len[index]
+            record = await client.send(session, index, prompt, level_start, n)
             records.append(record)
             if on_record is not None:
                 on_record(record)

@@ -19,13 +19,14 @@ from pathlib import Path
 import aiohttp
 
 from .calibrate import calibrate_client
+from .chat import build_conversations, run_conversations
 from .client import StreamingClient, list_models, run_level
 from .daemon import DaemonStartFailed, daemon_command, start_daemon, stop_daemon
 from .progress import Progress
 from .prompts import GGUFTokenizer, PromptBuilder, WordPromptBuilder, default_tokenizer_path
 from .report import SCHEMA, format_report, level_summary, ratios, write_json
 from .resources import ResourceSampler, describe_machine
-from .scenarios import SCENARIOS, parse_concurrency, scenario_named
+from .scenarios import CHAT, CHAT_SYSTEM_LEN, CHAT_TURNS, SCENARIOS, parse_concurrency, scenario_named
 from .stub import InstantServer
 
 __all__ = ["add_arguments", "run", "MODES"]
@@ -39,17 +40,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        for s in SCENARIOS.values())
     work = parser.add_argument_group("workload")
     work.add_argument("--scenario", choices=[*SCENARIOS, "custom"], default="short",
-                      help=f"input/output tokens and concurrency levels ({shapes}); custom: --input-len, --output-len"
+                      help=f"input/output tokens and concurrency levels ({shapes}); custom: --input-len, --output-len;"
+                      " chat: multi-turn conversations behind a shared system prompt, each turn resending the whole"
+                      " history to /v1/chat/completions (input = tokens per user message), TTFT reported per turn"
                       " (default: short)")
-    work.add_argument("--input-len", type=int, metavar="N", help="prompt tokens per request (overrides the scenario's)")
-    work.add_argument("--output-len", type=int, metavar="N", help="output tokens per request (overrides the scenario's)")
+    work.add_argument("--input-len", type=int, metavar="N",
+                      help="prompt tokens per request, or per user message in chat (overrides the scenario's)")
+    work.add_argument("--output-len", type=int, metavar="N",
+                      help="output tokens per request, or per answer in chat (overrides the scenario's)")
     work.add_argument("--concurrency", metavar="N[,N...]",
-                      help="requests kept in flight: one level or a list like 1,2,4,8 (default: the scenario's levels)")
-    work.add_argument("--iterations", type=int, default=100, metavar="M", help="requests per concurrency level (default: 100)")
+                      help="requests kept in flight, or conversations at once in chat: one level or a list like"
+                      " 1,2,4,8 (default: the scenario's levels)")
+    work.add_argument("--iterations", type=int, metavar="M",
+                      help="requests per concurrency level (default: 100); in chat, conversations per level"
+                      " (default: as many as the level's concurrency)")
+    work.add_argument("--system-len", type=int, default=CHAT_SYSTEM_LEN, metavar="N",
+                      help=f"chat: tokens of the system prompt every conversation shares, 0 for none"
+                      f" (default: {CHAT_SYSTEM_LEN})")
+    work.add_argument("--turns", type=int, default=CHAT_TURNS, metavar="T",
+                      help=f"chat: turns per conversation; turn n resends the system prompt, n user messages and"
+                      f" n-1 answers (default: {CHAT_TURNS})")
     work.add_argument("--warmup", type=int, default=2, metavar="K",
                       help="unmeasured requests sent to each target before its first level (default: 2)")
-    work.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                      help="/v1/completions or /v1/chat/completions (default: completions)")
+    work.add_argument("--endpoint", choices=("completions", "chat"),
+                      help="/v1/completions or /v1/chat/completions (default: completions; chat for --scenario chat)")
     work.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     work.add_argument("--seed", type=int, default=0, help="seed of the prompts' random words (default: 0)")
     work.add_argument("--tokenizer", metavar="GGUF",
@@ -126,8 +140,15 @@ def _settings(args: argparse.Namespace) -> dict:
         args.scenario, args.input_len, args.output_len,
         parse_concurrency(args.concurrency) if args.concurrency else None,
     )
-    if args.iterations < 1:
+    chat = scenario.name == CHAT
+    if args.iterations is not None and args.iterations < 1:
         raise ValueError(f"--iterations: {args.iterations} is not allowed; it must be at least 1")
+    if chat and args.endpoint == "completions":
+        raise ValueError("--endpoint completions: the chat scenario sends conversations; it needs --endpoint chat")
+    if args.turns < 1:
+        raise ValueError(f"--turns: {args.turns} is not allowed; it must be at least 1")
+    if args.system_len < 0:
+        raise ValueError(f"--system-len: {args.system_len} is not allowed; it must be 0 (none) or more")
     if args.warmup < 0:
         raise ValueError(f"--warmup: {args.warmup} is not allowed; it must be 0 or more")
     if args.server_pid and len(args.server_pid) > len(args.url or ()):
@@ -142,14 +163,15 @@ def _settings(args: argparse.Namespace) -> dict:
             raise ValueError(f"--extra-body: not valid JSON ({exc})") from None
         if not isinstance(extra, dict):
             raise ValueError("--extra-body: must be a JSON object, like '{\"top_k\": 1}'")
-    return {
+    settings = {
         "scenario": scenario.name,
         "input_len": scenario.input_len,
         "output_len": scenario.output_len,
         "concurrency": list(scenario.concurrency),
-        "iterations": args.iterations,
+        # chat: conversations per level; None there means as many as the level's concurrency
+        "iterations": args.iterations if args.iterations is not None or chat else 100,
         "warmup": args.warmup,
-        "endpoint": args.endpoint,
+        "endpoint": args.endpoint or ("chat" if chat else "completions"),
         "temperature": args.temperature,
         "seed": args.seed,
         "force_length": args.force_length,
@@ -157,6 +179,9 @@ def _settings(args: argparse.Namespace) -> dict:
         "extra_body": extra,
         "timeout_s": args.timeout,
     }
+    if chat:
+        settings["chat"] = {"system_len": args.system_len, "turns": args.turns, "user_len": scenario.input_len}
+    return settings
 
 
 def _tokenizer_path(args: argparse.Namespace) -> Path:
@@ -217,10 +242,20 @@ class _Bench:
             s["tokenizer"] = None
             s["prompt_unit"] = "words (the instant stub counts words)"
         started = time.perf_counter()
-        self.prompts = {
-            c: [self.builder.build(s["input_len"], _prompt_seed(s["seed"], c, i)) for i in range(s["iterations"])]
-            for c in s["concurrency"]
-        }
+        if s["scenario"] == CHAT:
+            chat = s["chat"]
+            self.conversations = {
+                c: build_conversations(self.builder, s["iterations"] or c, system_len=chat["system_len"],
+                                       turn_len=s["input_len"], turns=chat["turns"], seed=s["seed"],
+                                       user_seed=lambda k, c=c: _prompt_seed(s["seed"], c, k))
+                for c in s["concurrency"]
+            }
+            self.prompts = {}
+        else:
+            self.prompts = {
+                c: [self.builder.build(s["input_len"], _prompt_seed(s["seed"], c, i)) for i in range(s["iterations"])]
+                for c in s["concurrency"]
+            }
         self.warmup_prompts = [self.builder.build(s["input_len"], _prompt_seed(s["seed"] + 7919, 0, i))
                                for i in range(s["warmup"])]
         s["prompt_build_s"] = time.perf_counter() - started
@@ -288,11 +323,22 @@ class _Bench:
                 target["warmup"] = {"sent": len(warm.records), "completed": sum(r.ok for r in warm.records),
                                     "errors": sorted({r.error for r in warm.records if r.error}), "wall_s": warm.wall_s}
             for concurrency in levels:
-                self.progress.begin(f"[{target['label']}] c={concurrency}", s["iterations"])
+                chat = s["scenario"] == CHAT
+                requests = (len(self.conversations[concurrency]) * s["chat"]["turns"] if chat
+                            else len(self.prompts[concurrency]))
+                self.progress.begin(f"[{target['label']}] c={concurrency}", requests)
                 sampler = ResourceSampler(target.get("server_pid"), self.args.sample_interval).start()
+
+                def advance(record) -> None:
+                    self.progress.advance(record.ok, record.output_tokens)
+
                 try:
-                    result = await run_level(client, session, self.prompts[concurrency], concurrency,
-                                             on_record=lambda r: self.progress.advance(r.ok, r.output_tokens))
+                    if chat:
+                        result = await run_conversations(client, session, self.conversations[concurrency], concurrency,
+                                                         on_record=advance)
+                    else:
+                        result = await run_level(client, session, self.prompts[concurrency], concurrency,
+                                                 on_record=advance)
                 finally:
                     resources = sampler.stop()
                     self.progress.end()

@@ -18,6 +18,7 @@ __all__ = [
     "SCHEMA",
     "MODE_RATIOS",
     "level_summary",
+    "turn_summaries",
     "ratios",
     "format_report",
     "write_json",
@@ -41,22 +42,32 @@ _CLIENT_BUSY_PERCENT = 70.0
 _OTHER_BUSY_PERCENT = 25.0
 
 
-def level_summary(run: LevelRun, output_len: int, resources: dict | None) -> dict:
-    """Every figure for one concurrency level, with its per-request records."""
+def level_summary(run: LevelRun, output_len: int | None, resources: dict | None) -> dict:
+    """Every figure for one concurrency level, with its per-request records.
+
+    output_len: the length every request asked for, or None when they asked for different ones
+    (each record's max_tokens is then what its answer is held against).
+    """
     records = run.records
     ok = [r for r in records if r.ok]
+
+    def asked(r) -> int:
+        return r.max_tokens if r.max_tokens is not None else output_len
     errors = Counter(r.error for r in records if not r.ok)
     output_tokens = sum(r.output_tokens for r in ok)
     wall = run.wall_s if run.wall_s > 0 else math.nan
     produced = [r.output_tokens for r in ok]
     itl = [gap for r in ok for gap in r.itl_s]
-    return {
+    summary = {
         "concurrency": run.concurrency,
         "sent": len(records),
         "completed": len(ok),
         "failed": len(records) - len(ok),
         "errors": dict(sorted(errors.items())),
         "error_examples": {kind: next(r.error_detail for r in records if r.error == kind) for kind in errors},
+        # Requests sent again because a pooled keep-alive connection was already closed: not failures.
+        "retries": sum(r.retries for r in records),
+        "retry_example": next((r.retry_detail for r in records if r.retries), None),
         "wall_s": run.wall_s,
         "input_tokens": sum(r.input_tokens for r in ok),
         "output_tokens": output_tokens,
@@ -69,16 +80,16 @@ def level_summary(run: LevelRun, output_len: int, resources: dict | None) -> dic
         "e2e_s": summarize([r.e2e_s for r in ok]),
         "forced_length": {
             "expected": output_len,
-            "exact": sum(1 for n in produced if n == output_len),
-            "short": sum(1 for n in produced if n < output_len),
-            "long": sum(1 for n in produced if n > output_len),
+            "exact": sum(1 for r in ok if r.output_tokens == asked(r)),
+            "short": sum(1 for r in ok if r.output_tokens < asked(r)),
+            "long": sum(1 for r in ok if r.output_tokens > asked(r)),
             "min": min(produced) if produced else None,
             "mean": (sum(produced) / len(produced)) if produced else None,
             "counted_from": dict(Counter(r.output_tokens_source for r in ok)),
             # Short because the model stopped (finish_reason "stop"): the server ignored the forcing.
-            "stopped_early": sum(1 for r in ok if r.output_tokens < output_len and r.finish_reason != "length"),
+            "stopped_early": sum(1 for r in ok if r.output_tokens < asked(r) and r.finish_reason != "length"),
             # Short only in the count: the server stopped by length, but merged tokens into fewer chunks.
-            "fewer_chunks_at_length": sum(1 for r in ok if r.output_tokens < output_len and r.finish_reason == "length"
+            "fewer_chunks_at_length": sum(1 for r in ok if r.output_tokens < asked(r) and r.finish_reason == "length"
                                           and r.output_tokens_source == "chunks"),
             "finish_reasons": dict(Counter(str(r.finish_reason) for r in ok)),
         },
@@ -86,6 +97,29 @@ def level_summary(run: LevelRun, output_len: int, resources: dict | None) -> dic
         "resources": resources,
         "requests": [r.as_dict() for r in records],
     }
+    if any(r.turn is not None for r in records):
+        summary["turns"] = turn_summaries(records)
+    return summary
+
+
+def turn_summaries(records) -> list[dict]:
+    """The chat scenario's figures per turn number: TTFT grows with the history a turn resends."""
+    turns = sorted({r.turn for r in records if r.turn is not None})
+    rows = []
+    for turn in turns:
+        of_turn = [r for r in records if r.turn == turn]
+        ok = [r for r in of_turn if r.ok]
+        rows.append({
+            "turn": turn,
+            "sent": len(of_turn),
+            "completed": len(ok),
+            "input_tokens": summarize([r.input_tokens for r in ok]),
+            "server_prompt_tokens": summarize([r.prompt_tokens for r in ok if r.prompt_tokens is not None]),
+            "ttft_s": summarize([r.ttft_s for r in ok]),
+            "tpot_s": summarize([r.tpot_s for r in ok if r.tpot_s is not None]),
+            "e2e_s": summarize([r.e2e_s for r in ok]),
+        })
+    return rows
 
 
 def _level(target: dict, concurrency: int) -> dict | None:
@@ -166,9 +200,18 @@ def _machine_line(machine: dict) -> str:
 def format_report(document: dict) -> str:
     """The table a user reads at the end of a run, with its notes."""
     s = document["settings"]
+    if s.get("chat"):
+        chat = s["chat"]
+        per_level = (f"{s['iterations']} conversations per level" if s["iterations"]
+                     else "as many conversations as the level's concurrency")
+        shape = (f"scenario chat ({chat['system_len']}-token system prompt, {chat['turns']} turns of"
+                 f" {chat['user_len']} user tokens and {s['output_len']} output tokens, each turn resending the"
+                 f" history) · {per_level}")
+    else:
+        shape = (f"scenario {s['scenario']} ({s['input_len']} input / {s['output_len']} output tokens)"
+                 f" · {s['iterations']} requests per level")
     out = [
-        f"syshax benchmark · scenario {s['scenario']} ({s['input_len']} input / {s['output_len']} output tokens)"
-        f" · {s['iterations']} requests per level, {s['warmup']} warm-up · endpoint {s['endpoint']}",
+        f"syshax benchmark · {shape}, {s['warmup']} warm-up · endpoint {s['endpoint']}",
         f"machine: {_machine_line(document['machine'])}",
         "",
     ]
@@ -178,6 +221,9 @@ def format_report(document: dict) -> str:
                    for target in document["targets"] for level in target.get("levels", ()))
     if with_gpu:
         header.append("GPU MiB")
+    with_retries = any(level.get("retries") for target in document["targets"] for level in target.get("levels", ()))
+    if with_retries:
+        header.append("retried")
     rows = []
     for target in document["targets"]:
         if target["status"] != "ok":
@@ -194,11 +240,12 @@ def format_report(document: dict) -> str:
                 _ms(level["itl_s"]["p99"]), _s(level["e2e_s"]["median"]), _s(level["e2e_s"]["p99"]),
                 _num((res.get("cpu_percent_total") or {}).get("mean")), _num(rss, 0),
             ] + ([_num(sum(res["gpu_memory_used_mib_max"]), 0) if res.get("gpu_memory_used_mib_max") else "-"]
-                 if with_gpu else []))
+                 if with_gpu else []) + ([str(level.get("retries", 0))] if with_retries else []))
     if rows:
         out += _table(header, rows)
     else:
         out.append("no target ran")
+    out += _turn_table(document)
     if document.get("ratios"):
         out += ["", "ratios (output tok/s: higher is better; p99 latency: lower is better)"]
         rows = [[f"{r['numerator']}/{r['denominator']}", str(r["concurrency"]),
@@ -210,6 +257,24 @@ def format_report(document: dict) -> str:
     if notes:
         out += ["", "notes:"] + [f"  * {note}" for note in notes]
     return "\n".join(out)
+
+
+def _turn_table(document: dict) -> list[str]:
+    """Chat: TTFT p50 per turn, one row per target and level (a server without a prompt cache climbs)."""
+    turns = sorted({row["turn"] for target in document["targets"] if target["status"] == "ok"
+                    for level in target["levels"] for row in level.get("turns", ())})
+    if not turns:
+        return []
+    rows = []
+    for target in document["targets"]:
+        if target["status"] != "ok":
+            continue
+        for level in target["levels"]:
+            by_turn = {row["turn"]: row for row in level.get("turns", ())}
+            rows.append([target["label"], str(level["concurrency"])]
+                        + [_ms(by_turn[t]["ttft_s"]["median"]) if t in by_turn else "-" for t in turns])
+    return ["", "TTFT p50 ms per turn (each turn resends the whole conversation so far)"] + _table(
+        ["target", "conc", *(f"turn {t}" for t in turns)], rows)
 
 
 def _notes(document: dict) -> list[str]:
@@ -234,6 +299,10 @@ def _notes(document: dict) -> list[str]:
             if other_cpu is not None and other_cpu > _OTHER_BUSY_PERCENT:
                 notes.append(f"{label} c={c}: other processes on this host used {other_cpu:.0f}% of a core"
                              " during the level; they competed with the server, so its figures are low")
+            if level.get("retries"):
+                notes.append(f"{label} c={c}: {level['retries']} requests met a keep-alive connection the server had"
+                             " already closed and were sent again on a new one (not failures; times are the"
+                             f" second try's); e.g. {(level.get('retry_example') or '')[:120]}")
             if level["errors"]:
                 kinds = ", ".join(f"{k} x{n}" for k, n in level["errors"].items())
                 example = next(iter(level["error_examples"].values()), "") or ""
@@ -241,9 +310,10 @@ def _notes(document: dict) -> list[str]:
                              + (f"; e.g. {example[:160]}" if example else ""))
             forced = level["forced_length"]
             if forced["stopped_early"] or forced["long"]:
+                expected = f"{forced['expected']} tokens" if forced["expected"] is not None else "each request"
                 notes.append(
-                    f"{label} c={c}: the server did not honour the forced output length of {forced['expected']}"
-                    f" tokens: {forced['stopped_early']} requests stopped early (as few as {forced['min']} tokens),"
+                    f"{label} c={c}: the server did not honour the forced output length of {expected}"
+                    f": {forced['stopped_early']} requests stopped early (as few as {forced['min']} tokens),"
                     f" {forced['long']} gave more; tok/s counts the tokens actually produced"
                 )
             if forced["fewer_chunks_at_length"]:
@@ -258,7 +328,11 @@ def _notes(document: dict) -> list[str]:
         if sources.get("chunks"):
             notes.append(f"{label}: sent no usage in its stream (stream_options.include_usage) for {sources['chunks']}"
                          " requests; their output tokens were counted from stream chunks")
-    if s["endpoint"] == "chat":
+    if s.get("chat"):
+        notes.append("chat: a turn's input tokens count the system prompt, the user messages and the earlier"
+                     " answers as the tokenizer counts them; the chat template adds tokens (server_prompt_tokens"
+                     " in the JSON, per turn too, shows what the server counted)")
+    elif s["endpoint"] == "chat":
         notes.append("endpoint chat: the input length is the user message's; the chat template adds tokens"
                      " (server_prompt_tokens in the JSON shows what the server counted)")
     calib = document.get("client_calibration")

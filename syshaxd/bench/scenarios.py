@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Scenario", "SCENARIOS", "scenario_named", "parse_concurrency"]
+__all__ = ["Scenario", "SCENARIOS", "CHAT", "CHAT_SYSTEM_LEN", "CHAT_TURNS", "scenario_named", "parse_concurrency"]
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,17 @@ class Scenario:
         }
 
 
-# The seed article's three shapes: chat-like, long answers, long context with a short answer.
+# The seed article's three shapes (chat-like, long answers, long context with a short answer) and a multi-turn chat.
 SCENARIOS: dict[str, Scenario] = {
     "short": Scenario("short", 128, 256, (1, 2, 4, 8, 16)),
     "medium": Scenario("medium", 512, 1024, (1, 2, 4, 8)),
     "long": Scenario("long", 2048, 512, (1, 2, 4)),
+    # Multi-turn: input_len is each user message; --system-len and --turns shape the rest (see chat.py).
+    "chat": Scenario("chat", 32, 64, (1, 4, 8)),
 }
+CHAT = "chat"
+CHAT_SYSTEM_LEN = 512
+CHAT_TURNS = 6
 CUSTOM_CONCURRENCY = (1, 2, 4, 8)
 
 

@@ -1,0 +1,418 @@
+"""syshaxd against llama.cpp's own llama-server on the same GGUF and threads, in one run; prints a markdown table, writes bench/results/bench_peers.json.
+
+llama-server (C++, slots, continuous batching, prompt cache) is the strongest CPU
+peer; it is built from the very llama.cpp that llama-cpp-python 0.3.36 vendors by
+../shared/tools/llama-server.sh (once, about 5 minutes; cached after). Both servers
+get the same GGUF, the same thread count, 8 parallel sequences, the same context per
+sequence and flash attention. They run one at a time, never both at once: llama-server
+first, every load, stopped; then syshaxd, every load, stopped. The loads:
+
+* short, unique prompts: 128 tokens in, 256 forced out, at concurrency 1, 8, 16;
+* short, one prompt repeated: the same 128-token prompt at concurrency 8 (a prompt cache's case);
+* chat: 8 conversations x 6 turns behind a shared 512-token system prompt, each turn resending
+  the whole history (32-token user messages, 64-token answers); TTFT per turn in its own table;
+* staggered finish: 48 requests at concurrency 8 whose max_tokens run from 128 to 256 in a
+  shuffled order, so batch slots free in scattered order, with unique 100-token prompts and
+  with one 100-token prompt repeated.
+
+Per load and server: output tokens/s, TTFT p50, TPOT p50, and the ratio syshaxd / llama-server
+(throughput: higher is better for syshaxd; latency: lower is). Prompts are exact in the model's
+tokens (syshaxd/bench/prompts.py), the same on both servers; outputs are forced (ignore_eos).
+
+    .venv/bin/python bench/bench_peers.py            # the issue's loads, about 10 minutes on 2 quiet cores
+    .venv/bin/python bench/bench_peers.py --quick    # fewer and shorter requests: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import aiohttp  # noqa: E402
+
+from syshaxd.bench.chat import build_conversations, run_conversations  # noqa: E402
+from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
+from syshaxd.bench.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
+from syshaxd.bench.report import level_summary, write_json  # noqa: E402
+from syshaxd.bench.resources import ResourceSampler, describe_machine  # noqa: E402
+
+SCHEMA = "syshax-bench-peers/1"
+PEER, OURS = "llama-server", "syshaxd"
+LLAMA_SERVER_SH = REPO.parent / "shared/tools/llama-server.sh"
+PARALLEL = 8  # llama-server's -np and syshaxd's cpu_max_batch_size
+
+
+@dataclass(frozen=True)
+class Load:
+    """One workload, run the same way on both servers."""
+
+    name: str
+    kind: str  # "unique", "repeated" (one prompt for every request), "chat", "staggered", "staggered-repeated"
+    concurrency: int
+    requests: int  # conversations for chat
+    input_len: int  # per user message for chat
+    output_len: int  # the shortest max_tokens of a staggered load
+    output_max: int | None = None  # staggered: the longest max_tokens
+    system_len: int = 0  # chat
+    turns: int = 1  # chat
+
+
+def loads(quick: bool) -> list[Load]:
+    """The issue's loads; quick keeps their shapes with fewer and shorter requests."""
+    out = 16 if quick else 256
+    short = [Load(f"short c={c}", "unique", c, (max(2, c) if quick else max(4, 2 * c)), 128, out) for c in (1, 8, 16)]
+    lo, hi, n = (8, 24, 16) if quick else (128, 256, 48)
+    turns = 2 if quick else 6
+    return [
+        *short,
+        Load("short repeated c=8", "repeated", 8, 8 if quick else 16, 128, out),
+        Load(f"chat 8x{turns}", "chat", 8, 8, 32, 8 if quick else 64, system_len=512, turns=turns),
+        Load("staggered unique c=8", "staggered", 8, n, 100, lo, hi),
+        Load("staggered repeated c=8", "staggered-repeated", 8, n, 100, lo, hi),
+    ]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="GGUF both servers load (default: the prepared q4_0 SmolLM2)")
+    p.add_argument("--threads", type=int, default=2, help="threads for both servers (default: 2)")
+    p.add_argument("--quick", action="store_true", help="fewer and shorter requests, for a smoke test")
+    p.add_argument("--n-ctx", type=int, default=2048,
+                   help="context per sequence on both servers; llama-server gets -c n_ctx x 8 (default: 2048)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts' random words (default: 0)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="the llama-server binary (default: what ../shared/tools/llama-server.sh prints, built there"
+                   " the first time)")
+    p.add_argument("--only", choices=(PEER, OURS), help="run one server only (the ratios are then missing)")
+    p.add_argument("--json", type=Path, help="where the figures go (default: bench/results/bench_peers.json,"
+                   " bench_peers-quick.json with --quick)")
+    args = p.parse_args(argv)
+    args.model = (args.model or default_tokenizer_path()).resolve()
+    if not args.model.is_file():
+        p.error(f"--model: {args.model} is not a file; prepare the default model (make run) or give a GGUF")
+    if args.threads < 1:
+        p.error(f"--threads: {args.threads} is not allowed; it must be at least 1")
+    need = max(ld.system_len + ld.turns * (ld.input_len + (ld.output_max or ld.output_len)) + 16 * ld.turns
+               for ld in loads(args.quick))
+    if args.n_ctx < need:
+        p.error(f"--n-ctx {args.n_ctx} cannot hold the longest request ({need} tokens with the chat template)")
+    if args.json is None:
+        args.json = REPO / "bench/results" / ("bench_peers-quick.json" if args.quick else "bench_peers.json")
+    return args
+
+
+def find_llama_server(given: str | None) -> str:
+    """The llama-server binary: given, or built (once) and printed by ../shared/tools/llama-server.sh."""
+    if given:
+        return given
+    if not LLAMA_SERVER_SH.is_file():
+        raise SystemExit(f"bench_peers: {LLAMA_SERVER_SH} is missing; give --llama-server PATH")
+    print(f"finding llama-server with {LLAMA_SERVER_SH} (builds it the first time, about 5 minutes) ...", flush=True)
+    done = subprocess.run(["bash", str(LLAMA_SERVER_SH)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    path = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    if done.returncode != 0 or not os.access(path, os.X_OK):
+        raise SystemExit(f"bench_peers: {LLAMA_SERVER_SH} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return path
+
+
+class Server:
+    """One running server: its URL, process and how it was started."""
+
+    def __init__(self, label: str, url: str, process: subprocess.Popen, info: dict):
+        self.label, self.url, self.process, self.info = label, url, process, info
+
+    async def stop(self) -> None:
+        self.info["exited_during_run"] = self.process.poll() is not None
+        self.info["returncode"] = await stop_daemon(self.process, grace_s=15)
+
+
+async def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 300) -> float:
+    """Seconds until GET /health answers 200 (llama-server answers 503 while it loads)."""
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.perf_counter() - started < timeout_s:
+            if process.poll() is not None:
+                raise RuntimeError(f"{process.args[0]} exited with {process.returncode}:\n{_tail(log)}")
+            try:
+                async with session.get(url + "/health") as resp:
+                    if resp.status == 200:
+                        return time.perf_counter() - started
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+            await asyncio.sleep(0.25)
+    await stop_daemon(process)
+    raise RuntimeError(f"{url}/health did not answer 200 within {timeout_s:.0f} s:\n{_tail(log)}")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+async def start_peer(args: argparse.Namespace, binary: str, log_dir: Path) -> Server:
+    port = free_port()
+    # -np given, so no unified KV (that is the default only for -np auto): each slot gets -c / np = n_ctx
+    # tokens, as syshaxd's slots each have their own stream. Continuous batching, the slots' prompt cache
+    # and the host-memory prompt cache (--cache-ram 8192 MiB) are on by default in this version (0.5.0-dev,
+    # commit 0c1e570); flash attention on, as syshaxd's engine uses it.
+    argv = [binary, "-m", str(args.model), "-t", str(args.threads), "-tb", str(args.threads),
+            "-c", str(args.n_ctx * PARALLEL), "-np", str(PARALLEL), "-fa", "on",
+            "--host", "127.0.0.1", "--port", str(port)]
+    log = log_dir / "llama-server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    startup = await wait_healthy(url, proc, log)
+    return Server(PEER, url, proc, {"argv": argv, "pid": proc.pid, "log": str(log), "startup_s": startup})
+
+
+async def start_ours(args: argparse.Namespace, log_dir: Path) -> Server:
+    config = log_dir / "syshaxd.toml"
+    config.write_text(
+        "# written by bench/bench_peers.py\n"
+        f"model = {json.dumps(str(args.model))}\n"
+        f"model_dir = {json.dumps(str(args.model.parent))}\n"
+        'quantize = ""\n'  # the file is q4_0 already: load it as llama-server does
+        f"threads = {args.threads}\n"
+        f"cpu_max_batch_size = {PARALLEL}\n"
+        f"n_ctx = {args.n_ctx}\n"
+        f"admin_socket = {json.dumps(str(log_dir / 'admin.sock'))}\n"  # not the default one another syshaxd may hold
+        'log_level = "info"\n'
+    )
+    daemon = await start_daemon("cpu", command=daemon_command(), config=str(config), startup_timeout_s=300,
+                                log_dir=str(log_dir))
+    return Server(OURS, daemon.url, daemon.process, {"argv": daemon.argv, "pid": daemon.pid, "log": daemon.log_path,
+                                                     "startup_s": daemon.startup_s, "config": config.read_text()})
+
+
+class Workloads:
+    """The prompts of every load, built once with the model's tokenizer: both servers get the very same."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.builder = PromptBuilder(GGUFTokenizer(args.model))
+        self.seed = args.seed
+        self.loads = loads(args.quick)
+        self.inputs = {ld.name: self._inputs(i, ld) for i, ld in enumerate(self.loads)}
+        self.warmup = [self.builder.build(32, self._seed(99, k)) for k in range(2)]
+
+    def _seed(self, load_index: int, k: int) -> int:
+        return (self.seed * 1_000_003 + load_index) * 1_000_033 + k
+
+    def _inputs(self, i: int, ld: Load):
+        if ld.kind == "chat":
+            return build_conversations(self.builder, ld.requests, system_len=ld.system_len, turn_len=ld.input_len,
+                                       turns=ld.turns, seed=self.seed, user_seed=lambda k: self._seed(i, k))
+        if ld.kind in ("repeated", "staggered-repeated"):
+            prompts = [self.builder.build(ld.input_len, self._seed(i, 0))] * ld.requests
+        else:
+            prompts = [self.builder.build(ld.input_len, self._seed(i, k)) for k in range(ld.requests)]
+        if ld.output_max is None:
+            return prompts, ld.output_len
+        # Evenly from output_len to output_max, shuffled (the same order on both servers).
+        span = ld.output_max - ld.output_len
+        lengths = [ld.output_len + span * k // max(1, ld.requests - 1) for k in range(ld.requests)]
+        random.Random(self._seed(i, 1)).shuffle(lengths)
+        return prompts, lengths
+
+
+async def bench_server(server: Server, work: Workloads, sample_interval: float = 0.5) -> dict[str, dict]:
+    """Every load against one server; the level summary of each, by load name."""
+    results = {}
+    connector = aiohttp.TCPConnector(limit=64, limit_per_host=64)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        (model, *_) = await list_models(session, server.url) or ["default"]
+        server.info["model"] = model
+        warm = StreamingClient(server.url, model, 8)
+        await run_level(warm, session, work.warmup, len(work.warmup))
+        for ld in work.loads:
+            print(f"  [{server.label}] {ld.name}: {ld.requests}{f' x {ld.turns} turns' if ld.kind == 'chat' else ''}"
+                  " requests ...", end="", flush=True)
+            sampler = ResourceSampler(server.process.pid, sample_interval).start()
+            try:
+                if ld.kind == "chat":
+                    client = StreamingClient(server.url, model, ld.output_len, endpoint="chat")
+                    run = await run_conversations(client, session, work.inputs[ld.name], ld.concurrency)
+                    expected = ld.output_len
+                else:
+                    prompts, lengths = work.inputs[ld.name]
+                    client = StreamingClient(server.url, model, ld.output_len)
+                    run = await run_level(client, session, prompts, ld.concurrency, output_len=lengths)
+                    expected = lengths if isinstance(lengths, int) else None
+            finally:
+                resources = sampler.stop()
+            summary = level_summary(run, expected, resources)
+            summary["load"] = ld.name
+            results[ld.name] = summary
+            print(f" {summary['output_throughput_tok_s']:.1f} tok/s, {summary['completed']}/{summary['sent']} ok"
+                  f"{', ' + str(summary['retries']) + ' retried' if summary['retries'] else ''}", flush=True)
+            if server.process.poll() is not None:
+                raise RuntimeError(f"{server.label} exited with {server.process.returncode} during {ld.name}")
+    return results
+
+
+def _ratio(ours: float | None, peer: float | None) -> float | None:
+    return ours / peer if ours is not None and peer else None
+
+
+def summary_rows(work: Workloads, results: dict[str, dict[str, dict]]) -> list[dict]:
+    rows = []
+    for ld in work.loads:
+        peer, ours = results.get(PEER, {}).get(ld.name), results.get(OURS, {}).get(ld.name)
+        row = {"load": ld.name, "concurrency": ld.concurrency,
+               "requests": ld.requests * ld.turns, "shape": asdict(ld)}
+        for key, pick in (("tok_s", lambda lv: lv["output_throughput_tok_s"]),
+                          ("ttft_p50_s", lambda lv: lv["ttft_s"]["median"]),
+                          ("tpot_p50_s", lambda lv: lv["tpot_s"]["median"])):
+            row[f"peer_{key}"] = pick(peer) if peer else None
+            row[f"ours_{key}"] = pick(ours) if ours else None
+            row[f"ratio_{key}"] = _ratio(row[f"ours_{key}"], row[f"peer_{key}"])
+        for side, lv in (("peer", peer), ("ours", ours)):
+            row[f"{side}_ok"] = f"{lv['completed']}/{lv['sent']}" if lv else None
+            row[f"{side}_retries"] = lv["retries"] if lv else None
+            row[f"{side}_other_cpu_percent"] = (((lv or {}).get("resources") or {}).get("other_cpu_percent")
+                                                or {}).get("mean")
+        rows.append(row)
+    return rows
+
+
+def _fmt(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def format_table(rows: list[dict]) -> str:
+    """One markdown table: both servers and syshaxd / llama-server per load."""
+    header = ["load", "requests", f"{PEER} tok/s", f"{OURS} tok/s", "tok/s ratio",
+              f"{PEER} TTFT p50 ms", f"{OURS} TTFT p50 ms", "TTFT ratio",
+              f"{PEER} TPOT p50 ms", f"{OURS} TPOT p50 ms", "TPOT ratio", "ok (peer / ours)", "retried (peer / ours)",
+              "other CPU % (peer / ours)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    for r in rows:
+        cells = [r["load"], str(r["requests"]),
+                 _fmt(r["peer_tok_s"], "{:.1f}"), _fmt(r["ours_tok_s"], "{:.1f}"), _fmt(r["ratio_tok_s"], "{:.2f}x"),
+                 _fmt(_ms(r["peer_ttft_p50_s"]), "{:.1f}"), _fmt(_ms(r["ours_ttft_p50_s"]), "{:.1f}"),
+                 _fmt(r["ratio_ttft_p50_s"], "{:.2f}x"),
+                 _fmt(_ms(r["peer_tpot_p50_s"]), "{:.2f}"), _fmt(_ms(r["ours_tpot_p50_s"]), "{:.2f}"),
+                 _fmt(r["ratio_tpot_p50_s"], "{:.2f}x"),
+                 f"{r['peer_ok'] or '-'} / {r['ours_ok'] or '-'}",
+                 f"{_fmt(r['peer_retries'], '{}')} / {_fmt(r['ours_retries'], '{}')}",
+                 f"{_fmt(r['peer_other_cpu_percent'], '{:.0f}')} / {_fmt(r['ours_other_cpu_percent'], '{:.0f}')}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_turns(work: Workloads, results: dict[str, dict[str, dict]]) -> str:
+    """The chat load's TTFT p50 per turn on each server, as markdown."""
+    chat = next(ld for ld in work.loads if ld.kind == "chat")
+    header = ["server", *(f"turn {t}" for t in range(1, chat.turns + 1))]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * chat.turns]
+    per_server = {}
+    for label in (PEER, OURS):
+        level = results.get(label, {}).get(chat.name)
+        if level is None:
+            continue
+        per_server[label] = {row["turn"]: row["ttft_s"]["median"] for row in level.get("turns", ())}
+        lines.append("| " + " | ".join([label, *(_fmt(None if per_server[label].get(t) is None
+                                                       else per_server[label][t] * 1000, "{:.1f}")
+                                                  for t in range(1, chat.turns + 1))]) + " |")
+    if len(per_server) == 2:
+        lines.append("| " + " | ".join([f"{OURS}/{PEER}", *(_fmt(_ratio(per_server[OURS].get(t), per_server[PEER].get(t)),
+                                                                   "{:.2f}x") for t in range(1, chat.turns + 1))]) + " |")
+    return f"chat ({chat.requests} conversations x {chat.turns} turns, {chat.system_len}-token system prompt), TTFT p50 ms per turn:\n" + "\n".join(lines)
+
+
+async def run_all(args: argparse.Namespace, binary: str | None, work: Workloads, log_dir: Path,
+                  servers: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    results: dict[str, dict[str, dict]] = {}
+    for label in (PEER, OURS):
+        if args.only and label != args.only:
+            continue
+        print(f"starting {label} ...", flush=True)
+        server = await (start_peer(args, binary, log_dir) if label == PEER else start_ours(args, log_dir))
+        servers[label] = server.info
+        print(f"  {label} ready at {server.url} after {server.info['startup_s']:.1f} s", flush=True)
+        try:
+            results[label] = await bench_server(server, work)
+        finally:
+            await server.stop()
+    return results
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    # Python's default SIGTERM ends the process without its finally blocks: the servers would outlive it.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    t0 = time.perf_counter()
+    binary = None if args.only == OURS else find_llama_server(args.llama_server)
+    # Same threads for both, whatever this shell exported; no pinning of one server only.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ.pop("CUSTOM_CPU_AFFINITY", None)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_peers-", dir=args.json.parent))
+    print(f"model {args.model}, {args.threads} threads each, {PARALLEL} parallel sequences of {args.n_ctx} tokens;"
+          f" llama-server {binary}; logs in {log_dir}", flush=True)
+    work = Workloads(args)
+    servers: dict[str, dict] = {}
+    try:
+        results = asyncio.run(run_all(args, binary, work, log_dir, servers))
+    except KeyboardInterrupt:
+        print(f"\nbench_peers: interrupted; servers stopped; logs in {log_dir}", file=sys.stderr)
+        return 130
+    rows = summary_rows(work, results)
+    document = {
+        "schema": SCHEMA,
+        "started_at": started_at,
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - t0,
+        "argv": sys.argv,
+        "settings": {"model": str(args.model), "threads": args.threads, "parallel": PARALLEL, "n_ctx": args.n_ctx,
+                     "quick": args.quick, "seed": args.seed, "llama_server": binary,
+                     "loads": [asdict(ld) for ld in work.loads]},
+        "machine": describe_machine(),
+        "servers": servers,
+        "summary": rows,
+        "results": results,
+    }
+    write_json(document, args.json)
+    print()
+    print(f"{OURS} / {PEER} ({args.threads} threads each, {'--quick: a smoke test, ' if args.quick else ''}"
+          "ratios: tok/s higher is better for syshaxd, TTFT and TPOT lower is better):")
+    print()
+    print(format_table(rows))
+    print()
+    print(format_turns(work, results))
+    notes = [f"{label}: {shlex.join(info['argv'])}" for label, info in servers.items()]
+    print("\n" + "\n".join(notes))
+    print(f"\nwhole run {document['wall_s']:.0f} s; figures: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
