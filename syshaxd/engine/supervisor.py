@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from syshaxd.engine.channel import ChannelClosed, ChannelFull, WorkerChannel
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.status import WorkerStatus
 from syshaxd.engine.types import (
@@ -104,6 +105,7 @@ class WorkerHandle:
         self.ready = asyncio.Event()
         self._process = None
         self._conn = None
+        self._channel: WorkerChannel | None = None
         self._stopping = False
         self._restart_task: asyncio.Task | None = None
         self._watch: asyncio.TimerHandle | None = None
@@ -123,8 +125,8 @@ class WorkerHandle:
         self.ready.clear()
         self._process.start()
         child.close()
-        self._conn = parent
-        self._loop.add_reader(parent.fileno(), self._on_readable)
+        self._conn = parent  # owns the fd; the channel reads and writes it
+        self._channel = WorkerChannel(parent.fileno(), self._loop, self._dispatch, self._on_channel_broken)
         self._loop.add_reader(self._process.sentinel, self._on_exit)
         self._hung_for = 0.0
         self._cpu_seen = None
@@ -138,10 +140,10 @@ class WorkerHandle:
         proc = self._process
         if proc is None:
             return
-        if self._conn is not None:
+        if self._channel is not None:
             try:
-                self._conn.send(Shutdown())
-            except (OSError, ValueError):
+                self._channel.send(Shutdown(), bounded=False)
+            except (ChannelClosed, ChannelFull):
                 pass
         deadline = time.monotonic() + timeout
         while proc.is_alive() and time.monotonic() < deadline:
@@ -161,8 +163,10 @@ class WorkerHandle:
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
+        if self._channel is not None:
+            self._channel.detach()
+            self._channel = None
         if self._conn is not None:
-            self._loop.remove_reader(self._conn.fileno())
             self._conn.close()
             self._conn = None
         if self._process is not None:
@@ -180,9 +184,8 @@ class WorkerHandle:
         proc = self._process
         if proc is None or self._stopping:
             return
-        if self.state == "ready" and self._conn is not None:
-            if self._conn.poll():  # our own loop may have been the slow one: read what is there first
-                self._on_readable()
+        if self.state == "ready" and self._channel is not None:
+            self._channel.drain()  # our own loop may have been the slow one: read what is there first
             silent = time.monotonic() - self.last_heartbeat
             if silent <= self.heartbeat_timeout:
                 self._cpu_seen = None
@@ -212,16 +215,17 @@ class WorkerHandle:
 
     # --- events from the worker -----------------------------------------------------------
 
-    def _on_readable(self) -> None:
-        try:
-            while self._conn is not None and self._conn.poll():
-                self._dispatch(self._conn.recv())
-        except (EOFError, OSError):
-            # the worker closed its end; its exit (the sentinel) does the clean-up
-            if self._conn is not None:
-                self._loop.remove_reader(self._conn.fileno())
-                self._conn.close()
-                self._conn = None
+    def _on_channel_broken(self, why: str) -> None:
+        """The pipe broke: the worker cannot be reached any more, so it is replaced now, not after a heartbeat.
+
+        Its exit (the sentinel) does the rest, as for any death: requests with no token yet are told to
+        retry (a hetero request goes to another decoder by itself), the others end with an error.
+        """
+        proc = self._process
+        if proc is None or self._stopping or not proc.is_alive():
+            return  # it is gone already: its exit does the rest
+        log.error("%s: the pipe to worker pid %d broke (%s); replacing the worker", self.name, proc.pid, why)
+        proc.kill()
 
     def _dispatch(self, msg) -> None:
         self.last_heartbeat = time.monotonic()
@@ -262,8 +266,8 @@ class WorkerHandle:
             return
         self._process.join(1)
         code, pid = self._process.exitcode, self._process.pid
-        if self._conn is not None:
-            self._on_readable()  # events it sent just before dying still count
+        if self._channel is not None:
+            self._channel.drain()  # events it sent just before dying still count
         was_failed = self.state == "failed"
         self._detach()
         self.ready.clear()
@@ -301,20 +305,25 @@ class WorkerHandle:
     # --- requests -------------------------------------------------------------------------
 
     def submit(self, request: GenerateRequest) -> WorkerStream:
-        if self.state != "ready" or self._conn is None:
+        if self.state != "ready" or self._channel is None:
             raise EngineUnavailable(f"{self.name} is {self.state}")
+        try:
+            self._channel.send(Submit(request))  # whole, or not at all
+        except ChannelFull as exc:
+            raise EngineUnavailable(f"{self.name} is not taking requests this fast ({exc}); retry shortly") from None
+        except ChannelClosed:
+            raise EngineUnavailable(f"{self.name} cannot be reached (being replaced); retry shortly") from None
         stream = WorkerStream(request.request_id, self, handoff=request.handoff)
         self.streams[request.request_id] = stream
-        self._conn.send(Submit(request))
         return stream
 
     def cancel(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
-        if self._conn is not None:
+        if self._channel is not None:
             try:
-                self._conn.send(Cancel(request_id))
-            except (OSError, ValueError):
-                pass
+                self._channel.send(Cancel(request_id), bounded=False)
+            except (ChannelClosed, ChannelFull):
+                pass  # a broken pipe replaces the worker, and the sequence goes with it
 
     @property
     def in_flight(self) -> int:
