@@ -152,8 +152,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 async def _generate_admitted(request: web.Request, chat: bool, timer: RequestTimer) -> web.StreamResponse:
     cfg = request.app[STATE].config
     body = parse_json_body(await request.read())
-    parser = parse_chat if chat else parse_completion
-    parsed = parser(body, request.app[MODEL_NAME], cfg.default_max_tokens)
+    parsed = (parse_chat(body, request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages) if chat
+              else parse_completion(body, request.app[MODEL_NAME], cfg.default_max_tokens))
     try:
         stream, accepted = await _start(request, parsed)
     except _ClientGone:

@@ -260,7 +260,7 @@ def _message(i: int, m: Any) -> dict:
     return {"role": role, "content": _text(f"{where}.content", content)}
 
 
-def parse_chat(body: dict, served_model: str, default_max_tokens: int) -> ParsedRequest:
+def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messages: int = 2048) -> ParsedRequest:
     model, sampling, stream, include_usage, stop, ignore_eos = _common(body, served_model)
     messages = body.get("messages")
     if messages is None:
@@ -270,6 +270,10 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int) -> Parsed
     if not messages:
         raise invalid("Invalid 'messages': empty array. Expected an array with at least one message.",
                       param="messages", code="empty_array")
+    if len(messages) > max_messages:
+        raise invalid(f"Invalid 'messages': array too long. Expected an array with maximum length {max_messages}, "
+                      f"but got an array with length {len(messages)} instead (max_messages).", param="messages",
+                      code="array_above_max_length")
     parsed = tuple(_message(i, m) for i, m in enumerate(messages))
     _unsupported(body, "logprobs", (None, False), "logprobs are not computed")
     _unsupported(body, "top_logprobs", (None,), "logprobs are not computed")

@@ -18,18 +18,22 @@ _PIECE_BUF = 256
 
 
 class Vocab:
-    """The GGUF's vocabulary and chat template, loaded without its weights."""
+    """The GGUF's vocabulary and chat template: loaded without its weights, or read from a loaded model."""
 
-    def __init__(self, gguf: str | Path) -> None:
+    def __init__(self, gguf: str | Path | None = None, *, model=None) -> None:
         import llama_cpp
 
         self._llama = llama_cpp
-        llama_cpp.llama_backend_init()
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), params)
-        if self.model is None:
-            raise RuntimeError(f"llama.cpp could not read the vocabulary of {gguf}")
+        self._owned = model is None  # a model handed in belongs to its engine, which frees it
+        if model is None:
+            llama_cpp.llama_backend_init()
+            params = llama_cpp.llama_model_default_params()
+            params.vocab_only = True
+            model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), params)
+            if model is None:
+                raise RuntimeError(f"llama.cpp could not read the vocabulary of {gguf}")
+        self.model = model
+        self._max_token_bytes = 0
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         # a vocab-only load leaves the hyperparameters at 0: read the training context from the metadata
@@ -69,6 +73,25 @@ class Vocab:
     def is_eog(self, token: int) -> bool:
         return bool(self._llama.llama_vocab_is_eog(self.vocab, token))
 
+    @property
+    def max_token_bytes(self) -> int:
+        """The longest piece any one token stands for, in bytes (worked out once, at first use)."""
+        if not self._max_token_bytes:
+            self._max_token_bytes = max(max(len(self.piece_bytes(t)), len(self.piece_bytes(t, special=True)))
+                                        for t in range(self.n_vocab))
+        return self._max_token_bytes
+
+    def fewest_tokens(self, request: GenerateRequest) -> int:
+        """A floor under the prompt's token count, from its size alone: no token covers more than
+        max_token_bytes bytes, so a prompt of N bytes has at least N / max_token_bytes tokens."""
+        if request.prompt_tokens is not None:
+            return len(request.prompt_tokens)
+        if request.messages is not None:
+            size = sum(len(str(m.get("content") or "").encode()) for m in request.messages)
+        else:
+            size = len((request.prompt or "").encode())
+        return size // self.max_token_bytes
+
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
         """The request's prompt as the llama.cpp engine tokenizes it; ValueError when it cannot be."""
         if request.prompt_tokens is not None:
@@ -79,14 +102,24 @@ class Vocab:
         return self.tokenize(request.prompt or "", add_special=True)
 
     def close(self) -> None:
-        if self.model is not None:
+        if self.model is not None and self._owned:
             self._llama.llama_model_free(self.model)
-            self.model = None
+        self.model = None
 
 
 def admit(vocab: Vocab, request: GenerateRequest, n_ctx: int) -> tuple[list[int], int] | Rejected:
-    """(prompt tokens, max_tokens) for a request, or the Rejected the llama.cpp engine would send."""
+    """(prompt tokens, max_tokens) for a request, or why it cannot run (a Rejected, as every engine answers).
+
+    A prompt that cannot fit is refused from its size before it is rendered or tokenized: tokenizing
+    a 4 MB prompt takes seconds of the engine's one thread, which its other requests would wait out.
+    """
     rid = request.request_id
+    floor = vocab.fewest_tokens(request)
+    if floor >= n_ctx:
+        return Rejected(rid, 400, f"This model's maximum context length is {n_ctx} tokens. However, your prompt "
+                        f"has at least {floor} tokens (judged from its size: no token covers more than "
+                        f"{vocab.max_token_bytes} bytes). Please reduce the prompt.", "context_length_exceeded",
+                        "messages" if request.messages is not None else "prompt")
     try:
         prompt = vocab.prompt_tokens(request)
     except ValueError as exc:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import llama_cpp
 
-from syshaxd.gguf.chat import ChatTemplate
 from syshaxd.gguf.quantize import ensure_quantized
+from syshaxd.gguf.vocab import Vocab, admit
 from syshax_llamacpp.sampling import make_sampler
 from syshax_llamacpp.streams import StreamRun
 from syshaxd.engine.output import SequenceOutput
@@ -23,8 +23,6 @@ from syshaxd.engine.types import (Accepted, Delta, EngineSpec, EngineStats, Fall
 from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
 
 log = logging.getLogger(__name__)
-
-_PIECE_BUF = 256
 
 
 def _graph_observer(on_graph: Callable[[], None]):
@@ -82,8 +80,8 @@ class LlamaCppEngine:
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         if self.model is None:
             raise RuntimeError(f"llama.cpp could not load {path}")
-        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.vocab = Vocab(model=self.model)  # tokenizing, chat template and pieces, as every engine does them
+        self.n_vocab = self.vocab.n_vocab
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
 
         self.max_seqs = spec.max_batch_size
@@ -141,9 +139,6 @@ class LlamaCppEngine:
 
             self.port = KVPort(spec.ring, str(path), n_stream=self.max_seqs, timeout=spec.handoff_timeout)
 
-        self.template = ChatTemplate(self._meta("tokenizer.chat_template"), self._piece_text(
-            llama_cpp.llama_vocab_bos(self.vocab)), self._piece_text(llama_cpp.llama_vocab_eos(self.vocab)))
-
         self.free_slots = self.max_seqs
         self.streams = StreamRun(self.max_seqs)  # a decoding sequence's KV stream: seq_id in the batch context
         self.waiting: deque[_Sequence] = deque()
@@ -156,38 +151,6 @@ class LlamaCppEngine:
             "llama.cpp engine ready: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d",
             path.name, self.n_ctx, self.max_seqs, self.chunk, spec.threads,
         )
-
-    # --- model helpers --------------------------------------------------------------------
-
-    def _meta(self, key: str) -> str | None:
-        size = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), None, 0)
-        if size < 0:
-            return None
-        buf = ctypes.create_string_buffer(size + 1)
-        llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, size + 1)
-        return buf.value.decode("utf-8", errors="replace")
-
-    def _piece_bytes(self, token: int, special: bool = False) -> bytes:
-        buf = ctypes.create_string_buffer(_PIECE_BUF)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, _PIECE_BUF, 0, special)
-        return buf.raw[: max(n, 0)]
-
-    def _is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
-
-    def _piece_text(self, token: int) -> str:
-        return self._piece_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
-
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        tokens = (llama_cpp.llama_token * cap)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), tokens, cap, add_special, True)
-        if n < 0:
-            cap = -n
-            tokens = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), tokens, cap, add_special, True)
-        return list(tokens[:n])
 
     # --- Engine protocol ------------------------------------------------------------------
 
@@ -203,39 +166,18 @@ class LlamaCppEngine:
             "max_batch_size": self.max_seqs,
             "prefill_chunk_size": self.chunk,
             "threads": self.spec.threads,
-            "chat_template": self.template.source,
+            "chat_template": self.vocab.template.source,
         }
 
     def submit(self, request: GenerateRequest) -> list:
         rid = request.request_id
-        try:
-            prompt = self._prompt_tokens(request)
-        except ValueError as exc:
-            return [Rejected(rid, 400, str(exc), code="invalid_prompt", param="messages" if request.messages else "prompt")]
-        if not prompt:
-            return [Rejected(rid, 400, "the prompt is empty after tokenization; send at least one token", "invalid_prompt", "prompt")]
         if request.handoff and self.port is None:
             return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
+        admitted = admit(self.vocab, request, self.n_ctx)
+        if isinstance(admitted, Rejected):
+            return [admitted]
+        prompt, max_tokens = admitted
         prompt += request.resume_tokens  # a decode moved here continues after what it generated
-        bad = [t for t in prompt if not 0 <= t < self.n_vocab]
-        if bad:
-            return [Rejected(rid, 400, f"prompt token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})", "invalid_prompt", "prompt")]
-        room = self.n_ctx - len(prompt)
-        if request.max_tokens is None:
-            max_tokens = min(request.default_max_tokens, room)
-        else:
-            max_tokens = request.max_tokens
-        if room < 1 or max_tokens > room:
-            asked = len(prompt) + (max_tokens if request.max_tokens is not None else 1)
-            return [
-                Rejected(
-                    rid, 400,
-                    f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
-                    f"{asked} tokens ({len(prompt)} in the prompt, {asked - len(prompt)} in the completion). "
-                    "Please reduce the prompt or max_tokens.",
-                    "context_length_exceeded", "max_tokens" if request.max_tokens is not None and room >= 1 else "prompt",
-                )
-            ]
         seq = _Sequence(request=request, prompt=prompt, max_tokens=max_tokens, started=time.monotonic())
         if not self._needs_slot(seq):
             # a prompt only handed on runs in the prompt context and holds no batch slot: it starts at once,
@@ -343,15 +285,6 @@ class LlamaCppEngine:
 
     # --- internals ------------------------------------------------------------------------
 
-    def _prompt_tokens(self, request: GenerateRequest) -> list[int]:
-        if request.prompt_tokens is not None:
-            return list(request.prompt_tokens)
-        if request.messages is not None:
-            text = self.template.render(list(request.messages))
-            # the template writes its own special tokens (BOS and the role markers)
-            return self.tokenize(text, add_special=False)
-        return self.tokenize(request.prompt or "", add_special=True)
-
     def _needs_slot(self, seq: _Sequence) -> bool:
         """A sequence that decodes here holds a batch slot; a prompt that is only handed on (prefill role, or
         auto mode offloading its decode) runs in the prompt context alone and holds none."""
@@ -371,7 +304,7 @@ class LlamaCppEngine:
     def _start(self, seq: _Sequence) -> list:
         """Make seq active: a sampler, its text stream, and its prompt to evaluate or its KV to import."""
         seq.sampler = make_sampler(seq.request.sampling, self.n_vocab)
-        seq.out = SequenceOutput.for_request(seq.request, seq.max_tokens, self._is_eog, self._piece_bytes)
+        seq.out = SequenceOutput.for_request(seq.request, seq.max_tokens, self.vocab.is_eog, self.vocab.piece_bytes)
         self.active[seq.request.request_id] = seq
         self.counters["prompt_tokens"] += len(seq.prompt)
         if seq.request.kv is not None or seq.request.kv_missing:
