@@ -29,7 +29,7 @@ SYSTEM_CONFIG = Path("/etc/syshax/syshax.toml")
 
 # Keys a running daemon applies at once (SIGHUP, `syshax config set`). Everything else
 # is read when workers are planned or the listener is bound, so it needs a restart.
-LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "max_messages", "log_level", "drain_timeout",
+LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "max_messages", "client_timeout", "log_level", "drain_timeout",
                        # auto mode's decider reads these at every decision
                        "gpu_cache_threshold", "cpu_throughput_threshold", "token_limit_multiplier",
                        "token_limit_min", "token_limit_max"})
@@ -85,6 +85,7 @@ class Config:
     # requests
     default_max_tokens: int = 1024  # chat requests without max_tokens
     max_messages: int = 2048  # messages in one chat request (OpenAI's limit); past it 400 naming "messages"
+    client_timeout: float = 30.0  # seconds a client may take to send its body, or to take a piece of its stream
     max_queue_size: int = 64  # requests waiting for a batch slot before 429
     request_timeout: float = 600.0  # seconds a request may wait for a slot before 503
 
@@ -211,6 +212,7 @@ def _validate(cfg: Config) -> None:
                           f"got {cfg.token_limit_max}")
     at_least("default_max_tokens", 1)
     at_least("max_messages", 1)
+    at_least("client_timeout", 0.1)
     at_least("max_queue_size", 0)
     at_least("request_timeout", 0.001)
     at_least("worker_start_timeout", 1)

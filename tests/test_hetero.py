@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from conftest import MODEL_NAME, start_daemon
@@ -161,10 +162,16 @@ def test_planning_names_the_ring_and_the_daemon_creates_it(default_model):
     assert not ring_path("plan-only").exists()  # planning leaves nothing in /dev/shm
 
 
-def test_stale_segment_of_a_killed_daemon_is_swept(default_model, tmp_path):
+def test_a_daemon_killed_with_sigkill_leaves_no_worker_and_its_ring_is_swept_at_the_next_start(default_model,
+                                                                                                tmp_path):
     first = start_daemon(tmp_path, {"model": str(default_model), "mode": "hetero", "ring_size_mb": 8})
+    workers = [w["pid"] for w in first.status()["workers"]]
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived their daemon"
+        time.sleep(0.1)
     assert len(shm_segments(first.proc.pid)) == 1  # left behind by kill -9
     second = start_daemon(tmp_path, {"model": str(default_model), "mode": "hetero", "ring_size_mb": 8})
     try:

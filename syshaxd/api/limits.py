@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 
 from aiohttp import web
 
 log = logging.getLogger(__name__)
 
+SEND_BUFFER = 64 << 10  # bytes of socket send buffer per connection (the kernel doubles it)
 _HEAD_LIMIT = 16384  # bytes of a refused request we read before answering anyway
 _REFUSED_GRACE = 1.0  # seconds a refused client has to send its request head and read the answer
 
@@ -76,6 +78,12 @@ class _Counted(asyncio.Protocol):
         self._done = False
 
     def connection_made(self, transport) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # What the kernel holds for a client that does not read, before our writes wait (and
+            # client_timeout lets it go). Left to autotuning, loopback buffers take megabytes: a whole
+            # long answer, generated for nobody.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:

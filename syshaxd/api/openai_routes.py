@@ -151,7 +151,13 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
 async def _generate_admitted(request: web.Request, chat: bool, timer: RequestTimer) -> web.StreamResponse:
     cfg = request.app[STATE].config
-    body = parse_json_body(await request.read())
+    try:
+        raw = await asyncio.wait_for(request.read(), cfg.client_timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {cfg.client_timeout:g}s (client_timeout); "
+                       "send the whole body at once.", code="request_timeout",
+                       headers={"Connection": "close"}) from None
+    body = parse_json_body(raw)
     parsed = (parse_chat(body, request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages) if chat
               else parse_completion(body, request.app[MODEL_NAME], cfg.default_max_tokens))
     try:
@@ -212,33 +218,44 @@ async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no", "X-Syshax-Route": _route_of(stream)["route"]})
     await resp.prepare(request)
+    timeout = request.app[STATE].config.client_timeout
+
+    async def send(data: bytes) -> None:
+        # a write waits while the client's socket buffers are full: a client that stops reading is let go
+        await asyncio.wait_for(resp.write(data), timeout)
+
     n = 0
     event = first
     try:
         if ex.chat:
-            await resp.write(_sse(ex.chunk("", None, role=True)))
+            await send(_sse(ex.chunk("", None, role=True)))
         while True:
             n += event.n_tokens
             timer.tokens(event.n_tokens)
             if event.finish_reason == "error":
                 err = APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
-                await resp.write(_sse(err.body()))
+                await send(_sse(err.body()))
                 break
             if event.text:
-                await resp.write(_sse(ex.chunk(event.text, None)))
+                await send(_sse(ex.chunk(event.text, None)))
             if event.finish_reason:
                 timer.finished(event.finish_reason)
-                await resp.write(_sse(ex.final_chunk(event.finish_reason, _route_of(stream))))
+                await send(_sse(ex.final_chunk(event.finish_reason, _route_of(stream))))
                 if include_usage:
-                    await resp.write(_sse(ex.usage_chunk(_usage(accepted.prompt_tokens, n))))
+                    await send(_sse(ex.usage_chunk(_usage(accepted.prompt_tokens, n))))
                 break
             event = await _next_event(request, stream, None)
             if event is None:
                 return resp
-        await resp.write(b"data: [DONE]\n\n")
+        await send(b"data: [DONE]\n\n")
         await resp.write_eof()
     except (ConnectionResetError, ConnectionError):
         log.info("%s: client disconnected mid-stream after %d tokens", ex.id, n)
+    except asyncio.TimeoutError:  # the caller's finally cancels the request and frees its sequence
+        log.info("%s: client read nothing of the stream for %gs (client_timeout) after %d tokens; cancelled",
+                 ex.id, timeout, n)
+        if request.transport is not None:
+            request.transport.abort()  # what it has not read goes: it is not reading
     return resp
 
 

@@ -16,6 +16,7 @@ ERROR_STATUSES = {
     "400": "The body is invalid: the error's `param` names the field and its message says what is allowed.",
     "401": "API keys are configured and the request carries none or a wrong one (`Authorization: Bearer KEY`).",
     "404": "Unknown model (`code: model_not_found`) or path.",
+    "408": "The body did not arrive within client_timeout seconds.",
     "413": "The body is larger than max_body_bytes.",
     "429": "Every batch slot and queue place is taken; retry after `Retry-After` seconds.",
     "500": "Generation failed inside the engine; the message says why.",
