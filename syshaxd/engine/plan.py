@@ -10,8 +10,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from syshaxd.backend import Role
 from syshaxd.config import Config
-from syshaxd.engine.types import EngineSpec, GpuSettings
+from syshaxd.engine.types import EngineSpec, GpuSettings, Pool
 from syshaxd.numa import (
     ENV_CPU_AFFINITY,
     ENV_THREADS,
@@ -108,7 +109,7 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
     decoders. On a host without a GPU the "GPU" engine runs on prefill_cpu_affinity's CPUs.
     """
     base = EngineSpec(
-        backend=cfg.cpu_engine, role="generate", model_path=str(model_path), model_name=model_name,
+        backend=cfg.cpu_engine, role=Role.GENERATE, model_path=str(model_path), model_name=model_name,
         n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=1,
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
         handoff_timeout=cfg.handoff_timeout,
@@ -124,7 +125,7 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
             # one engine does both phases; on a host without a GPU it runs on these CPUs
             gpu = plan_prefill_worker(topology, cfg.prefill_cpu_affinity or topology.cpus)
             backend = _prefill_backend(cfg.prefill_engine, "gpu")
-            return Engines([("gpu0", replace(base, backend=backend, role="generate", pool="gpu",
+            return Engines([("gpu0", replace(base, backend=backend, role=Role.GENERATE, pool=Pool.GPU,
                                              max_batch_size=cfg.max_num_seqs, threads=gpu.threads, placement=gpu))])
         if len(topology.cpus) < 2 and not cfg.prefill_cpu_affinity:
             raise PlanError(f"{cfg.mode} mode needs at least two CPUs (one for prefill, one for decode) "
@@ -141,12 +142,12 @@ def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, inst
     instance = instance or f"{os.getpid()}"
     ring = RingPlan(instance, cfg.ring_size_mb * 1024 * 1024)
     if cfg.mode == "auto":  # the GPU engine generates, and hands a prompt on when told to
-        workers = [("gpu0", replace(base, backend=prefill_backend, role="generate", pool="gpu",
+        workers = [("gpu0", replace(base, backend=prefill_backend, role=Role.GENERATE, pool=Pool.GPU,
                                     max_batch_size=cfg.max_num_seqs, threads=pre.threads, placement=pre,
                                     ring=instance))]
     else:
-        workers = [("prefill0", replace(base, backend=prefill_backend, role="prefill", pool="prefill",
+        workers = [("prefill0", replace(base, backend=prefill_backend, role=Role.PREFILL, pool=Pool.PREFILL,
                                         max_batch_size=1, threads=pre.threads, placement=pre, ring=instance))]
-    workers += [(f"decode{p.index}", replace(base, role="generate", threads=p.threads, placement=p, ring=instance))
-                for p in decoders]
+    workers += [(f"decode{p.index}", replace(base, role=Role.GENERATE, threads=p.threads, placement=p,
+                                             ring=instance)) for p in decoders]
     return Engines(workers, ring)
