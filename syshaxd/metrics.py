@@ -224,26 +224,25 @@ class _EngineCollector:
         yield info
 
     def _kv(self, kv: KVStatus | None):
-        def one(family, name, doc, value):
-            f = family(name, doc)
-            f.add_metric([], float(value))
-            return f
-
         ring = kv.ring if kv is not None else None
-        yield one(GaugeMetricFamily, "syshax_kv_ring_capacity_bytes", "Size of the shared-memory KV ring.",
-                  ring.capacity if ring else 0)
-        yield one(GaugeMetricFamily, "syshax_kv_ring_used_bytes", "Bytes of the KV ring held by records.",
-                  ring.used_bytes if ring else 0)
-        yield one(GaugeMetricFamily, "syshax_kv_ring_occupancy", "Used over capacity of the KV ring (0..1).",
-                  ring.occupancy if ring else 0)
-        yield one(CounterMetricFamily, "syshax_kv_records_written", "KV records the prefill side wrote.",
-                  kv.records_written if kv else 0)
-        yield one(CounterMetricFamily, "syshax_kv_records_read", "KV records a decoder imported.",
-                  kv.records_read if kv else 0)
-        yield one(CounterMetricFamily, "syshax_kv_records_failed", "KV records a decoder could not use.",
-                  kv.records_failed if kv else 0)
-        yield one(CounterMetricFamily, "syshax_kv_bytes_moved", "Bytes of KV handed from prefill to decode.",
-                  kv.bytes_moved if kv else 0)
+        for family, name, doc, value in (
+                (GaugeMetricFamily, "syshax_kv_ring_capacity_bytes", "Size of the shared-memory KV ring.",
+                 ring and ring.capacity),
+                (GaugeMetricFamily, "syshax_kv_ring_used_bytes", "Bytes of the KV ring held by records.",
+                 ring and ring.used_bytes),
+                (GaugeMetricFamily, "syshax_kv_ring_occupancy", "Used over capacity of the KV ring (0..1).",
+                 ring and ring.occupancy),
+                (CounterMetricFamily, "syshax_kv_records_written", "KV records the prefill side wrote.",
+                 kv and kv.records_written),
+                (CounterMetricFamily, "syshax_kv_records_read", "KV records a decoder imported.",
+                 kv and kv.records_read),
+                (CounterMetricFamily, "syshax_kv_records_failed", "KV records a decoder could not use.",
+                 kv and kv.records_failed),
+                (CounterMetricFamily, "syshax_kv_bytes_moved", "Bytes of KV handed from prefill to decode.",
+                 kv and kv.bytes_moved)):
+            metric = family(name, doc)
+            metric.add_metric([], float(value or 0))  # zero while there is no ring
+            yield metric
         yield _labelled(CounterMetricFamily, "syshax_kv_fallbacks",
                         "Requests whose decoder recomputed the prompt instead of importing it.", "reason",
                         kv.fallbacks if kv else {})

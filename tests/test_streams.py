@@ -1,10 +1,11 @@
 """The request streams' rescue paths, driven at the exact moment with real engine workers.
 
-A hetero request whose decoder dies before its first token goes on on another decoder; an offloaded
-decode whose move back to the GPU engine fails stays on the CPU, or, when the GPU engine dies after
-the move, ends with a clear error. Each test runs real llama.cpp worker processes under their
-supervisor handles, a real ring and the daemon's KV ledger, and kills a worker with a signal at the
-moment the path needs (a SIGSTOPped worker takes nothing from its pipe until it is killed).
+A request whose worker (in hetero mode: whose decoder) dies before its first token goes on on
+another; an offloaded decode whose move back to the GPU engine fails stays on the CPU, or, when the
+GPU engine dies after the move, ends with a clear error. Each test runs real llama.cpp worker
+processes under their supervisor handles, a real ring and the daemon's KV ledger, and kills a worker
+with a signal at the moment the path needs (a SIGSTOPped worker takes nothing from its pipe until it
+is killed).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from syshaxd.engine.decider import Decision, Verdict
 from syshaxd.engine.handoff import HandoffStream
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.offload import OffloadCounts, OffloadStream
+from syshaxd.engine.retry import RetryStream
 from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, Pool, Rejected, SamplingParams
 from syshaxd.kv.ring import KVRing
@@ -155,3 +157,19 @@ def test_an_offloaded_decode_whose_gpu_engine_dies_after_the_move_ends_with_a_cl
     assert counts.moved_to_gpu == 1 and in_flight == 0  # the CPU sequence was freed at the move
     assert 4 <= n < 24 and text  # what the CPU generated reached the client...
     assert finish.startswith("error:moving the decode to the GPU failed"), finish  # ...then a clear end
+
+
+def test_a_cpu_request_whose_worker_dies_before_its_first_token_goes_on_on_another(default_model):
+    async def scenario(w: Workers):
+        first, second = await w.start("cpu0"), await w.start("cpu1")
+        alone = await drain(second.submit(request()))
+        os.kill(first.pid, signal.SIGSTOP)  # it takes the request and never answers
+        req = request()
+        stream = RetryStream(req, first.submit(req), lambda: second)
+        reading = asyncio.create_task(drain(stream))
+        await asyncio.sleep(0.2)
+        os.kill(first.pid, signal.SIGKILL)
+        return alone, await reading
+
+    alone, got = run(default_model, scenario)
+    assert got == alone

@@ -12,6 +12,7 @@ from syshaxd.engine.decider import Decision, EngineState, Thresholds, Verdict, d
 from syshaxd.engine.handoff import HandoffStream
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.offload import OffloadCounts, OffloadStream
+from syshaxd.engine.retry import RetryStream
 from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
 from syshaxd.engine.types import Fallback, GenerateRequest, Pool, RequestStream, Route
@@ -168,9 +169,9 @@ class Scheduler:
 
     def _dispatch(self, route: Route, request: GenerateRequest, decision: Decision | None) -> RequestStream:
         if route == Route.CPU:
-            stream = self.pick_decoder().submit(request)
+            stream = RetryStream(request, self.pick_decoder().submit(request), self.pick_decoder)
         elif route == Route.GPU:
-            stream = self.pick_gpu().submit(request)
+            stream = RetryStream(request, self.pick_gpu().submit(request), self.pick_gpu)
         else:
             prefill = min(self.prefill or self.gpu, key=lambda w: w.in_flight)
             if prefill.state != "ready":
