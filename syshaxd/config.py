@@ -29,7 +29,8 @@ SYSTEM_CONFIG = Path("/etc/syshax/syshax.toml")
 
 # Keys a running daemon applies at once (SIGHUP, `syshax config set`). Everything else
 # is read when workers are planned or the listener is bound, so it needs a restart.
-LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "max_messages", "client_timeout", "log_level", "drain_timeout",
+LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "max_messages", "client_timeout",
+                       "log_level", "drain_timeout",
                        # auto mode's decider reads these at every decision
                        "gpu_cache_threshold", "cpu_throughput_threshold", "token_limit_multiplier",
                        "token_limit_min", "token_limit_max"})

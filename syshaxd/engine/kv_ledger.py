@@ -100,7 +100,8 @@ class KVLedger:
 
     def written(self, request_id: str, handle: KVHandle, producer_pid: int) -> None:
         """A producer reported the record it wrote for request_id; the request holds it."""
-        self._records[handle.offset] = _Record(handle, request_id, producer_pid, {request_id}, reported_at=time.monotonic())
+        self._records[handle.offset] = _Record(handle, request_id, producer_pid, {request_id},
+                                               reported_at=time.monotonic())
         self._by_request[request_id] = handle.offset
         self._written += 1
         self._bytes += handle.length
