@@ -86,7 +86,8 @@ class Config:
     # requests
     default_max_tokens: int = 1024  # chat requests without max_tokens
     max_messages: int = 2048  # messages in one chat request (OpenAI's limit); past it 400 naming "messages"
-    client_timeout: float = 30.0  # seconds a client may take to send its body, or to take a piece of its stream
+    client_timeout: float = 30.0  # seconds a client may take to send its body, take a piece of its stream, or
+    # send the first byte on a new connection
     max_queue_size: int = 64  # requests waiting for a batch slot before 429
     request_timeout: float = 600.0  # seconds a request may wait for a slot before 503
 

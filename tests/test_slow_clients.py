@@ -2,7 +2,8 @@
 
 A client that sends its body a byte a second gets 408 after client_timeout; one that opens a stream and
 never reads it is cancelled once its socket buffers are full for client_timeout, and its sequence is
-freed; meanwhile a well-behaved client is served as fast as alone.
+freed; a connection that never sends a byte is closed after client_timeout; meanwhile a well-behaved
+client is served as ever.
 """
 
 from __future__ import annotations
@@ -85,3 +86,14 @@ def test_a_stream_nobody_reads_is_cancelled_and_its_sequence_freed(daemon):
         assert "read nothing of the stream" in daemon.log()
     finally:
         sock.close()
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_client_timeout(daemon):
+    before = daemon.status()["http_connections"]["closed_silent"]
+    with socket.create_connection(("127.0.0.1", daemon.port)) as silent:
+        silent.settimeout(15)
+        started = time.monotonic()
+        assert silent.recv(1) == b""  # the daemon closed it
+        assert 2.0 <= time.monotonic() - started < 10
+    assert daemon.status()["http_connections"]["closed_silent"] == before + 1
+    assert good(daemon)  # a connection that does send is served as ever

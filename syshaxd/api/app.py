@@ -79,7 +79,8 @@ def make_app(config: Config, scheduler: Scheduler, model_name: str, state: Servi
     app = web.Application(middlewares=[count_requests, openai_errors, require_api_key],
                           client_max_size=config.max_body_bytes)
     app[KEY_CHECK] = keys
-    app[CONNECTIONS] = ConnectionCap(config.max_connections)  # bound to the server by api.limits.CappedTCPSite
+    # bound to the server by api.limits.CappedTCPSite; the live client_timeout bounds a silent new connection
+    app[CONNECTIONS] = ConnectionCap(config.max_connections, lambda: state.config.client_timeout)
     app[OPENAPI] = build_document(model_name, config.n_ctx,
                                   [m for m, why in scheduler.servable_modes().items() if not why],
                                   app[KEY_CHECK].enabled, config.metrics_require_key)

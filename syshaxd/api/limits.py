@@ -15,6 +15,7 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -37,10 +38,12 @@ def _refusal(limit: int) -> bytes:
 class ConnectionCap:
     """Counts open connections and refuses those past the limit; bind() it to the runner's server."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, first_byte_timeout: Callable[[], float] = lambda: 0.0) -> None:
         self.limit = limit
+        self.first_byte_timeout = first_byte_timeout  # seconds a new connection may stay silent (0: forever)
         self.open = 0
         self.refused = 0
+        self.silent_closed = 0
         self._server: web.Server | None = None
         self._answer = _refusal(limit)
         self._last_warning = 0.0
@@ -50,7 +53,8 @@ class ConnectionCap:
         return self
 
     def stats(self) -> dict:
-        return {"open": self.open, "max_connections": self.limit, "refused": self.refused}
+        return {"open": self.open, "max_connections": self.limit, "refused": self.refused,
+                "closed_silent": self.silent_closed}
 
     def __call__(self) -> asyncio.BaseProtocol:
         """The protocol for one accepted connection (asyncio's protocol factory)."""
@@ -70,12 +74,13 @@ class ConnectionCap:
 class _Counted(asyncio.Protocol):
     """aiohttp's protocol for one connection, and one decrement of the count when it is lost."""
 
-    __slots__ = ("_inner", "_cap", "_done")
+    __slots__ = ("_inner", "_cap", "_done", "_silence")
 
     def __init__(self, inner: asyncio.Protocol, cap: ConnectionCap) -> None:
         self._inner = inner
         self._cap = cap
         self._done = False
+        self._silence: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         sock = transport.get_extra_info("socket")
@@ -84,9 +89,20 @@ class _Counted(asyncio.Protocol):
             # client_timeout lets it go). Left to autotuning, loopback buffers take megabytes: a whole
             # long answer, generated for nobody.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        timeout = self._cap.first_byte_timeout()
+        if timeout > 0:  # a connection that never sends a byte holds a socket for nothing
+            self._silence = asyncio.get_running_loop().call_later(timeout, self._close_silent, transport)
         self._inner.connection_made(transport)
 
+    def _close_silent(self, transport) -> None:
+        self._silence = None
+        self._cap.silent_closed += 1
+        transport.close()
+
     def data_received(self, data: bytes) -> None:
+        if self._silence is not None:
+            self._silence.cancel()
+            self._silence = None
         self._inner.data_received(data)
 
     def eof_received(self):
@@ -99,6 +115,9 @@ class _Counted(asyncio.Protocol):
         self._inner.resume_writing()
 
     def connection_lost(self, exc) -> None:
+        if self._silence is not None:
+            self._silence.cancel()
+            self._silence = None
         if not self._done:
             self._done = True
             self._cap.open -= 1
