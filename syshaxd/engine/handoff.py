@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.retry import RetryStream
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
 from syshaxd.engine.types import (Accepted, Delta, Event, Fallback, GenerateRequest, Imported, Prefilled, Rejected,
                                   Route)
@@ -84,42 +85,34 @@ class HandoffStream:
         await self._decode(replace(self._request, kv_missing=reason))
 
     async def _decode(self, request: GenerateRequest, forward_accept: bool = False) -> None:
-        """Run the decode on a CPU worker; once more on another if the first dies before its first token."""
-        for attempt in range(2):
-            retry = attempt == 0
-            try:
-                worker = self._pick_decoder()
-                self._inner = worker.submit(request)
-            except EngineUnavailable as exc:
-                self._ledger.drop(self.request_id)
-                self.queue.put_nowait(Rejected(self.request_id, 503, str(exc), "engine_unavailable"))
-                return
-            if request.kv is not None:
-                self._ledger.lend(self.request_id, worker.name)
-            if await self._forward(forward_accept, retry):
-                return
-            # that decoder died before the first token: the record (if it took it) went with it
+        """Run the decode on a CPU worker (on another, recomputing, if the first dies before its first token)."""
+        try:
+            worker = self._pick_decoder()
+            first = worker.submit(request)
+        except EngineUnavailable as exc:
             self._ledger.drop(self.request_id)
-            request = replace(request, kv=None, kv_missing=Fallback.DECODER_DIED)
-
-    async def _forward(self, forward_accept: bool, may_retry: bool) -> bool:
-        """Pass the decoder's events on; False when it died before its first token and may be retried."""
-        forwarded = 0
+            self.queue.put_nowait(Rejected(self.request_id, 503, str(exc), "engine_unavailable"))
+            return
+        if request.kv is not None:
+            self._ledger.lend(self.request_id, worker.name)
+        self._inner = RetryStream(request, first, self._pick_decoder, again=self._without_record)
         while True:
             event = await self._inner.next_event()
-            restarting = isinstance(event, Rejected) and event.code == "engine_restarting"
-            if restarting and forwarded == 0 and may_retry:
-                return False
-            if isinstance(event, Accepted):
-                if forward_accept:
-                    self.queue.put_nowait(event)
-                continue
             if isinstance(event, Imported):  # the ledger heard of it from the worker
                 continue
-            if isinstance(event, Delta):
-                forwarded += event.n_tokens
+            if isinstance(event, Accepted):
+                if forward_accept:  # the prefill worker died before the client had one
+                    self.queue.put_nowait(event)
+                continue
             self.queue.put_nowait(event)
-            if isinstance(event, Rejected) or (isinstance(event, Delta) and event.finish_reason):
-                if isinstance(event, Rejected):
-                    self._ledger.drop(self.request_id)
-                return True
+            if isinstance(event, Rejected):
+                self._ledger.drop(self.request_id)
+                return
+            if isinstance(event, Delta) and event.finish_reason:
+                return
+
+    def _without_record(self, sent: GenerateRequest) -> GenerateRequest:
+        """What goes to a second decoder: the first died before its first token, and the record (if it took
+        it) went with it."""
+        self._ledger.drop(self.request_id)
+        return replace(sent, kv=None, kv_missing=Fallback.DECODER_DIED)

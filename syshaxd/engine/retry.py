@@ -12,13 +12,15 @@ log = logging.getLogger(__name__)
 
 
 class RetryStream:
-    """A RequestStream for the cpu and gpu routes: one worker does it all, and if that worker dies (or its
-    pipe breaks) before the request's first token, the request is sent once more to another ready worker
-    of the pool, so the client never sees the death. After a token went out, a death ends the stream with
-    an error as before: the text cannot be taken back.
+    """A RequestStream on one worker of a pool: if that worker dies (or its pipe breaks) before the request's
+    first token, the request is sent once more to another ready worker of the pool, so the client never
+    sees the death. After a token went out, a death ends the stream with an error as before: the text
+    cannot be taken back. The cpu and gpu routes use it as it is; a hetero decode gives `again`, which
+    makes the request sent the second time (without the KV record the dead decoder took).
     """
 
-    def __init__(self, request: GenerateRequest, first: WorkerStream, pick: Callable[[], WorkerHandle]) -> None:
+    def __init__(self, request: GenerateRequest, first: WorkerStream, pick: Callable[[], WorkerHandle],
+                 again: Callable[[GenerateRequest], GenerateRequest] = lambda request: request) -> None:
         self.request_id = request.request_id
         self.route, self.reason, self.moved_to = Route.CPU, "", ""
         self.finished = False
@@ -26,6 +28,7 @@ class RetryStream:
         self._request = request
         self._inner = first
         self._pick = pick
+        self._again = again
         self._retried = False
         self._accepted = False
 
@@ -48,6 +51,7 @@ class RetryStream:
 
     def _resend(self) -> bool:
         self._retried = True
+        self._request = self._again(self._request)
         try:
             self._inner = self._pick().submit(self._request)
         except EngineUnavailable as exc:
