@@ -221,6 +221,13 @@ def _print_status(st: dict) -> None:
               f"orphans freed {kv.orphans_released}, {kv.bytes_moved} bytes moved; latency p50 {lat.p50 * 1000:.1f} ms "
               f"p99 {lat.p99 * 1000:.1f} ms over {lat.count}"
               + ("; fallbacks " + ", ".join(f"{k}={v}" for k, v in kv.fallbacks.items()) if kv.fallbacks else ""))
+    pc = sched.prefix_cache
+    if pc is not None:
+        rate = f"{pc.hits / pc.queries:.1%}" if pc.queries else "-"
+        print(f"prefix cache: {pc.blocks} of {pc.capacity_blocks} blocks of {pc.block_tokens} tokens "
+              f"({pc.bytes / 2**20:.0f} of {pc.capacity_bytes / 2**20:.0f} MiB), {pc.held} in use; "
+              f"{pc.hits} of {pc.queries} prompt tokens hit ({rate}); stored {pc.stored}, evicted {pc.evictions}"
+              + (f", refused {pc.refused}" if pc.refused else ""))
     shown = {f.name for f in dataclasses.fields(SchedulerStatus)} | {
         "version", "pid", "uptime_s", "draining", "drain_reason", "model", "listen", "config_source", "http_active"}
     for key, value in st.items():  # whatever else the daemon reports

@@ -63,6 +63,7 @@ class Config:
     threads: int = 0  # 0: OMP_NUM_THREADS, else the number of CPUs in the worker's set
     cpu_affinity: str = ""  # cpulists, ";" between workers ("0-3;4-7"); CUSTOM_CPU_AFFINITY overrides it
     prefill_chunk_size: int = 256  # prompt tokens per step, so a long prompt does not stall the batch
+    prefix_cache_mb: int = 512  # prompt KV kept for reuse (automatic prefix caching) in /dev/shm; 0: off
 
     # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring
     prefill_cpu_affinity: str = ""  # the prefill worker's CPUs; empty: a quarter of the first node's
@@ -192,6 +193,7 @@ def _validate(cfg: Config) -> None:
     at_least("threads", 0)
     at_least("prefill_chunk_size", 1)
     at_least("ring_size_mb", 1)
+    at_least("prefix_cache_mb", 0)
     at_least("handoff_timeout", 0.0)
     for key in ("cpu_engine", "prefill_engine"):
         if not getattr(cfg, key):

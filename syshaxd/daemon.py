@@ -24,7 +24,11 @@ from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_confi
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.plan import Engines, PlanError, RingPlan, plan_engines
+from syshaxd.engine.plan import Engines, PlanError, PrefixStorePlan, RingPlan, plan_engines
+from syshaxd.engine.prefix_cache import PrefixCache
+from syshaxd.engine.prompts import PromptTokenizer
+from syshaxd.kv import block_store
+from syshaxd.kv.block_store import BlockStore
 from syshaxd.kv.ring import KVRing, sweep_stale
 from syshaxd.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
@@ -74,12 +78,14 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
     except PlanError as exc:
         raise StartupError(str(exc)) from None
     ring = _create_ring(engines.ring) if engines.ring is not None else None
+    store = _create_store(engines.prefix) if engines.prefix is not None else None
     try:
         return await Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys).run()
     finally:
-        if ring is not None:  # the KV ring's segment goes with the daemon
-            ring.unlink()
-            ring.close()
+        for segment in (ring, store):  # the shared-memory segments go with the daemon
+            if segment is not None:
+                segment.unlink()
+                segment.close()
 
 
 def _create_ring(plan: RingPlan) -> KVRing:
@@ -87,6 +93,15 @@ def _create_ring(plan: RingPlan) -> KVRing:
     for stale in sweep_stale():
         log.warning("removed a KV ring left by a daemon that is gone: %s", stale)
     return KVRing.create(plan.instance, plan.size)
+
+
+def _create_store(plan: PrefixStorePlan) -> BlockStore:
+    """The prefix cache's block store in /dev/shm, after removing any that daemons killed with -9 left."""
+    for stale in block_store.sweep_stale():
+        log.warning("removed a prefix cache left by a daemon that is gone: %s", stale)
+    log.info("prefix cache: %d blocks of %d tokens (%d MiB)", plan.n_slots, plan.block_tokens,
+             plan.n_slots * plan.slot_bytes // 2**20)
+    return BlockStore.create(plan.instance, plan.n_slots, plan.slot_bytes)
 
 
 class Service:
@@ -102,10 +117,15 @@ class Service:
         self.model_path = model_path
         self.model_name = model_name
         self.notifier = notifier
-        ledger = KVLedger(ring)  # the one owner of the ring's records: every worker reports to it
+        prefix = engines.prefix
+        # the one owner of the ring's records and the prefix cache's blocks: every worker reports to it
+        ledger = KVLedger(ring, prefix=PrefixCache(prefix.n_slots, prefix.block_tokens, prefix.slot_bytes)
+                          if prefix is not None else None)
         self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
                                      ledger) for name, spec in engines.workers]
-        self.scheduler = Scheduler(cfg, self.workers, ledger)
+        # the prefix cache is planned from token ids: the daemon tokenizes as the engines do
+        prompts = PromptTokenizer(model_path, cfg.n_ctx) if prefix is not None else None
+        self.scheduler = Scheduler(cfg, self.workers, ledger, prompts)
         self.state = ServiceState(self.scheduler, reload)
         self.app = make_app(cfg, self.scheduler, model_name, self.state, keys=keys)
         self.url = ""

@@ -20,7 +20,10 @@ and syshax's own (``syshax_`` prefix): HTTP requests by route/method/status,
 batch occupancy and slots per worker, worker readiness and restarts, requests
 in flight, capacity, refusals and routes, draining, and the KV handoff of
 hetero mode — ring capacity/used bytes/occupancy, records written/read/failed,
-bytes moved, fallbacks by reason, handoff latency quantiles. Engine state is
+bytes moved, fallbacks by reason, handoff latency quantiles — and the prefix
+cache: prompt tokens looked up and found (vLLM's prefix_cache_queries and
+prefix_cache_hits, as syshax_prefix_cache_queries_total / _hits_total), blocks
+stored and evicted, bytes held. Engine state is
 read from ``Scheduler.status()`` (a typed SchedulerStatus) when Prometheus scrapes, never
 cached; the KV series read its ``kv`` part, and are zero (latency: absent) while there is none.
 
@@ -40,6 +43,7 @@ from prometheus_client.exposition import choose_encoder
 
 from syshaxd import __version__
 from syshaxd.engine.kv_ledger import KVStatus
+from syshaxd.engine.prefix_cache import PrefixStatus
 from syshaxd.engine.status import AutoStatus, SchedulerStatus
 
 log = logging.getLogger(__name__)
@@ -163,6 +167,7 @@ class _EngineCollector:
         yield from self._engines(status)
         yield from self._daemon(status, service)
         yield from self._kv(status.kv)
+        yield from self._prefix(status.prefix_cache)
         if status.auto is not None:
             yield from self._auto(status.auto)
 
@@ -254,6 +259,24 @@ class _EngineCollector:
             for quantile, value in (("0.5", latency.p50), ("0.9", latency.p90), ("0.99", latency.p99)):
                 g.add_metric([quantile], value)
             yield g
+
+    def _prefix(self, cache: PrefixStatus | None):
+        for family, name, doc, value in (
+                (CounterMetricFamily, "syshax_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 cache and cache.queries),
+                (CounterMetricFamily, "syshax_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held.",
+                 cache and cache.hits),
+                (CounterMetricFamily, "syshax_prefix_cache_blocks_stored", "Prompt blocks written to the cache.",
+                 cache and cache.stored),
+                (CounterMetricFamily, "syshax_prefix_cache_evictions", "Cached blocks evicted for new ones.",
+                 cache and cache.evictions),
+                (GaugeMetricFamily, "syshax_prefix_cache_used_bytes", "Bytes of the prefix cache holding blocks.",
+                 cache and cache.bytes),
+                (GaugeMetricFamily, "syshax_prefix_cache_capacity_bytes", "Size of the prefix cache (prefix_cache_mb).",
+                 cache and cache.capacity_bytes)):
+            metric = family(name, doc)
+            metric.add_metric([], float(value or 0))  # zero while there is no cache
+            yield metric
 
     def _auto(self, auto: AutoStatus):
         yield _labelled(CounterMetricFamily, "syshax_auto_decisions", "auto mode's offload decisions, by outcome "

@@ -159,7 +159,9 @@ def test_a_silent_worker_is_hung_only_when_it_makes_no_progress():
 @pytest.fixture(scope="module")
 def hetero(default_model, tmp_path_factory):
     d = start_daemon(tmp_path_factory.mktemp("hung-hetero"),
-                     hung_config(default_model, mode="hetero", prefill_cpu_affinity="0", n_ctx=1024))
+                     # no prefix cache: the long prompt must take seconds to prefill every time
+                     hung_config(default_model, mode="hetero", prefill_cpu_affinity="0", n_ctx=1024,
+                                 prefix_cache_mb=0))
     yield d
     assert d.stop() == 0, d.log()
 

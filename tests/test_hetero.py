@@ -47,6 +47,10 @@ def shm_segments(pid: int) -> list[Path]:
     return list(Path("/dev/shm").glob(f"syshax-{pid}-kv"))
 
 
+def prefix_store_of(pid: int) -> Path:
+    return Path("/dev/shm") / f"syshax-{pid}-prefix"
+
+
 @pytest.fixture(scope="module")
 def hetero(default_model, tmp_path_factory):
     d = start_daemon(tmp_path_factory.mktemp("hetero"),
@@ -56,9 +60,9 @@ def hetero(default_model, tmp_path_factory):
     assert shm_segments(d.proc.pid) == []  # unlinked on a clean exit
 
 
-def complete(client, prompt, route, max_tokens=24):
+def complete(client, prompt, route, max_tokens=24, cache_prompt=True):
     return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                     extra_body={"syshax": {"mode": route}})
+                                     extra_body={"syshax": {"mode": route}, "cache_prompt": cache_prompt})
 
 
 def test_workers_are_placed_apart(hetero):
@@ -76,7 +80,8 @@ def test_hetero_returns_exactly_the_tokens_cpu_mode_returns(hetero):
         cpu = complete(client, prompt, "cpu", max_tokens)
         het = complete(client, prompt, "hetero", max_tokens)
         assert het.choices[0].text == cpu.choices[0].text, prompt[:40]
-        assert het.usage == cpu.usage
+        assert (het.usage.prompt_tokens, het.usage.completion_tokens) == (cpu.usage.prompt_tokens,
+                                                                          cpu.usage.completion_tokens)
     kv = hetero.status()["kv"]
     assert kv["records_written"] - before["records_written"] == len(PROMPTS)
     assert kv["records_read"] - before["records_read"] == len(PROMPTS)
@@ -117,7 +122,7 @@ def test_killed_prefill_worker_falls_back_and_nothing_is_lost(hetero):
     before = hetero.status()["kv"]["fallbacks"].get("prefill_died", 0)
     pid = next(w["pid"] for w in hetero.status()["workers"] if w["name"] == "prefill0")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(complete, client, prompt, "hetero", 8)
+        future = pool.submit(complete, client, prompt, "hetero", 8, False)  # no cache: prefill takes seconds
         time.sleep(0.3)  # the prompt takes seconds to prefill on one core
         os.kill(pid, signal.SIGKILL)
         assert future.result().choices[0].text == expected
@@ -173,10 +178,23 @@ def test_a_daemon_killed_with_sigkill_leaves_no_worker_and_its_ring_is_swept_at_
         assert time.monotonic() < deadline, f"workers {workers} outlived their daemon"
         time.sleep(0.1)
     assert len(shm_segments(first.proc.pid)) == 1  # left behind by kill -9
+    assert prefix_store_of(first.proc.pid).exists()
     second = start_daemon(tmp_path, {"model": str(default_model), "mode": "hetero", "ring_size_mb": 8})
     try:
-        assert shm_segments(first.proc.pid) == []
-        assert "removed a KV ring" in second.log()
+        assert shm_segments(first.proc.pid) == [] and not prefix_store_of(first.proc.pid).exists()
+        assert "removed a KV ring" in second.log() and "removed a prefix cache" in second.log()
     finally:
         assert second.stop() == 0
-    assert shm_segments(second.proc.pid) == []
+    assert shm_segments(second.proc.pid) == [] and not prefix_store_of(second.proc.pid).exists()
+
+
+def test_the_prefill_worker_and_the_decoders_share_the_prefix_cache(hetero):
+    client = openai.OpenAI(base_url=hetero.base_url, api_key="x", max_retries=0, timeout=300)
+    prompt = "A short history of bread: " + "word " * 300  # one whole block of 256 tokens, and more
+    expected = complete(client, prompt, "cpu", 16, cache_prompt=False).choices[0].text
+    first = complete(client, prompt, "hetero", 16)  # the prefill worker keeps the block
+    again = complete(client, prompt, "hetero", 16)  # ... and takes it back
+    on_cpu = complete(client, prompt, "cpu", 16)  # a decoder takes what the prefill worker kept
+    assert [r.choices[0].text for r in (first, again, on_cpu)] == [expected] * 3
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in (again, on_cpu)] == [256, 256]
+    assert hetero.status()["prefix_cache"]["hits"] >= 512

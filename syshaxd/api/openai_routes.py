@@ -73,9 +73,11 @@ class _Exchange:
             "choices": [], "usage": usage}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(accepted: Accepted, completion_tokens: int) -> dict:
+    return {"prompt_tokens": accepted.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": accepted.prompt_tokens + completion_tokens,
+            # prompt tokens whose KV came from the prefix cache
+            "prompt_tokens_details": {"cached_tokens": accepted.cached_tokens}}
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -117,8 +119,11 @@ def _rejected(event: Rejected) -> APIError:
 
 async def _start(request: web.Request, parsed: ParsedRequest) -> tuple[RequestStream, Accepted]:
     scheduler = request.app[SCHEDULER]
+    generate = await scheduler.prepare(parsed.generate)  # tokenized here when the prefix cache may serve it
+    if isinstance(generate, Rejected):
+        raise _rejected(generate)
     try:
-        stream = scheduler.submit(parsed.generate)
+        stream = scheduler.submit(generate)
     except Overloaded as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(exc.retry_after)}) from None
@@ -196,7 +201,7 @@ async def _respond_json(request, stream: RequestStream, accepted: Accepted, ex: 
         if event.finish_reason:
             timer.finished(event.finish_reason)
             route = _route_of(stream)
-            return web.json_response(ex.body("".join(parts), event.finish_reason, _usage(accepted.prompt_tokens, n),
+            return web.json_response(ex.body("".join(parts), event.finish_reason, _usage(accepted, n),
                                              route), headers={"X-Syshax-Route": route["route"]})
 
 
@@ -242,7 +247,7 @@ async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex
                 timer.finished(event.finish_reason)
                 await send(_sse(ex.final_chunk(event.finish_reason, _route_of(stream))))
                 if include_usage:
-                    await send(_sse(ex.usage_chunk(_usage(accepted.prompt_tokens, n))))
+                    await send(_sse(ex.usage_chunk(_usage(accepted, n))))
                 break
             event = await _next_event(request, stream, None)
             if event is None:

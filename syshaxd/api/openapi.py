@@ -55,6 +55,8 @@ def _sampling_fields(model_name: str, routes: list[str]) -> dict:
         ], "description": f"Up to {MAX_STOP} strings; the text ends before the first one that appears."}),
         "logit_bias": _nullable({"type": "object", "maxProperties": 0, "description": "Not supported: only {}."}),
         "ignore_eos": _nullable({"type": "boolean", "description": "Keep generating past the end-of-text token."}),
+        "cache_prompt": _nullable({"type": "boolean", "description": "false: neither reuse nor keep this prompt's "
+                                   "KV in the prefix cache (default true)."}),
         "syshax": _nullable({"type": "object", "properties": {
             "mode": _nullable({"type": "string", "enum": routes}),
         }, "description": "syshax's extension: run this request alone in one mode "
@@ -133,7 +135,10 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
 def _schemas() -> dict:
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {k: {"type": "integer", "minimum": 0}
-                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+             | {"prompt_tokens_details": {
+                 "type": "object", "description": "`cached_tokens`: prompt tokens whose KV came from the prefix cache",
+                 "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}}}}
     head = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
             "system_fingerprint": {"type": "string"}}
     finish = {"type": "string", "enum": ["stop", "length"]}

@@ -232,6 +232,7 @@ def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> 
         ignore_eos=ignore_eos,
         default_max_tokens=default_max_tokens,
         route=_route(body),
+        cache_prompt=_boolean(body, "cache_prompt", True),  # llama-server's opt-out of the prefix cache
     )
     return ParsedRequest(req, stream, include_usage, model)
 
@@ -291,5 +292,6 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         ignore_eos=ignore_eos,
         default_max_tokens=default_max_tokens,
         route=_route(body),
+        cache_prompt=_boolean(body, "cache_prompt", True),  # llama-server's opt-out of the prefix cache
     )
     return ParsedRequest(req, stream, include_usage, model)

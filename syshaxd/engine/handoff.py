@@ -86,6 +86,7 @@ class HandoffStream:
 
     async def _decode(self, request: GenerateRequest, forward_accept: bool = False) -> None:
         """Run the decode on a CPU worker (on another, recomputing, if the first dies before its first token)."""
+        request = replace(request, prefix=None)  # the prefill worker's plan, done with when it handed on
         try:
             worker = self._pick_decoder()
             first = worker.submit(request)

@@ -14,6 +14,10 @@ once nobody holds it and nobody reads it:
 Workers report to the ledger through their handles (supervisor.py), request streams through
 ``lend`` and ``drop``; neither frees ring space itself. Records a producer committed but never
 reported (it died in between) are swept ``ORPHAN_GRACE`` seconds after its death.
+
+The ledger also owns the prefix cache's index (engine/prefix_cache.py): which prompt blocks the
+block store keeps, which request holds which, which are evicted. Workers report what they wrote
+there (Cached) through their handles, as they report records.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from syshaxd.engine.types import Fallback, Imported, KVHandle
+from syshaxd.engine.prefix_cache import PrefixCache, PrefixStatus
+from syshaxd.engine.types import Cached, Fallback, Imported, KVHandle, PrefixPlan
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +92,9 @@ class _Record:
 class KVLedger:
     """Every KV record the daemon knows of, by ring offset; works without a ring too (cpu and gpu modes)."""
 
-    def __init__(self, ring=None, orphan_grace: float = ORPHAN_GRACE) -> None:
+    def __init__(self, ring=None, orphan_grace: float = ORPHAN_GRACE, prefix: PrefixCache | None = None) -> None:
         self.ring = ring
+        self.prefix = prefix  # the prefix cache's index; None: no prefix cache
         self.orphan_grace = orphan_grace
         self._records: dict[int, _Record] = {}  # ring offset -> record
         self._by_request: dict[str, int] = {}  # request id -> the offset of the record written for it
@@ -168,6 +174,24 @@ class KVLedger:
 
     def held(self) -> int:
         return len(self._records)
+
+    # --- the prefix cache ----------------------------------------------------------------------
+
+    def plan_prefix(self, request_id: str, tokens) -> PrefixPlan | None:
+        """The prompt's cached blocks and slots for its new ones, held for request_id; None without a cache."""
+        return self.prefix.plan(request_id, tokens) if self.prefix is not None else None
+
+    def prefix_cached(self, event: Cached) -> None:
+        if self.prefix is not None:
+            self.prefix.cached(event)
+
+    def prefix_release(self, request_id: str) -> None:
+        """The request's stream ended on a worker: whatever of the prefix cache its plan held is let go."""
+        if self.prefix is not None:
+            self.prefix.release(request_id)
+
+    def prefix_status(self) -> PrefixStatus | None:
+        return self.prefix.status() if self.prefix is not None else None
 
     # --- freeing ---------------------------------------------------------------------------------
 

@@ -36,12 +36,52 @@ class RingPlan:
     size: int  # bytes
 
 
+@dataclass(frozen=True)
+class PrefixStorePlan:
+    """The prefix cache's block store: its instance, and slots of one block's KV record each."""
+
+    instance: str
+    n_slots: int
+    slot_bytes: int
+    block_tokens: int  # the prefill chunk size
+
+
 @dataclass
 class Engines:
-    """The planned workers (name, spec) and, in hetero and auto modes, the ring they share."""
+    """The planned workers (name, spec), the ring they share in hetero and auto modes, and the prefix cache."""
 
     workers: list[tuple[str, EngineSpec]]
     ring: RingPlan | None = None  # the daemon creates it before the workers start, and unlinks it at exit
+    prefix: PrefixStorePlan | None = None  # likewise
+
+
+def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixStorePlan | None:
+    """Slots for prefix_cache_mb of blocks of prefill_chunk_size tokens (f16 KV, as llama.cpp keeps it)."""
+    from syshaxd.gguf.header import GGUFError, fingerprint_from_gguf
+    from syshaxd.kv.record import DType, record_size
+
+    if cfg.prefix_cache_mb <= 0 or cfg.mode not in ("cpu", "hetero"):
+        return None  # gpu and auto: the GPU engine (vLLM) keeps its own prefix cache
+    try:
+        fingerprint = fingerprint_from_gguf(model_path)
+    except (GGUFError, OSError, KeyError) as exc:
+        raise PlanError(f"prefix_cache_mb: cannot size the prefix cache from {model_path.name}: {exc}; "
+                        "set prefix_cache_mb = 0") from None
+    slot = -(-record_size(fingerprint, cfg.prefill_chunk_size, DType.F16) // 4096) * 4096
+    n_slots = cfg.prefix_cache_mb * 1024 * 1024 // slot
+    if n_slots < 1:
+        raise PlanError(f"prefix_cache_mb: {cfg.prefix_cache_mb} MiB holds no block of {cfg.prefill_chunk_size} "
+                        f"tokens ({slot / 2**20:.1f} MiB); raise it, lower prefill_chunk_size, or set 0")
+    return PrefixStorePlan(instance, n_slots, slot, cfg.prefill_chunk_size)
+
+
+def _with_prefix_store(engines: Engines, cfg: Config, model_path: Path, instance: str) -> Engines:
+    """Every worker may use the prefix cache; the engines that implement it (llama.cpp) attach the store."""
+    store = plan_prefix_store(cfg, model_path, instance)
+    if store is None:
+        return engines
+    return Engines([(name, replace(spec, prefix_store=instance)) for name, spec in engines.workers], engines.ring,
+                   store)
 
 
 def _overrides(cfg: Config, env: dict) -> dict:
@@ -102,6 +142,12 @@ def _cpu_backend(name: str, mode: str) -> str:
 
 
 def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None = None) -> Engines:
+    """The workers, ring and prefix cache for cfg; see _plan_workers."""
+    engines = _plan_workers(cfg, model_path, model_name, env, instance)
+    return _with_prefix_store(engines, cfg, model_path, instance or f"{os.getpid()}")
+
+
+def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None) -> Engines:
     """Workers for cfg.mode; in hetero and auto modes also the shared-memory KV ring they need (not created here).
 
     cpu: CPU workers (pool "cpu"). gpu: the GPU engine alone (pool "gpu"). hetero: a prefill worker

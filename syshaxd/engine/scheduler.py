@@ -12,10 +12,11 @@ from syshaxd.engine.decider import Decision, EngineState, Thresholds, Verdict, d
 from syshaxd.engine.handoff import HandoffStream
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.offload import OffloadCounts, OffloadStream
+from syshaxd.engine.prompts import PromptTokenizer
 from syshaxd.engine.retry import RetryStream
 from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
-from syshaxd.engine.types import Fallback, GenerateRequest, Pool, RequestStream, Route
+from syshaxd.engine.types import Fallback, GenerateRequest, Pool, Rejected, RequestStream, Route
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,10 @@ class Scheduler:
     mode is the default route; a request may name another that this daemon serves.
     """
 
-    def __init__(self, config: Config, workers: list[WorkerHandle], ledger: KVLedger | None = None) -> None:
+    def __init__(self, config: Config, workers: list[WorkerHandle], ledger: KVLedger | None = None,
+                 prompts: PromptTokenizer | None = None) -> None:
         self.config = config
+        self.prompts = prompts  # tokenizes in the daemon, for the prefix cache; None: the engines tokenize
         self.workers = workers
         self.pools = {pool: [w for w in workers if w.spec.pool == pool] for pool in Pool}
         self.decoders = self.pools[Pool.CPU]
@@ -132,6 +135,31 @@ class Scheduler:
     def pick_gpu(self) -> WorkerHandle:
         return self._least_loaded(self.gpu, "GPU engine")
 
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest | Rejected:
+        """The request as it should be submitted: tokenized here when the prefix cache may serve it (cpu and
+        hetero routes), so its cached blocks can be planned; a Rejected when the prompt cannot run."""
+        if self.prompts is None or not request.cache_prompt or self.ledger.prefix is None:
+            return request
+        if (request.route or self.mode) not in (Mode.CPU, Mode.HETERO):
+            return request  # the GPU engine keeps its own prefix cache
+        return await self.prompts.tokenize(request)
+
+    def _with_prefix(self, request: GenerateRequest, worker: WorkerHandle) -> GenerateRequest:
+        """The request with its prefix plan when `worker` reads the prefix cache; the plan's blocks are held
+        for the request until the worker reports on them or the request's stream there ends."""
+        if (request.prompt_tokens is None or not request.cache_prompt or request.resume_tokens
+                or not worker.info.get("prefix_cache")):
+            return request
+        plan = self.ledger.plan_prefix(request.request_id, request.prompt_tokens)
+        return replace(request, prefix=plan) if plan is not None else request
+
+    def _submit_to(self, worker: WorkerHandle, request: GenerateRequest):
+        try:
+            return worker.submit(self._with_prefix(request, worker))
+        except EngineUnavailable:
+            self.ledger.prefix_release(request.request_id)
+            raise
+
     def submit(self, request: GenerateRequest) -> RequestStream:
         """A stream of the request's events; raises Overloaded, EngineUnavailable or RouteUnavailable."""
         mode = request.route or self.mode
@@ -169,7 +197,9 @@ class Scheduler:
 
     def _dispatch(self, route: Route, request: GenerateRequest, decision: Decision | None) -> RequestStream:
         if route == Route.CPU:
-            stream = RetryStream(request, self.pick_decoder().submit(request), self.pick_decoder)
+            # a retry on another worker recomputes the whole prompt: the plan went with the dead worker
+            stream = RetryStream(request, self._submit_to(self.pick_decoder(), request), self.pick_decoder,
+                                 again=lambda sent: replace(sent, prefix=None))
         elif route == Route.GPU:
             stream = RetryStream(request, self.pick_gpu().submit(request), self.pick_gpu)
         else:
@@ -177,9 +207,14 @@ class Scheduler:
             if prefill.state != "ready":
                 # the prefill engine is restarting: decode it on the CPU meanwhile, and say so
                 self.ledger.fallback(Fallback.PREFILL_UNAVAILABLE)
-                stream = self.pick_decoder().submit(request)
+                stream = self._submit_to(self.pick_decoder(), request)
             else:
-                stream = HandoffStream(request, prefill, self.ledger, self.pick_decoder)
+                try:
+                    stream = HandoffStream(self._with_prefix(request, prefill), prefill, self.ledger,
+                                           self.pick_decoder)
+                except EngineUnavailable:
+                    self.ledger.prefix_release(request.request_id)
+                    raise
             if decision is not None and decision.token_limit:
                 stream = OffloadStream(request, stream, decision.token_limit, self.decide, self.pick_gpu,
                                        self.offload)
@@ -249,5 +284,6 @@ class Scheduler:
             refused=dict(self.refused),
             auto=self.auto_status(),
             kv=self.ledger.status(),
+            prefix_cache=self.ledger.prefix_status(),
             workers=[w.status() for w in self.workers],
         )

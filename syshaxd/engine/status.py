@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from syshaxd.engine.decider import EngineState
 from syshaxd.engine.kv_ledger import KVStatus
+from syshaxd.engine.prefix_cache import PrefixStatus
 from syshaxd.engine.types import EngineStats
 
 
@@ -65,6 +66,7 @@ class SchedulerStatus:
     refused: dict[str, int]
     auto: AutoStatus | None
     kv: KVStatus | None
+    prefix_cache: PrefixStatus | None
     workers: list[WorkerStatus]
 
     def to_json(self) -> dict:

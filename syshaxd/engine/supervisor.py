@@ -15,6 +15,7 @@ from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.status import WorkerStatus
 from syshaxd.engine.types import (
     Accepted,
+    Cached,
     Cancel,
     Delta,
     EngineSpec,
@@ -233,10 +234,11 @@ class WorkerHandle:
             for event in msg:
                 stream = self.streams.get(event.request_id)
                 self._report_kv(event, stream is None)
-                if stream is None:  # cancelled on our side already
+                if stream is None or isinstance(event, Cached):  # cancelled on our side already; the ledger's
                     continue
                 if isinstance(event, (Rejected, Prefilled)) or (isinstance(event, Delta) and event.finish_reason):
                     del self.streams[event.request_id]
+                    self.ledger.prefix_release(event.request_id)
                 stream.queue.put_nowait(event)
         elif isinstance(msg, WorkerStats):
             self.stats = msg.stats
@@ -260,6 +262,8 @@ class WorkerHandle:
                 self.ledger.drop(event.request_id)
         elif isinstance(event, Imported):
             self.ledger.imported(event)
+        elif isinstance(event, Cached):
+            self.ledger.prefix_cached(event)
 
     def _on_exit(self) -> None:
         if self._process is None:
@@ -273,6 +277,8 @@ class WorkerHandle:
         self.ready.clear()
         lost = list(self.streams.values())
         self.streams.clear()
+        for stream in lost:
+            self.ledger.prefix_release(stream.request_id)
         if self._hung_for:
             hung = f"stopped responding ({self._hung_for:.0f}s without a heartbeat) and was replaced"
             before, during = f"the engine worker {hung} before answering", f"the engine worker {hung} mid-stream"
@@ -318,7 +324,8 @@ class WorkerHandle:
         return stream
 
     def cancel(self, request_id: str) -> None:
-        self.streams.pop(request_id, None)
+        if self.streams.pop(request_id, None) is not None:
+            self.ledger.prefix_release(request_id)
         if self._channel is not None:
             try:
                 self._channel.send(Cancel(request_id), bounded=False)

@@ -79,6 +79,7 @@ class EngineSpec:
     quantize: str = ""
     cache_dir: str = ""
     gpu: GpuSettings = GpuSettings()  # read by the GPU engines (vLLM) only
+    prefix_store: str = ""  # the prefix cache's block store instance (kv/block_store.py); empty: no cache
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,25 @@ class KVHandle:
 
 
 @dataclass(frozen=True)
+class PrefixPlan:
+    """What the daemon's prefix cache holds of a prompt, and where the engine may keep more of it.
+
+    The prompt is cut into blocks of `block_tokens` (the prefill chunk size, so a prompt resumed after
+    the cached blocks runs the very chunks it would have run from the start). `hits` are the slots of
+    blocks 0..len(hits)-1, each with the checksum its record was sealed with; `stores` pairs a block
+    index with a slot the engine may write that block's record into once the prompt has run.
+    """
+
+    block_tokens: int
+    hits: tuple[tuple[int, int], ...] = ()  # (slot, checksum) of blocks 0, 1, ...
+    stores: tuple[tuple[int, int], ...] = ()  # (block index, slot)
+
+    @property
+    def hit_tokens(self) -> int:
+        return len(self.hits) * self.block_tokens
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One sequence to generate. Exactly one of prompt, prompt_tokens, messages is set."""
 
@@ -133,6 +153,9 @@ class GenerateRequest:
     # tokens this request already generated on another engine: the prompt is followed by them
     # and generation continues after them (auto mode moving a CPU decode back to the GPU)
     resume_tokens: tuple[int, ...] = ()
+    # the prompt's blocks in the prefix cache (the daemon plans it from prompt_tokens); None: no cache
+    prefix: PrefixPlan | None = None
+    cache_prompt: bool = True  # False: the request neither reads nor fills the prefix cache
 
 
 # --- worker -> daemon events -------------------------------------------------------------
@@ -145,6 +168,17 @@ class Accepted:
     request_id: str
     prompt_tokens: int
     max_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV comes from the prefix cache (usage.prompt_tokens_details)
+
+
+@dataclass(frozen=True)
+class Cached:
+    """The engine is done with a request's prefix plan: the blocks it wrote (slot, checksum), and the hit
+    blocks it found unusable. The daemon's prefix cache takes it; the request's stream never sees it."""
+
+    request_id: str
+    stored: tuple[tuple[int, int], ...] = ()
+    refused: tuple[int, ...] = ()  # hit slots whose record did not check out
 
 
 @dataclass(frozen=True)
@@ -212,6 +246,7 @@ class EngineStats:
     finished: int = 0
     decode_errors: int = 0
     stream_moves: int = 0  # sequences moved between KV streams to keep the decode batch one ubatch
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache instead of being evaluated
 
 
 @dataclass(frozen=True)
@@ -266,7 +301,7 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-Event = Accepted | Prefilled | Imported | Rejected | Delta
+Event = Accepted | Prefilled | Imported | Rejected | Delta  # what a RequestStream yields (Cached stays in the daemon)
 
 
 class RequestStream(Protocol):

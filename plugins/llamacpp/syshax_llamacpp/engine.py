@@ -18,9 +18,11 @@ from syshax_llamacpp.sampling import make_sampler
 from syshax_llamacpp.streams import StreamRun
 from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
-from syshaxd.engine.types import (Accepted, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest, Imported,
-                                  Prefilled, Rejected)
-from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
+from syshaxd.engine.types import (Accepted, Cached, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest,
+                                  Imported, Prefilled, Rejected)
+from syshaxd.gguf.header import fingerprint_from_gguf
+from syshax_llamacpp import prefix
+from syshax_llamacpp.codec import StateBuffer, StateImportError, export_seq, widen_streams
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class _Sequence:
     sampler: object = None
     out: SequenceOutput | None = None
     started: float = 0.0
+    hits: list = field(default_factory=list)  # the prefix cache's records of the prompt's first blocks, checked
+    refused: list = field(default_factory=list)  # hit slots that did not check out (told to the daemon)
 
 
 class LlamaCppEngine:
@@ -138,6 +142,12 @@ class LlamaCppEngine:
             from syshax_llamacpp.handoff import KVPort
 
             self.port = KVPort(spec.ring, str(path), n_stream=self.max_seqs, timeout=spec.handoff_timeout)
+        self.store = None  # the daemon's prefix cache: blocks of prompt KV, shared by its workers
+        if spec.prefix_store:
+            from syshaxd.kv.block_store import BlockStore
+
+            self.store = BlockStore.attach(spec.prefix_store)
+            self.fingerprint = fingerprint_from_gguf(path)
 
         self.free_slots = self.max_seqs
         self.streams = StreamRun(self.max_seqs)  # a decoding sequence's KV stream: seq_id in the batch context
@@ -145,7 +155,7 @@ class LlamaCppEngine:
         self.active: dict[str, _Sequence] = {}  # request_id -> sequence holding a seq_id
         self.queued: dict[str, _Sequence] = {}  # request_id -> sequence waiting for a slot
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "decode_errors": 0,
-                         "stream_moves": 0}
+                         "stream_moves": 0, "cached_tokens": 0}
         self._rate = TokenRate()
         log.info(
             "llama.cpp engine ready: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d",
@@ -167,6 +177,7 @@ class LlamaCppEngine:
             "prefill_chunk_size": self.chunk,
             "threads": self.spec.threads,
             "chat_template": self.vocab.template.source,
+            "prefix_cache": self.store is not None,
         }
 
     def submit(self, request: GenerateRequest) -> list:
@@ -179,13 +190,18 @@ class LlamaCppEngine:
         prompt, max_tokens = admitted
         prompt += request.resume_tokens  # a decode moved here continues after what it generated
         seq = _Sequence(request=request, prompt=prompt, max_tokens=max_tokens, started=time.monotonic())
+        plan = request.prefix
+        if plan is not None and self.store is not None and plan.block_tokens == self.chunk and not request.resume_tokens:
+            # checked now, so the answer's usage can say how much is reused; held for this request meanwhile
+            seq.hits, seq.refused = prefix.check_hits(self.store, self.fingerprint, plan, prompt)
+        accepted = Accepted(rid, len(prompt), max_tokens, cached_tokens=len(seq.hits) * self.chunk)
         if not self._needs_slot(seq):
             # a prompt only handed on runs in the prompt context and holds no batch slot: it starts at once,
             # or an offloaded request's prefill would wait here for a whole generation to end
-            return [Accepted(rid, len(prompt), max_tokens), *self._start(seq)]
+            return [accepted, *self._start(seq)]
         self.waiting.append(seq)
         self.queued[rid] = seq
-        return [Accepted(rid, len(prompt), max_tokens)]
+        return [accepted]
 
     def cancel(self, request_id: str) -> list:
         seq = self.queued.pop(request_id, None)
@@ -229,6 +245,8 @@ class LlamaCppEngine:
 
     def _prefill_chunk(self, seq: _Sequence) -> list:
         """Feed the next chunk of seq's prompt to the prefill context; at its end, hand it over."""
+        if seq.hits:
+            self._import_hits(seq)
         b = self.prefill_batch
         b.n_tokens = 0
         take = min(len(seq.pending), self.chunk)
@@ -244,17 +262,46 @@ class LlamaCppEngine:
             return []
         token = llama_cpp.llama_sampler_sample(seq.sampler, self.prefill_ctx, b.n_tokens - 1)
         if not self.decodes or seq.request.handoff:
-            return [self._hand_on(seq, token)]
+            cached = self._keep_blocks(seq, None)
+            return [*cached, self._hand_on(seq, token)]
         size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
         buf = self._state.ensure(size + 4 * self.max_seqs)
         export_seq(self.prefill_ctx, 0, self._state)
+        cached = self._keep_blocks(seq, buf[:size])
         llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         size = widen_streams(buf, size, self.max_seqs)
         seq.seq_id = self.streams.take()  # it joins the decode batch now, next to the others
         got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, seq.seq_id)
         if got != size:
-            return self._fail(-1, [seq], "could not move the prompt's KV into the batch context")
-        return [self._emit(seq, token)]
+            return cached + self._fail(-1, [seq], "could not move the prompt's KV into the batch context")
+        return [*cached, self._emit(seq, token)]
+
+    def _import_hits(self, seq: _Sequence) -> None:
+        """Start seq's prompt from its cached blocks: their KV into the prompt context, the rest still to run."""
+        blocks, seq.hits = seq.hits, []
+        try:
+            n = prefix.import_blocks(self.prefill_ctx, 0, blocks, self.fingerprint, self._state)
+        except StateImportError as exc:
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+            log.error("%s: cached prompt blocks could not be imported (%s); evaluating the whole prompt",
+                      seq.request.request_id, exc)
+            return
+        for _ in range(n):
+            seq.pending.popleft()
+        seq.n_past = n
+        self.counters["cached_tokens"] += n
+
+    def _keep_blocks(self, seq: _Sequence, state_bytes) -> list:
+        """Write the prompt's new blocks into the prefix cache as planned, and tell the daemon (Cached)."""
+        plan = seq.request.prefix
+        if plan is None or self.store is None:
+            return []
+        stored = []
+        if plan.stores and not seq.request.resume_tokens:
+            if state_bytes is None:
+                state_bytes = export_seq(self.prefill_ctx, 0, self._state)
+            stored = prefix.store_blocks(self.store, self.fingerprint, plan, state_bytes, seq.prompt)
+        return [Cached(seq.request.request_id, tuple(stored), tuple(seq.refused))]
 
     def _count(self, n: int) -> None:
         self._rate.add(n)
@@ -271,6 +318,8 @@ class LlamaCppEngine:
             self._release(seq)
         if self.port is not None:
             self.port.close()
+        if self.store is not None:
+            self.store.close()
         for name in ("batch", "prefill_batch"):
             if getattr(self, name) is not None:
                 llama_cpp.llama_batch_free(getattr(self, name))

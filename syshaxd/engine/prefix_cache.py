@@ -1,0 +1,171 @@
+"""Automatic prefix caching: which prompt blocks the block store holds, who uses each, which goes next.
+
+vLLM's scheme, for llama.cpp engines: a prompt's tokens are cut into blocks of `block_tokens`
+(the prefill chunk size); block j is known by a hash chained over blocks 0..j, so a block matches
+only when everything before it matches too. A new prompt reuses its longest run of cached blocks
+from the start, and the engine evaluates the rest from that chunk boundary -- the chunks a prompt
+without any cache would run from there, so a hit gives the tokens a miss gives.
+
+The daemon's KV ledger owns this index; the engine workers only read and write the slots it names
+(kv/block_store.py). A block is held by each request planned to read or write it, from the plan until
+the engine reports (Cached) or the request ends; a held block is never evicted. Blocks nobody holds
+wait in LRU order and go when a slot is needed. A hash matched by mistake costs nothing but time: the
+engine checks each record's checksum and token ids before using it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from syshaxd.engine.types import Cached, PrefixPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixStatus:
+    """The prefix cache's state and counters (vLLM's prefix_cache_queries / prefix_cache_hits are tokens)."""
+
+    block_tokens: int
+    capacity_blocks: int
+    capacity_bytes: int
+    blocks: int  # blocks cached and usable
+    bytes: int
+    held: int  # blocks a request is reading or writing now
+    queries: int  # prompt tokens looked up
+    hits: int  # of those, tokens found cached
+    stored: int  # blocks written
+    evictions: int
+    refused: int  # blocks an engine found unusable (never seen in a sound run)
+
+
+@dataclass(eq=False)
+class _Block:
+    key: int  # hash of this block's tokens chained after its parent's key
+    slot: int
+    ready: bool = False  # written and reported; until then only its writer knows it
+    checksum: int = 0
+    dead: bool = False  # found unusable: out of the index, its slot freed when unheld
+    holders: set[str] = field(default_factory=set)
+
+
+def block_keys(tokens, block_tokens: int) -> list[int]:
+    """The chained key of each whole block of `tokens`."""
+    ids = np.asarray(tokens, dtype=np.int32)
+    keys, parent = [], 0
+    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
+        parent = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + ids[start:start + block_tokens].tobytes())
+        keys.append(parent)
+    return keys
+
+
+class PrefixCache:
+    def __init__(self, n_slots: int, block_tokens: int, slot_bytes: int) -> None:
+        self.n_slots = n_slots
+        self.block_tokens = block_tokens
+        self.slot_bytes = slot_bytes
+        self._by_key: dict[int, _Block] = {}
+        self._by_slot: dict[int, _Block] = {}
+        self._free = list(range(n_slots - 1, -1, -1))
+        self._idle: OrderedDict[int, _Block] = OrderedDict()  # ready, unheld blocks, least recently used first
+        self._held: dict[str, list[_Block]] = {}  # request id -> the blocks its plan holds
+        self.queries = self.hits = self.stored_blocks = self.evictions = self.refused = 0
+
+    def plan(self, request_id: str, tokens) -> PrefixPlan:
+        """The cached blocks the prompt starts with, and free slots for its other whole blocks (held for it).
+
+        At least the prompt's last token is always left to evaluate: its logits give the first token.
+        """
+        c = self.block_tokens
+        keys = block_keys(tokens, c)
+        usable = (len(tokens) - 1) // c
+        held = self._held.setdefault(request_id, [])
+        hits = []
+        for key in keys[:usable]:
+            block = self._by_key.get(key)
+            if block is None or not block.ready:
+                break
+            hits.append(block)
+        for block in hits:  # held first: making room for this prompt's new blocks must not evict them
+            self._hold(block, request_id, held)
+        stores = []
+        for index in range(len(hits), len(keys)):
+            if keys[index] in self._by_key:
+                continue  # cached, or being written for another request
+            slot = self._take_slot()
+            if slot is None:
+                break  # every slot is in use: the rest of this prompt is not kept
+            block = _Block(keys[index], slot)
+            self._by_key[block.key] = self._by_slot[slot] = block
+            stores.append((index, slot))
+            self._hold(block, request_id, held)
+        self.queries += len(tokens)
+        self.hits += len(hits) * c
+        return PrefixPlan(c, tuple((b.slot, b.checksum) for b in hits), tuple(stores))
+
+    def cached(self, event: Cached) -> None:
+        """The engine wrote the blocks it reports and no longer needs any block of the plan."""
+        for slot, checksum in event.stored:
+            block = self._by_slot.get(slot)
+            if block is not None and event.request_id in block.holders and not block.ready:
+                block.ready, block.checksum = True, checksum
+                self.stored_blocks += 1
+        for slot in event.refused:
+            block = self._by_slot.get(slot)
+            if block is not None and not block.dead:
+                log.error("prefix cache: an engine found the block in slot %d unusable; dropping it", slot)
+                self.refused += 1
+                block.dead = True
+                if self._by_key.get(block.key) is block:
+                    del self._by_key[block.key]
+        self.release(event.request_id)
+
+    def release(self, request_id: str) -> None:
+        """The request holds none of its blocks any more (reported, finished, cancelled, or its worker died)."""
+        for block in self._held.pop(request_id, ()):
+            block.holders.discard(request_id)
+            if block.holders:
+                continue
+            if block.ready and not block.dead:
+                self._idle[block.key] = block
+                self._idle.move_to_end(block.key)
+            else:  # never written (its writer did not report it), or unusable
+                self._drop(block)
+
+    def status(self) -> PrefixStatus:
+        ready = sum(1 for b in self._by_key.values() if b.ready)
+        held = sum(1 for b in self._by_slot.values() if b.holders)
+        return PrefixStatus(self.block_tokens, self.n_slots, self.n_slots * self.slot_bytes, ready,
+                            ready * self.slot_bytes, held, self.queries, self.hits, self.stored_blocks,
+                            self.evictions, self.refused)
+
+    # --- slots --------------------------------------------------------------------------------
+
+    def _hold(self, block: _Block, request_id: str, held: list) -> None:
+        if request_id not in block.holders:
+            block.holders.add(request_id)
+            held.append(block)
+        self._idle.pop(block.key, None)
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if not self._idle:
+            return None
+        _, block = self._idle.popitem(last=False)
+        self.evictions += 1
+        del self._by_key[block.key]
+        del self._by_slot[block.slot]
+        return block.slot
+
+    def _drop(self, block: _Block) -> None:
+        if self._by_key.get(block.key) is block:
+            del self._by_key[block.key]
+        if self._by_slot.get(block.slot) is block:
+            del self._by_slot[block.slot]
+            self._free.append(block.slot)

@@ -1,0 +1,133 @@
+"""The prefix cache's memory: a shared-memory segment of equal slots, each holding one block's KV record.
+
+The daemon creates it (0600, in /dev/shm beside the ring) and decides what each slot holds
+(engine/prefix_cache.py); engine workers attach it, read the blocks the daemon says a prompt may
+reuse, and write the blocks it tells them to. A slot's content is a neutral KV record (kv/record.py),
+so its own checksum and token ids say whether it is what the daemon believes. Pages are touched
+only when a block is written: an empty cache costs no memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+from syshaxd.kv.ring import DEFAULT_DIRECTORY, _pid_alive
+
+MAGIC = b"SYSHAXPC"
+VERSION = 1
+HEADER_SIZE = 4096
+_HEADER = struct.Struct("<8sQQQQ")  # magic, version, owner pid, slots, slot bytes
+
+
+class StoreError(Exception):
+    """The segment is missing, not a block store, or of another version."""
+
+
+def store_path(instance: str, directory: str | os.PathLike = DEFAULT_DIRECTORY) -> Path:
+    if not instance or "/" in instance or instance.startswith("."):
+        raise ValueError(f"instance={instance!r}: must be a non-empty name without '/' or a leading '.'")
+    return Path(directory) / f"syshax-{instance}-prefix"
+
+
+class BlockStore:
+    """A handle on one block store: create() in the daemon, attach() in the workers."""
+
+    def __init__(self, path: Path, fd: int, n_slots: int, slot_bytes: int) -> None:
+        self.path = path
+        self.n_slots = n_slots
+        self.slot_bytes = slot_bytes
+        self._fd = fd
+        self._mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._view = memoryview(self._mm)
+
+    @classmethod
+    def create(cls, instance: str, n_slots: int, slot_bytes: int, *,
+               directory: str | os.PathLike = DEFAULT_DIRECTORY) -> "BlockStore":
+        if n_slots < 1 or slot_bytes < 64 or slot_bytes % 64:
+            raise ValueError(f"n_slots={n_slots}, slot_bytes={slot_bytes}: need a slot or more of 64-byte multiples")
+        path = store_path(instance, directory)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # exact mode whatever the umask
+            os.ftruncate(fd, HEADER_SIZE + n_slots * slot_bytes)  # sparse: pages come as blocks are written
+            os.pwrite(fd, _HEADER.pack(MAGIC, VERSION, os.getpid(), n_slots, slot_bytes), 0)
+            return cls(path, fd, n_slots, slot_bytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+
+    @classmethod
+    def attach(cls, instance: str, *, directory: str | os.PathLike = DEFAULT_DIRECTORY) -> "BlockStore":
+        path = store_path(instance, directory)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise StoreError(f"{path}: no prefix cache segment (the daemon creates it at start)") from None
+        try:
+            magic, version, _owner, n_slots, slot_bytes = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+            if magic != MAGIC:
+                raise StoreError(f"{path} is not a syshax prefix cache segment")
+            if version != VERSION:
+                raise StoreError(f"{path}: store version {version}, this code reads version {VERSION}")
+            if os.fstat(fd).st_size != HEADER_SIZE + n_slots * slot_bytes:
+                raise StoreError(f"{path}: the file is not the {n_slots} x {slot_bytes} bytes its header says")
+            return cls(path, fd, n_slots, slot_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def slot(self, index: int) -> memoryview:
+        """The bytes of slot `index` (writable; a view into the shared segment)."""
+        if not 0 <= index < self.n_slots:
+            raise IndexError(f"slot {index} is not in 0..{self.n_slots - 1}")
+        start = HEADER_SIZE + index * self.slot_bytes
+        return self._view[start:start + self.slot_bytes]
+
+    @property
+    def capacity(self) -> int:
+        return self.n_slots * self.slot_bytes
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self._view.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a record view still points in; the mapping goes with the last one
+        os.close(self._fd)
+        self._fd = -1
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def sweep_stale(directory: str | os.PathLike = DEFAULT_DIRECTORY) -> list[Path]:
+    """Remove block stores whose owner pid is dead (a daemon killed with -9); returns them."""
+    removed = []
+    for path in sorted(Path(directory).glob("syshax-*-prefix")):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            head = os.pread(fd, _HEADER.size, 0)
+        finally:
+            os.close(fd)
+        if len(head) < _HEADER.size or head[:8] != MAGIC:
+            continue
+        owner = _HEADER.unpack(head)[2]
+        if not _pid_alive(owner):
+            try:
+                path.unlink()
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
