@@ -28,9 +28,14 @@ BLOCK = 16
 # --- the index ------------------------------------------------------------------------------------
 
 
-def written(cache: PrefixCache, rid: str, plan) -> None:
+def written(cache: PrefixCache, rid: str, plan, hit_tokens: int = 0) -> None:
     """What an engine reports after running the planned prompt: every planned block written."""
-    cache.cached(Cached(rid, tuple((slot, 1000 + slot) for _, slot in plan.stores)))
+    cache.cached(Cached(rid, tuple((slot, 1000 + slot) for _, slot in plan.stores), hit_tokens=hit_tokens))
+
+
+def hit_tokens(plan) -> int:
+    """Tokens of the plan's blocks that were written when it was made."""
+    return sum(1 for _, checksum in plan.hits if checksum) * plan.block_tokens
 
 
 def test_a_prompt_reuses_its_longest_cached_run_of_blocks_and_leaves_its_last_token_to_evaluate():
@@ -38,23 +43,24 @@ def test_a_prompt_reuses_its_longest_cached_run_of_blocks_and_leaves_its_last_to
     prompt = list(range(100, 110))  # blocks [100..103], [104..107], and 2 tokens more
     first = cache.plan("a", prompt)
     assert first.hits == () and [index for index, _ in first.stores] == [0, 1]
-    # a request planned while the blocks are being written neither reads nor writes them again
+    # a request planned while the blocks are being written may read them (checksum 0: check when you run),
+    # and does not write them again
     meanwhile = cache.plan("b", prompt)
-    assert meanwhile.hits == () and meanwhile.stores == ()
+    assert meanwhile.hits == tuple((slot, 0) for _, slot in first.stores) and meanwhile.stores == ()
     written(cache, "a", first)
-    cache.release("b")
+    written(cache, "b", meanwhile, hit_tokens=8)
     again = cache.plan("c", prompt)
     assert [slot for slot, _ in again.hits] == [slot for _, slot in first.stores]
-    assert again.hit_tokens == 8 and again.stores == ()
+    assert hit_tokens(again) == 8 and again.stores == ()
     assert again.hits[0][1] == 1000 + again.hits[0][0]  # the checksum the writer reported
     # a prompt that is exactly two blocks reuses only the first: its last token must be evaluated
     exact = cache.plan("d", prompt[:8])
-    assert exact.hit_tokens == 4
+    assert hit_tokens(exact) == 4
     # another first block: nothing matches, even where later tokens are the same
     other = cache.plan("e", [99] + prompt[1:])
     assert other.hits == ()
     status = cache.status()
-    assert status.queries == 10 + 10 + 10 + 8 + 10 and status.hits == 8 + 4 and status.stored == 2
+    assert status.queries == 10 + 10 + 10 + 8 + 10 and status.hits == 8 and status.stored == 2
 
 
 def test_blocks_in_use_are_never_evicted_and_idle_ones_go_least_recently_used_first():
@@ -67,12 +73,12 @@ def test_blocks_in_use_are_never_evicted_and_idle_ones_go_least_recently_used_fi
     written(cache, "b", b)
     cache.release("c")
     reader = cache.plan("d", [1, 2, 9])  # holds block [1, 2]; [3, 4] is idle
-    assert reader.hit_tokens == 2
+    assert hit_tokens(reader) == 2
     evicting = cache.plan("e", [5, 6, 0])
     assert evicting.stores == ((0, b.stores[0][1]),)  # [3, 4]'s slot, not the one being read
     assert cache.status().evictions == 1
     assert cache.plan("f", [3, 4, 0]).hits == ()  # evicted
-    assert cache.plan("g", [1, 2, 0]).hit_tokens == 2  # never evicted while in use
+    assert hit_tokens(cache.plan("g", [1, 2, 0])) == 2  # never evicted while in use
 
 
 def test_a_block_an_engine_refuses_is_dropped_and_its_slot_reused():
@@ -180,6 +186,18 @@ def test_concurrent_hits_return_what_each_prompt_returns_alone(cached):
         together = list(pool.map(lambda p: complete(client, p), PROMPTS * 2))
     assert [t[:2] for t in together] == alone * 2
     assert sum(t[2] for t in together) > 0
+
+
+def test_requests_that_arrive_together_share_the_blocks_the_first_one_writes(cached):
+    client = connect(cached)
+    prompt = "A list of rivers, longest first: " + ", ".join(f"river {i}" for i in range(30))
+    text, n, _, prompt_tokens = complete(client, prompt, cache_prompt=False)
+    before = cached.status()["prefix_cache"]["hits"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda _: complete(client, prompt), range(4)))
+    assert [t[:2] for t in together] == [(text, n)] * 4
+    # prompts run one at a time in the engine: three of the four found the first one's blocks written
+    assert cached.status()["prefix_cache"]["hits"] - before == 3 * ((prompt_tokens - 1) // BLOCK * BLOCK)
 
 
 def test_a_chat_reuses_its_earlier_turns(cached):

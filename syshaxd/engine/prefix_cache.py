@@ -38,7 +38,7 @@ class PrefixStatus:
     bytes: int
     held: int  # blocks a request is reading or writing now
     queries: int  # prompt tokens looked up
-    hits: int  # of those, tokens found cached
+    hits: int  # of those, tokens whose KV an engine took from the cache
     stored: int  # blocks written
     evictions: int
     refused: int  # blocks an engine found unusable (never seen in a sound run)
@@ -88,8 +88,10 @@ class PrefixCache:
         hits = []
         for key in keys[:usable]:
             block = self._by_key.get(key)
-            if block is None or not block.ready:
+            if block is None:
                 break
+            # a block still being written for another request is planned too: prompts run one at a time
+            # in an engine, so it is usually there by the time this one runs (the engine checks)
             hits.append(block)
         for block in hits:  # held first: making room for this prompt's new blocks must not evict them
             self._hold(block, request_id, held)
@@ -105,11 +107,12 @@ class PrefixCache:
             stores.append((index, slot))
             self._hold(block, request_id, held)
         self.queries += len(tokens)
-        self.hits += len(hits) * c
-        return PrefixPlan(c, tuple((b.slot, b.checksum) for b in hits), tuple(stores))
+        return PrefixPlan(c, tuple((b.slot, b.checksum if b.ready else 0) for b in hits), tuple(stores))
 
     def cached(self, event: Cached) -> None:
-        """The engine wrote the blocks it reports and no longer needs any block of the plan."""
+        """The engine wrote the blocks it reports, took `hit_tokens` from the cache, and needs no block of the
+        plan any more."""
+        self.hits += event.hit_tokens
         for slot, checksum in event.stored:
             block = self._by_slot.get(slot)
             if block is not None and event.request_id in block.holders and not block.ready:

@@ -122,12 +122,9 @@ class PrefixPlan:
     """
 
     block_tokens: int
-    hits: tuple[tuple[int, int], ...] = ()  # (slot, checksum) of blocks 0, 1, ...
+    # (slot, checksum) of blocks 0, 1, ...; checksum 0: being written for another request when planned
+    hits: tuple[tuple[int, int], ...] = ()
     stores: tuple[tuple[int, int], ...] = ()  # (block index, slot)
-
-    @property
-    def hit_tokens(self) -> int:
-        return len(self.hits) * self.block_tokens
 
 
 @dataclass(frozen=True)
@@ -179,6 +176,7 @@ class Cached:
     request_id: str
     stored: tuple[tuple[int, int], ...] = ()
     refused: tuple[int, ...] = ()  # hit slots whose record did not check out
+    hit_tokens: int = 0  # prompt tokens whose KV the engine took from the cache
 
 
 @dataclass(frozen=True)

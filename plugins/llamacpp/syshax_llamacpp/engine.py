@@ -58,7 +58,8 @@ class _Sequence:
     sampler: object = None
     out: SequenceOutput | None = None
     started: float = 0.0
-    hits: list = field(default_factory=list)  # the prefix cache's records of the prompt's first blocks, checked
+    cached: bool = False  # the prompt may start from blocks of the prefix cache (request.prefix)
+    hit_tokens: int = 0  # prompt tokens it took from the prefix cache
     refused: list = field(default_factory=list)  # hit slots that did not check out (told to the daemon)
 
 
@@ -192,9 +193,11 @@ class LlamaCppEngine:
         seq = _Sequence(request=request, prompt=prompt, max_tokens=max_tokens, started=time.monotonic())
         plan = request.prefix
         if plan is not None and self.store is not None and plan.block_tokens == self.chunk and not request.resume_tokens:
-            # checked now, so the answer's usage can say how much is reused; held for this request meanwhile
-            seq.hits, seq.refused = prefix.check_hits(self.store, self.fingerprint, plan, prompt)
-        accepted = Accepted(rid, len(prompt), max_tokens, cached_tokens=len(seq.hits) * self.chunk)
+            # the blocks written by now are checked now, so the answer's usage can say what is reused; the plan's
+            # blocks are held for this request until it reports, and checked again when its prompt runs
+            hits, seq.refused = prefix.check_hits(self.store, self.fingerprint, plan, prompt, written_only=True)
+            seq.cached, seq.hit_tokens = True, len(hits) * self.chunk
+        accepted = Accepted(rid, len(prompt), max_tokens, cached_tokens=seq.hit_tokens)
         if not self._needs_slot(seq):
             # a prompt only handed on runs in the prompt context and holds no batch slot: it starts at once,
             # or an offloaded request's prefill would wait here for a whole generation to end
@@ -245,7 +248,7 @@ class LlamaCppEngine:
 
     def _prefill_chunk(self, seq: _Sequence) -> list:
         """Feed the next chunk of seq's prompt to the prefill context; at its end, hand it over."""
-        if seq.hits:
+        if seq.cached and seq.n_past == 0:
             self._import_hits(seq)
         b = self.prefill_batch
         b.n_tokens = 0
@@ -278,7 +281,12 @@ class LlamaCppEngine:
 
     def _import_hits(self, seq: _Sequence) -> None:
         """Start seq's prompt from its cached blocks: their KV into the prompt context, the rest still to run."""
-        blocks, seq.hits = seq.hits, []
+        seq.cached = False
+        blocks, refused = prefix.check_hits(self.store, self.fingerprint, seq.request.prefix, seq.prompt)
+        seq.refused = sorted(set(seq.refused) | set(refused))
+        seq.hit_tokens = 0
+        if not blocks:
+            return
         try:
             n = prefix.import_blocks(self.prefill_ctx, 0, blocks, self.fingerprint, self._state)
         except StateImportError as exc:
@@ -286,6 +294,7 @@ class LlamaCppEngine:
             log.error("%s: cached prompt blocks could not be imported (%s); evaluating the whole prompt",
                       seq.request.request_id, exc)
             return
+        seq.hit_tokens = n
         for _ in range(n):
             seq.pending.popleft()
         seq.n_past = n
@@ -301,7 +310,7 @@ class LlamaCppEngine:
             if state_bytes is None:
                 state_bytes = export_seq(self.prefill_ctx, 0, self._state)
             stored = prefix.store_blocks(self.store, self.fingerprint, plan, state_bytes, seq.prompt)
-        return [Cached(seq.request.request_id, tuple(stored), tuple(seq.refused))]
+        return [Cached(seq.request.request_id, tuple(stored), tuple(seq.refused), seq.hit_tokens)]
 
     def _count(self, n: int) -> None:
         self._rate.add(n)

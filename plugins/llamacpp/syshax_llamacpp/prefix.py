@@ -47,23 +47,31 @@ class BlockChain:
         return np.concatenate([b.v(layer) for b in self.blocks])
 
 
-def check_hits(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan,
-               prompt: list[int]) -> tuple[list[KVRecord], list[int]]:
+def check_hits(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan, prompt: list[int],
+               written_only: bool = False) -> tuple[list[KVRecord], list[int]]:
     """The plan's hit blocks that are exactly the prompt's, in order up to the first that is not; and the
-    slots of those that are not (the daemon drops them)."""
+    slots of written blocks that are not (the daemon drops them).
+
+    A block planned while it was being written (checksum 0) counts when it is complete by now; one that
+    is not yet stops the run quietly. written_only: stop at the first such block.
+    """
     c = plan.block_tokens
     good, refused = [], []
     for j, (slot, checksum) in enumerate(plan.hits):
+        if written_only and not checksum:
+            break
         start = j * c
         try:
             record = decode(store.slot(slot), expect=fingerprint)
-            why = ("its checksum is not the one reported" if record.checksum != checksum
+            why = ("its checksum is not the one reported" if checksum and record.checksum != checksum
                    else "it holds other tokens" if record.tokens.tolist() != prompt[start:start + c]
                    else "its positions are not the prompt's" if not np.array_equal(record.positions,
                                                                                     np.arange(start, start + c))
                    else "")
         except (RecordError, IndexError) as exc:
             why = str(exc)
+        if why and not checksum:
+            break  # not written yet (or given up): the prompt runs from here
         if why:
             log.error("prefix cache: block %d (slot %d) cannot be used: %s; evaluating from token %d", j, slot, why,
                       start)
