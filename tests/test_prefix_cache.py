@@ -30,7 +30,8 @@ BLOCK = 16
 
 def written(cache: PrefixCache, rid: str, plan, hit_tokens: int = 0) -> None:
     """What an engine reports after running the planned prompt: every planned block written."""
-    cache.cached(Cached(rid, tuple((slot, 1000 + slot) for _, slot in plan.stores), hit_tokens=hit_tokens))
+    slots = [slot for _, slot in plan.stores] + ([plan.final_store] if plan.final_store >= 0 else [])
+    cache.cached(Cached(rid, tuple((slot, 1000 + slot) for slot in slots), hit_tokens=hit_tokens))
 
 
 def hit_tokens(plan) -> int:
@@ -43,40 +44,45 @@ def test_a_prompt_reuses_its_longest_cached_run_of_blocks_and_leaves_its_last_to
     prompt = list(range(100, 110))  # blocks [100..103], [104..107], and 2 tokens more
     first = cache.plan("a", prompt)
     assert first.hits == () and [index for index, _ in first.stores] == [0, 1]
+    assert first.final is None and first.final_store >= 0  # the whole prompt is kept too
     # a request planned while the blocks are being written may read them (checksum 0: check when you run),
     # and does not write them again
     meanwhile = cache.plan("b", prompt)
     assert meanwhile.hits == tuple((slot, 0) for _, slot in first.stores) and meanwhile.stores == ()
+    assert meanwhile.final == (first.final_store, 0) and meanwhile.final_store == -1
     written(cache, "a", first)
     written(cache, "b", meanwhile, hit_tokens=8)
     again = cache.plan("c", prompt)
     assert [slot for slot, _ in again.hits] == [slot for _, slot in first.stores]
     assert hit_tokens(again) == 8 and again.stores == ()
     assert again.hits[0][1] == 1000 + again.hits[0][0]  # the checksum the writer reported
+    assert again.final == (first.final_store, 1000 + first.final_store)  # this very prompt: nothing to run
     # a prompt that is exactly two blocks reuses only the first: its last token must be evaluated
     exact = cache.plan("d", prompt[:8])
-    assert hit_tokens(exact) == 4
+    assert hit_tokens(exact) == 4 and exact.final is None and exact.final_store >= 0
     # another first block: nothing matches, even where later tokens are the same
     other = cache.plan("e", [99] + prompt[1:])
     assert other.hits == ()
     status = cache.status()
-    assert status.queries == 10 + 10 + 10 + 8 + 10 and status.hits == 8 and status.stored == 2
+    assert status.queries == 10 + 10 + 10 + 8 + 10 and status.hits == 8 and status.stored == 3
 
 
 def test_blocks_in_use_are_never_evicted_and_idle_ones_go_least_recently_used_first():
-    cache = PrefixCache(n_slots=2, block_tokens=2, slot_bytes=64)
-    a = cache.plan("a", [1, 2, 0])
+    cache = PrefixCache(n_slots=4, block_tokens=2, slot_bytes=64)
+    a = cache.plan("a", [1, 2, 0])  # a block and the whole prompt: two slots
     b = cache.plan("b", [3, 4, 0])
     full = cache.plan("c", [5, 6, 0])
-    assert full.stores == ()  # both slots are held by requests still running
+    assert full.stores == () and full.final_store == -1  # every slot is held by requests still running
     written(cache, "a", a)
     written(cache, "b", b)
     cache.release("c")
-    reader = cache.plan("d", [1, 2, 9])  # holds block [1, 2]; [3, 4] is idle
-    assert hit_tokens(reader) == 2
+    reader = cache.plan("d", [1, 2, 9])  # holds block [1, 2]; its own whole prompt takes a's (least recent)
+    assert hit_tokens(reader) == 2 and reader.final_store == a.final_store
+    assert cache.status().evictions == 1
     evicting = cache.plan("e", [5, 6, 0])
     assert evicting.stores == ((0, b.stores[0][1]),)  # [3, 4]'s slot, not the one being read
-    assert cache.status().evictions == 1
+    assert evicting.final_store == b.final_store
+    assert cache.status().evictions == 3
     assert cache.plan("f", [3, 4, 0]).hits == ()  # evicted
     assert hit_tokens(cache.plan("g", [1, 2, 0])) == 2  # never evicted while in use
 
@@ -172,7 +178,7 @@ def test_a_hit_returns_the_tokens_a_miss_returns(cached):
     again = [complete(client, p) for p in PROMPTS]  # every whole block but the last token's is cached now
     for prompt, miss, one, two in zip(PROMPTS, misses, first, again):
         assert one[:2] == miss[:2] and two[:2] == miss[:2], prompt
-        assert two[2] == (two[3] - 1) // BLOCK * BLOCK, prompt  # every whole block before the last token
+        assert two[2] == two[3], prompt  # the whole prompt, and its last token's logits
     assert sum(one[2] for one in first) > 0  # the bakery prompts shared the system text on first sight
     status = cached.status()["prefix_cache"]
     assert status["hits"] > 0 and status["queries"] > status["hits"] and status["refused"] == 0
@@ -196,8 +202,8 @@ def test_requests_that_arrive_together_share_the_blocks_the_first_one_writes(cac
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda _: complete(client, prompt), range(4)))
     assert [t[:2] for t in together] == [(text, n)] * 4
-    # prompts run one at a time in the engine: three of the four found the first one's blocks written
-    assert cached.status()["prefix_cache"]["hits"] - before == 3 * ((prompt_tokens - 1) // BLOCK * BLOCK)
+    # prompts run one at a time in the engine: three of the four found the first one's prompt kept whole
+    assert cached.status()["prefix_cache"]["hits"] - before == 3 * prompt_tokens
 
 
 def test_a_chat_reuses_its_earlier_turns(cached):
@@ -237,9 +243,9 @@ def test_status_and_metrics_count_the_cache(cached):
 
 
 def test_a_small_cache_evicts_and_stays_exact(default_model, tmp_path):
-    # 1 MiB holds two blocks of 16 tokens: every new prompt evicts
+    # 2 MiB holds three slots of 16 tokens and a token's logits: every new prompt evicts
     d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, "prefill_chunk_size": BLOCK,
-                                "n_ctx": 512, "prefix_cache_mb": 1})
+                                "n_ctx": 512, "prefix_cache_mb": 2})
     try:
         client = connect(d)
         prompts = PROMPTS[7:]
@@ -247,7 +253,7 @@ def test_a_small_cache_evicts_and_stays_exact(default_model, tmp_path):
         for _ in range(2):
             assert [complete(client, p)[:2] for p in prompts] == expected
         status = d.status()["prefix_cache"]
-        assert status["capacity_blocks"] == 2 and status["evictions"] > 0 and status["blocks"] <= 2
+        assert status["capacity_blocks"] == 3 and status["evictions"] > 0 and status["blocks"] <= 3
     finally:
         assert d.stop() == 0
 

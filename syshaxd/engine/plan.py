@@ -56,18 +56,21 @@ class Engines:
 
 
 def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixStorePlan | None:
-    """Slots for prefix_cache_mb of blocks of prefill_chunk_size tokens (f16 KV, as llama.cpp keeps it)."""
-    from syshaxd.gguf.header import GGUFError, fingerprint_from_gguf
+    """Slots for prefix_cache_mb of blocks of prefill_chunk_size tokens (f16 KV, as llama.cpp keeps it), each
+    with room for one token's logits."""
+    from syshaxd.gguf.header import GGUFError, fingerprint_from_gguf, n_vocab_from_gguf
     from syshaxd.kv.record import DType, record_size
 
     if cfg.prefix_cache_mb <= 0 or cfg.mode not in ("cpu", "hetero"):
         return None  # gpu and auto: the GPU engine (vLLM) keeps its own prefix cache
     try:
         fingerprint = fingerprint_from_gguf(model_path)
+        n_vocab = n_vocab_from_gguf(model_path)
     except (GGUFError, OSError, KeyError) as exc:
         raise PlanError(f"prefix_cache_mb: cannot size the prefix cache from {model_path.name}: {exc}; "
                         "set prefix_cache_mb = 0") from None
-    slot = -(-record_size(fingerprint, cfg.prefill_chunk_size, DType.F16) // 4096) * 4096
+    # a block's record, and room for the logits of a whole prompt's last token (float32)
+    slot = -(-(record_size(fingerprint, cfg.prefill_chunk_size, DType.F16) + 4 * n_vocab) // 4096) * 4096
     n_slots = cfg.prefix_cache_mb * 1024 * 1024 // slot
     if n_slots < 1:
         raise PlanError(f"prefix_cache_mb: {cfg.prefix_cache_mb} MiB holds no block of {cfg.prefill_chunk_size} "

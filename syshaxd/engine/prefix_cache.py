@@ -54,6 +54,14 @@ class _Block:
     holders: set[str] = field(default_factory=set)
 
 
+def final_key(tokens, block_tokens: int, keys: list[int]) -> int:
+    """The key of a whole prompt: its blocks before the chunk holding its last token, and that chunk's tokens."""
+    ids = np.asarray(tokens, dtype=np.int32)
+    start = (len(ids) - 1) // block_tokens * block_tokens
+    parent = keys[start // block_tokens - 1] if start else 0
+    return xxhash.xxh3_64_intdigest(b"final" + parent.to_bytes(8, "little") + ids[start:].tobytes())
+
+
 def block_keys(tokens, block_tokens: int) -> list[int]:
     """The chained key of each whole block of `tokens`."""
     ids = np.asarray(tokens, dtype=np.int32)
@@ -79,7 +87,8 @@ class PrefixCache:
     def plan(self, request_id: str, tokens) -> PrefixPlan:
         """The cached blocks the prompt starts with, and free slots for its other whole blocks (held for it).
 
-        At least the prompt's last token is always left to evaluate: its logits give the first token.
+        Blocks stop before the chunk that holds the prompt's last token: its logits give the first token.
+        That chunk and those logits are kept as one more entry, for this very prompt (`final`).
         """
         c = self.block_tokens
         keys = block_keys(tokens, c)
@@ -95,19 +104,25 @@ class PrefixCache:
             hits.append(block)
         for block in hits:  # held first: making room for this prompt's new blocks must not evict them
             self._hold(block, request_id, held)
+        # the whole prompt (its last chunk and last token's logits), when every block before that chunk is cached
+        final, final_store = None, -1
+        whole = self._by_key.get(final_key(tokens, c, keys))
+        if whole is not None and len(hits) == usable:
+            self._hold(whole, request_id, held)
+            final = (whole.slot, whole.checksum if whole.ready else 0)
         stores = []
         for index in range(len(hits), len(keys)):
             if keys[index] in self._by_key:
                 continue  # cached, or being written for another request
-            slot = self._take_slot()
-            if slot is None:
+            slot = self._new_block(keys[index], request_id, held)
+            if slot < 0:
                 break  # every slot is in use: the rest of this prompt is not kept
-            block = _Block(keys[index], slot)
-            self._by_key[block.key] = self._by_slot[slot] = block
             stores.append((index, slot))
-            self._hold(block, request_id, held)
+        if whole is None and all(key in self._by_key for key in keys[:usable]):
+            final_store = self._new_block(final_key(tokens, c, keys), request_id, held)
         self.queries += len(tokens)
-        return PrefixPlan(c, tuple((b.slot, b.checksum if b.ready else 0) for b in hits), tuple(stores))
+        return PrefixPlan(c, tuple((b.slot, b.checksum if b.ready else 0) for b in hits), tuple(stores), final,
+                          final_store)
 
     def cached(self, event: Cached) -> None:
         """The engine wrote the blocks it reports, took `hit_tokens` from the cache, and needs no block of the
@@ -154,6 +169,16 @@ class PrefixCache:
             block.holders.add(request_id)
             held.append(block)
         self._idle.pop(block.key, None)
+
+    def _new_block(self, key: int, request_id: str, held: list) -> int:
+        """A slot for a block the request will write (held for it); -1 when every slot is in use."""
+        slot = self._take_slot()
+        if slot is None:
+            return -1
+        block = _Block(key, slot)
+        self._by_key[key] = self._by_slot[slot] = block
+        self._hold(block, request_id, held)
+        return slot
 
     def _take_slot(self) -> int | None:
         if self._free:

@@ -125,6 +125,11 @@ class PrefixPlan:
     # (slot, checksum) of blocks 0, 1, ...; checksum 0: being written for another request when planned
     hits: tuple[tuple[int, int], ...] = ()
     stores: tuple[tuple[int, int], ...] = ()  # (block index, slot)
+    # The whole prompt, cached: its last chunk's KV and its last token's logits (slot, checksum), when the
+    # plan's hits are every block before that chunk -- a prompt seen before runs nothing at all; or a slot
+    # to keep this prompt so in (-1: none)
+    final: tuple[int, int] | None = None
+    final_store: int = -1
 
 
 @dataclass(frozen=True)

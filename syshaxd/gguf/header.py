@@ -69,6 +69,15 @@ def read_gguf_header(path: str | os.PathLike) -> tuple[dict, list[tuple[str, tup
     return meta, tensors
 
 
+def n_vocab_from_gguf(path: str | os.PathLike) -> int:
+    """Rows of the token embedding: the logits one evaluated token yields."""
+    _, tensors = read_gguf_header(path)
+    dims = {name: shape for name, shape, _ in tensors}.get("token_embd.weight")
+    if not dims or len(dims) < 2:
+        raise GGUFError(f"{Path(path).name}: no token_embd.weight tensor to read the vocabulary size from")
+    return dims[1]
+
+
 def fingerprint_from_gguf(path: str | os.PathLike) -> ModelFingerprint:
     """The model fingerprint of a GGUF file; any engine loading weights made from it can compute it."""
     meta, tensors = read_gguf_header(path)

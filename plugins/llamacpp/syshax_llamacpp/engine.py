@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 
 from syshaxd.gguf.quantize import ensure_quantized
 from syshaxd.gguf.vocab import Vocab, admit
-from syshax_llamacpp.sampling import make_sampler
+from syshax_llamacpp.sampling import make_sampler, sample_logits
 from syshax_llamacpp.streams import StreamRun
 from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
@@ -197,6 +198,10 @@ class LlamaCppEngine:
             # blocks are held for this request until it reports, and checked again when its prompt runs
             hits, seq.refused = prefix.check_hits(self.store, self.fingerprint, plan, prompt, written_only=True)
             seq.cached, seq.hit_tokens = True, len(hits) * self.chunk
+            if plan.final is not None and plan.final[1] and len(hits) == (len(prompt) - 1) // self.chunk:
+                whole, refused = prefix.check_final(self.store, self.fingerprint, plan, prompt, self.n_vocab)
+                seq.refused += refused
+                seq.hit_tokens = len(prompt) if whole is not None else seq.hit_tokens
         accepted = Accepted(rid, len(prompt), max_tokens, cached_tokens=seq.hit_tokens)
         if not self._needs_slot(seq):
             # a prompt only handed on runs in the prompt context and holds no batch slot: it starts at once,
@@ -248,29 +253,34 @@ class LlamaCppEngine:
 
     def _prefill_chunk(self, seq: _Sequence) -> list:
         """Feed the next chunk of seq's prompt to the prefill context; at its end, hand it over."""
-        if seq.cached and seq.n_past == 0:
-            self._import_hits(seq)
-        b = self.prefill_batch
-        b.n_tokens = 0
-        take = min(len(seq.pending), self.chunk)
-        for _ in range(take):
-            last = len(seq.pending) == 1
-            self._add(b, seq.pending.popleft(), seq.n_past, 0, last)
-            seq.n_past += 1
-        rc = llama_cpp.llama_decode(self.prefill_ctx, b)
-        if rc != 0:
-            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
-            return self._fail(rc, [seq])
-        if seq.pending:
-            return []
-        token = llama_cpp.llama_sampler_sample(seq.sampler, self.prefill_ctx, b.n_tokens - 1)
+        logits = self._import_hits(seq) if seq.cached and seq.n_past == 0 else None
+        if logits is not None:  # the whole prompt came from the cache: nothing to evaluate
+            token = sample_logits(seq.sampler, logits)
+        else:
+            b = self.prefill_batch
+            b.n_tokens = 0
+            take = min(len(seq.pending), self.chunk)
+            for _ in range(take):
+                last = len(seq.pending) == 1
+                self._add(b, seq.pending.popleft(), seq.n_past, 0, last)
+                seq.n_past += 1
+            rc = llama_cpp.llama_decode(self.prefill_ctx, b)
+            if rc != 0:
+                llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+                return self._fail(rc, [seq])
+            if seq.pending:
+                return []
+            if seq.request.prefix is not None and seq.request.prefix.final_store >= 0:  # kept with the prompt
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.prefill_ctx, b.n_tokens - 1),
+                                               (self.n_vocab,)).copy()
+            token = llama_cpp.llama_sampler_sample(seq.sampler, self.prefill_ctx, b.n_tokens - 1)
         if not self.decodes or seq.request.handoff:
-            cached = self._keep_blocks(seq, None)
+            cached = self._keep_blocks(seq, None, logits)
             return [*cached, self._hand_on(seq, token)]
         size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
         buf = self._state.ensure(size + 4 * self.max_seqs)
         export_seq(self.prefill_ctx, 0, self._state)
-        cached = self._keep_blocks(seq, buf[:size])
+        cached = self._keep_blocks(seq, buf[:size], logits)
         llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         size = widen_streams(buf, size, self.max_seqs)
         seq.seq_id = self.streams.take()  # it joins the decode batch now, next to the others
@@ -279,37 +289,48 @@ class LlamaCppEngine:
             return cached + self._fail(-1, [seq], "could not move the prompt's KV into the batch context")
         return [*cached, self._emit(seq, token)]
 
-    def _import_hits(self, seq: _Sequence) -> None:
-        """Start seq's prompt from its cached blocks: their KV into the prompt context, the rest still to run."""
+    def _import_hits(self, seq: _Sequence) -> np.ndarray | None:
+        """Start seq's prompt from its cached blocks: their KV into the prompt context, the rest still to run.
+        Returns the last token's logits when the whole prompt was cached."""
         seq.cached = False
-        blocks, refused = prefix.check_hits(self.store, self.fingerprint, seq.request.prefix, seq.prompt)
+        plan = seq.request.prefix
+        blocks, refused = prefix.check_hits(self.store, self.fingerprint, plan, seq.prompt)
+        whole = None
+        if plan.final is not None and len(blocks) == (len(seq.prompt) - 1) // self.chunk:
+            whole, bad = prefix.check_final(self.store, self.fingerprint, plan, seq.prompt, self.n_vocab)
+            refused += bad
         seq.refused = sorted(set(seq.refused) | set(refused))
         seq.hit_tokens = 0
+        if whole is not None:
+            blocks.append(whole[0])
         if not blocks:
-            return
+            return None
         try:
             n = prefix.import_blocks(self.prefill_ctx, 0, blocks, self.fingerprint, self._state)
         except StateImportError as exc:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
             log.error("%s: cached prompt blocks could not be imported (%s); evaluating the whole prompt",
                       seq.request.request_id, exc)
-            return
+            return None
         seq.hit_tokens = n
         for _ in range(n):
             seq.pending.popleft()
         seq.n_past = n
         self.counters["cached_tokens"] += n
+        return whole[1] if whole is not None else None
 
-    def _keep_blocks(self, seq: _Sequence, state_bytes) -> list:
-        """Write the prompt's new blocks into the prefix cache as planned, and tell the daemon (Cached)."""
+    def _keep_blocks(self, seq: _Sequence, state_bytes, logits) -> list:
+        """Write the prompt's new blocks (and the whole prompt with its last logits) into the prefix cache as
+        planned, and tell the daemon (Cached)."""
         plan = seq.request.prefix
         if plan is None or self.store is None:
             return []
         stored = []
-        if plan.stores and not seq.request.resume_tokens:
+        if (plan.stores or plan.final_store >= 0) and not seq.request.resume_tokens:
             if state_bytes is None:
                 state_bytes = export_seq(self.prefill_ctx, 0, self._state)
-            stored = prefix.store_blocks(self.store, self.fingerprint, plan, state_bytes, seq.prompt)
+            stored = prefix.store_blocks(self.store, self.fingerprint, plan, state_bytes, seq.prompt,
+                                         logits if plan.final_store >= 0 else None)
         return [Cached(seq.request.request_id, tuple(stored), tuple(seq.refused), seq.hit_tokens)]
 
     def _count(self, n: int) -> None:

@@ -81,6 +81,31 @@ def check_hits(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPla
     return good, refused
 
 
+def check_final(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan, prompt: list[int],
+                n_vocab: int) -> tuple[tuple[KVRecord, np.ndarray] | None, list[int]]:
+    """The cached last chunk of this very prompt and its last token's logits, if they are exactly this prompt's;
+    and the slot, if it was written and is not (the daemon drops it)."""
+    slot, checksum = plan.final
+    start = (len(prompt) - 1) // plan.block_tokens * plan.block_tokens
+    try:
+        view = store.slot(slot)
+        logits_at = len(view) - 4 * n_vocab
+        record = decode(view[:logits_at], expect=fingerprint)
+        why = ("its checksum is not the one reported" if checksum and record.checksum != checksum
+               else "it holds other tokens" if record.tokens.tolist() != prompt[start:]
+               else "its positions are not the prompt's" if not np.array_equal(record.positions,
+                                                                                np.arange(start, len(prompt)))
+               else "")
+    except (RecordError, IndexError, ValueError) as exc:
+        why = str(exc)
+    if why:
+        if checksum:
+            log.error("prefix cache: the cached whole prompt (slot %d) cannot be used: %s", slot, why)
+        return None, [slot] if checksum else []
+    # written before the record's seal, so a record that checks out has its logits
+    return (record, np.frombuffer(view, np.float32, n_vocab, logits_at).copy()), []
+
+
 def import_blocks(ctx, seq_id: int, blocks: list[KVRecord], fingerprint: ModelFingerprint,
                   scratch: StateBuffer) -> int:
     """Load the blocks into seq_id of ctx as its first tokens; returns how many. Raises StateImportError."""
@@ -90,27 +115,31 @@ def import_blocks(ctx, seq_id: int, blocks: list[KVRecord], fingerprint: ModelFi
 
 
 def store_blocks(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan, state_bytes,
-                 prompt: list[int]) -> list[tuple[int, int]]:
-    """Write the planned blocks of a prompt whose KV the state holds; (slot, checksum) of each written."""
+                 prompt: list[int], logits: np.ndarray | None) -> list[tuple[int, int]]:
+    """Write the planned blocks of a prompt whose KV the state holds, and the whole prompt's last chunk with
+    its last token's logits when planned; (slot, checksum) of each written."""
     state = parse_seq_state(state_bytes, fingerprint)
     c = plan.block_tokens
     order = np.argsort(state.positions, kind="stable")  # cells are in position order, but need not be
-    if not np.array_equal(state.positions[order], np.arange(state.n_tokens)):
-        log.warning("prefix cache: the prompt's KV is not positions 0..%d; nothing kept", state.n_tokens - 1)
+    if not np.array_equal(state.positions[order], np.arange(state.n_tokens)) or state.n_tokens != len(prompt):
+        log.warning("prefix cache: the prompt's KV is not positions 0..%d; nothing kept", len(prompt) - 1)
         return []
+    spans = [(slot, index * c, (index + 1) * c) for index, slot in plan.stores]
+    if plan.final_store >= 0 and logits is not None:
+        spans.append((plan.final_store, (len(prompt) - 1) // c * c, len(prompt)))
     stored = []
-    for index, slot in plan.stores:
-        start, end = index * c, (index + 1) * c
-        if end > state.n_tokens:
-            break
+    for slot, start, end in spans:
         rows = order[start:end]
         block: SeqState = replace(state, positions=state.positions[rows], k=[k[rows] for k in state.k],
                                   v=[v[rows] for v in state.v])
         view = store.slot(slot)
+        logits_at = len(view) - 4 * len(logits) if logits is not None else len(view)
         try:
-            encode_state_into(view, fingerprint, block, prompt[start:end])
+            if slot == plan.final_store:  # the logits first: a reader trusts them once the record checks out
+                np.frombuffer(view, np.float32, len(logits), logits_at)[:] = logits
+            encode_state_into(view[:logits_at], fingerprint, block, prompt[start:end])
         except ValueError as exc:  # a KV cache type wider than the store was sized for
-            log.warning("prefix cache: block %d does not fit its slot (%s); not kept", index, exc)
+            log.warning("prefix cache: tokens %d..%d do not fit their slot (%s); not kept", start, end - 1, exc)
             break
         stored.append((slot, decode(view, verify=False).checksum))
     return stored

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import llama_cpp
+import numpy as np
 
 from syshaxd.engine.types import SamplingParams
 
@@ -33,3 +36,24 @@ def make_sampler(params: SamplingParams, n_vocab: int) -> llama_cpp.llama_sample
     seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
     add(llama_cpp.llama_sampler_init_dist(seed))
     return chain
+
+
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
+
+
+def sample_logits(sampler, logits: np.ndarray) -> int:
+    """Sample a token from saved logits, as llama_sampler_sample does from a context's: every token's
+    logit in id order, unsorted, through the chain, which then accepts the token."""
+    assert ctypes.sizeof(llama_cpp.llama_token_data) == _TOKEN_DATA.itemsize
+    cur = np.zeros(len(logits), _TOKEN_DATA)
+    cur["id"] = np.arange(len(logits), dtype=np.int32)
+    cur["logit"] = logits
+    array = llama_cpp.llama_token_data_array(
+        data=cur.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(cur), selected=-1,
+        sorted=False)
+    llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
+    if not 0 <= array.selected < array.size:
+        raise RuntimeError(f"the sampler chain selected no token ({array.selected})")
+    token = int(array.data[array.selected].id)  # a sampler may point `data` elsewhere, as in llama_sampler_sample
+    llama_cpp.llama_sampler_accept(sampler, token)
+    return token
