@@ -279,3 +279,18 @@ def test_a_bad_request_is_refused_before_the_cache_sees_it(cached):
     assert code == 400 and body["error"]["param"] == "cache_prompt"
     assert cached.status()["prefix_cache"]["queries"] == before
     assert os.path.exists(store_path(str(cached.proc.pid)))
+
+
+def test_a_seeded_sample_from_the_cached_logits_is_the_sample_a_miss_draws(cached):
+    client = connect(cached)
+    prompt = SYSTEM + "Tell me about your sourdough."
+
+    def sampled(cache_prompt):
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0.9, seed=11,
+                                      top_p=0.95, extra_body={"cache_prompt": cache_prompt})
+        return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
+
+    miss = sampled(False)
+    sampled(True)  # keeps the whole prompt
+    hit = sampled(True)
+    assert hit[0] == miss[0] and hit[1] == hit[2]
