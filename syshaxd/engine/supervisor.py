@@ -234,7 +234,7 @@ class WorkerHandle:
             for event in msg:
                 stream = self.streams.get(event.request_id)
                 self._report_kv(event, stream is None)
-                if stream is None or isinstance(event, Cached):  # cancelled on our side already; the ledger's
+                if stream is None or isinstance(event, Cached):  # cancelled on our side already, or the ledger's alone
                     continue
                 if isinstance(event, (Rejected, Prefilled)) or (isinstance(event, Delta) and event.finish_reason):
                     del self.streams[event.request_id]
