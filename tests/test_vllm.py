@@ -190,3 +190,13 @@ def test_auto_daemon_with_vllm_offloads_when_saturated_and_every_text_is_right(d
         assert [w["backend"] for w in st["workers"]] == ["vllm", "llamacpp"]
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_vllm_refuses_logprobs_naming_the_mode(vllm_prefill):
+    """gpu mode's engine computes no logprobs: a 400 naming the param and the modes that have them."""
+    from syshaxd.engine.types import Rejected
+
+    for ask in ({"logprobs": 0}, {"prompt_logprobs": 1}):
+        [event] = vllm_prefill.submit(GenerateRequest(request_id=uuid.uuid4().hex, max_tokens=2, prompt="Hi", **ask))
+        assert isinstance(event, Rejected) and event.status == 400 and event.param == "logprobs"
+        assert "hetero mode" in event.message and "cpu and hetero modes" in event.message

@@ -156,6 +156,10 @@ class Scheduler:
             decision = Decision(Verdict.CPU, f"the GPU engine is not ready ({self._states(self.gpu)}); "
                                 "serving on the CPU")
             self.decisions[decision.route] += 1
+        elif mode == Mode.AUTO and (request.logprobs is not None or request.prompt_logprobs is not None):
+            # only the CPU (llama.cpp) engine computes logprobs: such a request is not the decider's to place
+            decision = Decision(Verdict.CPU, "logprobs are computed by the CPU engine only")
+            self.decisions[decision.route] += 1
         elif mode == Mode.AUTO:
             decision = self.decide()
             if decision.route == Verdict.REFUSE:

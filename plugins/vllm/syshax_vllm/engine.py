@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from syshaxd.gguf.quantize import resolve_gguf
+from syshaxd.engine.capabilities import refuse_logprobs
 from syshaxd.gguf.vocab import Vocab, admit
 from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
@@ -139,6 +140,9 @@ class VllmEngine:
                 "device": "cpu" if self.on_cpu else "cuda", "chat_template": self.vocab.template.source}
 
     def submit(self, request: GenerateRequest) -> list:
+        refused = refuse_logprobs(request, "vLLM", "gpu" if self.spec.role != "prefill" else "hetero")
+        if refused is not None:
+            return [refused]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]
