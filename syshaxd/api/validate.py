@@ -60,7 +60,7 @@ def parse_json_body(raw: bytes) -> dict:
     return body
 
 
-def _type_error(name: str, expected: str, value: Any) -> APIError:
+def type_error(name: str, expected: str, value: Any) -> APIError:
     got = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
     return invalid(f"Invalid type for '{name}': expected {expected}, but got {got} instead.", param=name,
@@ -83,7 +83,7 @@ def _number(body: dict, name: str, default: float | None, low: float, high: floa
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _type_error(name, "a number", value)
+        raise type_error(name, "a number", value)
     if not low <= value <= high:
         raise invalid(f"Invalid '{name}': {value} is out of range; it must be between {low} and {high}.", param=name)
     return float(value)
@@ -94,7 +94,7 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int | N
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(name, "an integer", value)
+        raise type_error(name, "an integer", value)
     if value < low or (high is not None and value > high):
         limit = f"at least {low}" if high is None else f"between {low} and {high}"
         raise invalid(f"Invalid '{name}': {value}; it must be {limit}.", param=name)
@@ -106,7 +106,7 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _type_error(name, "a boolean", value)
+        raise type_error(name, "a boolean", value)
     return value
 
 
@@ -117,7 +117,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _type_error("stop", "a string or an array of strings", value)
+        raise type_error("stop", "a string or an array of strings", value)
     if len(value) > MAX_STOP:
         raise invalid(f"Invalid 'stop': at most {MAX_STOP} stop sequences are allowed, got {len(value)}.", param="stop")
     if any(s == "" for s in value):
@@ -136,14 +136,14 @@ def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, b
     if model is None:
         raise invalid("you must provide a model parameter", param="model", code="missing_required_parameter")
     if not isinstance(model, str):
-        raise _type_error("model", "a string", model)
+        raise type_error("model", "a string", model)
     if model != served_model:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{served_model}`.",
                        param="model", code="model_not_found")
     n = body.get("n")
     if n is not None:
         if isinstance(n, bool) or not isinstance(n, int):
-            raise _type_error("n", "an integer", n)
+            raise type_error("n", "an integer", n)
         if n != 1:
             raise invalid(f"Invalid 'n': {n}. This server returns one choice per request; send n=1 "
                           "(or several requests).", param="n", code="unsupported_parameter")
@@ -159,7 +159,7 @@ def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, b
     include_usage = False
     if options is not None:
         if not isinstance(options, dict):
-            raise _type_error("stream_options", "an object", options)
+            raise type_error("stream_options", "an object", options)
         if not stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
         include_usage = _boolean(options, "include_usage", False)
@@ -175,7 +175,7 @@ def _route(body: dict) -> str:
     if ext is None:
         return ""
     if not isinstance(ext, dict):
-        raise _type_error("syshax", "an object", ext)
+        raise type_error("syshax", "an object", ext)
     mode = ext.get("mode")
     if mode is None:
         return ""
@@ -212,7 +212,7 @@ def _prompt(body: dict) -> tuple[str | None, tuple[int, ...] | None]:
         if all(isinstance(t, (str, list)) for t in p):
             raise invalid(f"Invalid 'prompt': this server takes one prompt per request, got {len(p)}; "
                           "send one request per prompt.", param="prompt", code="unsupported_parameter")
-    raise _type_error("prompt", "a string, an array of token ids, or an array with one of those", p)
+    raise type_error("prompt", "a string, an array of token ids, or an array with one of those", p)
 
 
 def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> ParsedRequest:
@@ -236,10 +236,10 @@ def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> 
     return ParsedRequest(req, stream, include_usage, model)
 
 
-def _message(i: int, m: Any) -> dict:
+def parse_message(i: int, m: Any) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise _type_error(where, "an object", m)
+        raise type_error(where, "an object", m)
     role = m.get("role")
     if role not in CHAT_ROLES:
         raise invalid(f"Invalid '{where}.role': {role!r}; it must be one of {', '.join(CHAT_ROLES)}.",
@@ -256,7 +256,7 @@ def _message(i: int, m: Any) -> dict:
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise _type_error(f"{where}.content", "a string or an array of text parts", content)
+        raise type_error(f"{where}.content", "a string or an array of text parts", content)
     return {"role": role, "content": _text(f"{where}.content", content)}
 
 
@@ -266,7 +266,7 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
     if messages is None:
         raise invalid("you must provide a messages parameter", param="messages", code="missing_required_parameter")
     if not isinstance(messages, list):
-        raise _type_error("messages", "an array", messages)
+        raise type_error("messages", "an array", messages)
     if not messages:
         raise invalid("Invalid 'messages': empty array. Expected an array with at least one message.",
                       param="messages", code="empty_array")
@@ -274,7 +274,7 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         raise invalid(f"Invalid 'messages': array too long. Expected an array with maximum length {max_messages}, "
                       f"but got an array with length {len(messages)} instead (max_messages).", param="messages",
                       code="array_above_max_length")
-    parsed = tuple(_message(i, m) for i, m in enumerate(messages))
+    parsed = tuple(parse_message(i, m) for i, m in enumerate(messages))
     _unsupported(body, "logprobs", (None, False), "logprobs are not computed")
     _unsupported(body, "top_logprobs", (None,), "logprobs are not computed")
     _unsupported(body, "tools", (None, []), "tool calling is not implemented")
