@@ -98,7 +98,7 @@ def _completion_request(common: dict, n_ctx: int) -> dict:
             "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                                    "description": "Each token's logprob and this many most likely alternatives: "
                                                   "the model's raw distribution, before temperature and "
-                                                  "penalties. cpu and hetero modes; gpu mode answers 400."}),
+                                                  "penalties. A torch or vLLM prefill engine (hetero) answers 400."}),
         },
         "additionalProperties": True,
     }
@@ -126,7 +126,7 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
             "max_tokens": _max_tokens(n_ctx, "default_max_tokens, within the context"),
             "max_completion_tokens": _max_tokens(n_ctx, "max_tokens"),
             "logprobs": _nullable({"type": "boolean", "description": "Each token's logprob (the raw model "
-                                   "distribution, as completions' logprobs); cpu and hetero modes."}),
+                                   "distribution, as completions' logprobs)."}),
             "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                                        "description": "Alternatives per token; needs logprobs: true."}),
             "tools": _nullable({"type": "array", "maxItems": 0, "description": "Tool calling is not implemented."}),

@@ -157,8 +157,9 @@ class Scheduler:
                                 "serving on the CPU")
             self.decisions[decision.route] += 1
         elif mode == Mode.AUTO and (request.logprobs is not None or request.prompt_logprobs is not None):
-            # only the CPU (llama.cpp) engine computes logprobs: such a request is not the decider's to place
-            decision = Decision(Verdict.CPU, "logprobs are computed by the CPU engine only")
+            # a decode offloaded from the GPU engine would lose them: such a request is not the decider's to place
+            decision = Decision(Verdict.CPU, "asks for logprobs: runs whole on a CPU worker, as an offloaded "
+                                "decode would not carry them")
             self.decisions[decision.route] += 1
         elif mode == Mode.AUTO:
             decision = self.decide()
