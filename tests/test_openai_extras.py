@@ -137,6 +137,22 @@ def test_streamed_logprobs_match_the_plain_answer(client):
     assert tokens == plain.tokens and values == plain.token_logprobs
 
 
+def test_streamed_echo_sends_the_prompt_and_its_logprobs_first(client):
+    kw = dict(model=MODEL_NAME, prompt=["Once upon a time", "One, two,"], max_tokens=3, temperature=0, logprobs=1,
+              echo=True)
+    plain = client.completions.create(**kw)
+    texts: dict[int, str] = {}
+    values: dict[int, list] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                values.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    assert texts == {c.index: c.text for c in plain.choices}
+    assert values == {c.index: c.logprobs.token_logprobs for c in plain.choices}
+    assert all(texts[i].startswith(p) for i, p in enumerate(kw["prompt"]))
+
+
 def test_chat_logprobs_shape(client):
     kw = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6,
               temperature=0, logprobs=True, top_logprobs=3)
