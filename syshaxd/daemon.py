@@ -26,7 +26,7 @@ from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.plan import Engines, PlanError, PrefixStorePlan, RingPlan, plan_engines
 from syshaxd.engine.prefix_cache import PrefixCache
-from syshaxd.engine.prompts import PromptTokenizer
+from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.kv import block_store
 from syshaxd.kv.block_store import BlockStore
 from syshaxd.kv.ring import KVRing, sweep_stale
@@ -124,7 +124,7 @@ class Service:
         self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
                                      ledger) for name, spec in engines.workers]
         # the prefix cache is planned from token ids: the daemon tokenizes as the engines do
-        prompts = PromptTokenizer(model_path, cfg.n_ctx) if prefix is not None else None
+        prompts = PromptTokenizer(DaemonVocab(str(model_path)), cfg.n_ctx) if prefix is not None else None
         self.scheduler = Scheduler(cfg, self.workers, ledger, prompts)
         self.state = ServiceState(self.scheduler, reload)
         self.app = make_app(cfg, self.scheduler, model_name, self.state, keys=keys)

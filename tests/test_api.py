@@ -135,12 +135,12 @@ def test_token_id_prompt(client):
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
-        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "n": 0}, "n"),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": "hi", "stop": 7}, "stop"),
-        ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ["one", 2]}, "prompt"),
         ({}, "prompt"),
         ({"prompt": "word " * 5000}, "prompt"),
     ],
@@ -176,7 +176,7 @@ def test_client_sees_errors_as_exceptions(client):
         client.completions.create(model="gpt-5", prompt="hi")
     assert exc.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=3)
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=17)
     assert exc.value.body["param"] == "n"
 
 

@@ -208,3 +208,12 @@ def settle(d, timeout: float = 30.0) -> dict:
             assert st["in_flight"] == 0, st
             return st
         time.sleep(0.1)
+
+
+def test_a_request_asking_for_logprobs_runs_on_the_cpu(auto):
+    """Only the CPU (llama.cpp) engine computes logprobs: auto does not leave such a request to the decider."""
+    status, body = http_json(f"{auto.url}/v1/completions", {"model": MODEL_NAME, "prompt": "1, 2, 3,", "max_tokens": 3,
+                                                           "temperature": 0, "logprobs": 2})
+    assert status == 200, body
+    assert body["syshax"]["route"] == "cpu" and "logprobs" in body["syshax"]["reason"]
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == 3

@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 
 from conftest import MODEL_NAME, http_json, start_daemon
-from syshaxd.api.validate import CHAT_ROLES, INTEGER_RANGES, MAX_STOP, NUMBER_RANGES
+from syshaxd.api.validate import CHAT_ROLES, INTEGER_RANGES, MAX_N, MAX_STOP, NUMBER_RANGES
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the test extras: pip install -e .[test]")
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402  (schemathesis brings hypothesis)
@@ -53,7 +53,7 @@ def test_the_document_describes_this_daemon(daemon):
     assert doc["openapi"].startswith("3.1")
     schemathesis.openapi.from_dict(doc).validate()  # against the OpenAPI 3.1 meta-schema
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics",
-            "/v1/syshax/status", "/openapi.json"} <= set(doc["paths"])
+            "/v1/syshax/status", "/openapi.json", "/tokenize", "/detokenize"} <= set(doc["paths"])
     for path in ("/v1/completions", "/v1/chat/completions"):
         op = doc["paths"][path]["post"]
         assert set(op["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503"}
@@ -132,6 +132,12 @@ def _short_generations(doc: dict) -> dict:
         variant["maxItems" if variant["type"] == "array" else "maxLength"] = MAX_PROMPT
         if variant["type"] == "array" and variant["items"].get("type") == "array":
             variant["items"]["maxItems"] = MAX_PROMPT
+            variant["maxItems"] = 3  # a batch of prompts
+        if variant["type"] == "array" and variant["items"].get("type") == "string":
+            variant["items"]["maxLength"] = MAX_PROMPT
+            variant["maxItems"] = 3
+    for name in ("CompletionRequest", "ChatCompletionRequest"):  # choices per prompt
+        _inner(schemas[name]["properties"]["n"])["maximum"] = 2
     messages = schemas["ChatCompletionRequest"]["properties"]["messages"]
     messages["maxItems"] = 3
     content = messages["items"]["properties"]["content"]["anyOf"]
@@ -156,14 +162,17 @@ def _keep_short(body) -> None:
             value = body.get(field)
             if isinstance(value, int) and not isinstance(value, bool) and RUN_MAX_TOKENS < value <= FUZZ_N_CTX:
                 body[field] = RUN_MAX_TOKENS
+        n = body.get("n")
+        if isinstance(n, int) and not isinstance(n, bool) and 2 < n <= MAX_N:
+            body["n"] = 2
 
 
 # Bodies are fuzzed valid and invalid; the GET operations take no body, and any string is a valid
 # path segment, so they have valid cases only.
-RUNS = [(path, "POST", mode) for path in ("/v1/completions", "/v1/chat/completions")
+RUNS = [(path, "POST", mode) for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
         for mode in ("positive", "negative")]
 RUNS += [(path, "GET", "positive") for path in ("/v1/models", "/v1/models/{model}", "/v1/syshax/status", "/health",
-                                                "/metrics", "/openapi.json")]
+                                                "/metrics", "/openapi.json", "/tokenizer_info")]
 
 
 # schemathesis' own pytest entry (schema.parametrize with a lazy fixture) does not run under pytest 9;

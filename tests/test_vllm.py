@@ -190,3 +190,31 @@ def test_auto_daemon_with_vllm_offloads_when_saturated_and_every_text_is_right(d
         assert [w["backend"] for w in st["workers"]] == ["vllm", "llamacpp"]
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_vllm_prefill_refuses_logprobs_naming_the_mode(vllm_prefill):
+    """A prompt handed on carries no logprobs: a 400 naming the param and the modes that have them."""
+    from syshaxd.engine.types import Rejected
+
+    for ask in ({"logprobs": 0}, {"prompt_logprobs": 1}):
+        [event] = vllm_prefill.submit(GenerateRequest(request_id=uuid.uuid4().hex, max_tokens=2, prompt="Hi", **ask))
+        assert isinstance(event, Rejected) and event.status == 400 and event.param == "logprobs"
+        assert "hetero mode" in event.message and "cpu mode" in event.message
+
+
+def test_gpu_mode_logprobs_and_echo(client, daemon):
+    """vLLM's raw logprobs (its default logprobs_mode), in the same shapes as cpu mode's."""
+    from conftest import MODEL_NAME
+
+    r = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  logprobs=3, echo=True, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 6 and lp.token_logprobs[0] is None
+    assert "".join(lp.tokens) == r.choices[0].text
+    for token, logprob, top in zip(lp.tokens[n_prompt:], lp.token_logprobs[n_prompt:], lp.top_logprobs[n_prompt:]):
+        assert max(top, key=top.get) == token and top[token] == logprob  # greedy: the chosen one is top-1
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, n=2)
+    assert all(len(c.logprobs.content) >= 1 and len(c.logprobs.content[0].top_logprobs) == 2 for c in chat.choices)

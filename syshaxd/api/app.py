@@ -7,11 +7,11 @@ import time
 
 from aiohttp import web
 
-from syshaxd.api import openai_routes
+from syshaxd.api import openai_routes, token_routes
 from syshaxd.api.auth import KeyCheck
 from syshaxd.api.errors import APIError, error_type_for
 from syshaxd.api.keys import (CONFIG, CONNECTIONS, KEY_CHECK, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED,
-                              STATE)
+                              STATE, VOCAB)
 from syshaxd.api.limits import ConnectionCap
 from syshaxd.api.openapi import build_document
 from syshaxd.api.state import ServiceState
@@ -91,5 +91,7 @@ def make_app(config: Config, scheduler: Scheduler, model_name: str, state: Servi
     app[STATE] = state
     app[METRICS] = metrics or Metrics(model_name, scheduler.status,
                                       lambda: {"draining": state.draining, "active": state.active})
+    app[VOCAB] = scheduler.vocab
     app.add_routes(openai_routes.routes)
+    app.add_routes(token_routes.routes)
     return app

@@ -84,7 +84,8 @@ class KeyCheck:
     def protects(self, path: str) -> bool:
         if not self._digests:
             return False
-        return path == "/v1" or path.startswith("/v1/") or (self.metrics_require_key and path == "/metrics")
+        return (path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/tokenizer_info")
+                or (self.metrics_require_key and path == "/metrics"))
 
     def accepts(self, token: str) -> bool:
         given = _digest(token)

@@ -7,6 +7,7 @@ from aiohttp import web
 from syshaxd.api.auth import KeyCheck
 from syshaxd.api.limits import ConnectionCap
 from syshaxd.api.state import ServiceState
+from syshaxd.engine.prompts import DaemonVocab
 from syshaxd.config import Config
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.metrics import Metrics
@@ -25,3 +26,6 @@ METRICS = web.AppKey("metrics", Metrics)
 KEY_CHECK = web.AppKey("key_check", KeyCheck)
 CONNECTIONS = web.AppKey("connections", ConnectionCap)
 OPENAPI = web.AppKey("openapi", dict)
+
+# the model's vocabulary in the daemon (tokenize, detokenize, logprobs' token texts), loaded on first use
+VOCAB = web.AppKey("vocab", DaemonVocab)

@@ -11,12 +11,15 @@ from aiohttp import web
 
 from syshaxd import __version__
 from syshaxd.api.errors import APIError
-from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE
+from syshaxd.api import logprob_shapes
+from syshaxd.api.fanout import Fanout
+from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE, VOCAB
 from syshaxd.api.state import Draining
+from syshaxd.engine.prompts import Pieces
 from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion, parse_json_body
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
 from syshaxd.engine.supervisor import EngineUnavailable
-from syshaxd.engine.types import Accepted, Delta, Rejected, RequestStream
+from syshaxd.engine.types import Accepted, Delta, GenerateRequest, Rejected, RequestStream
 from syshaxd.metrics import RequestTimer
 
 log = logging.getLogger(__name__)
@@ -30,54 +33,126 @@ class _ClientGone(Exception):
     """The client closed the connection while we waited; nobody is left to answer."""
 
 
-class _Exchange:
-    """The shapes of one endpoint's bodies and stream chunks."""
+class _Choice:
+    """What one choice has shown so far."""
 
-    def __init__(self, chat: bool, parsed: ParsedRequest, model: str) -> None:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.parts: list[str] = []
+        self.n = 0  # tokens generated
+        self.finish: str | None = None
+        self.logprobs: dict | None = None
+        self.chars = 0  # characters shown: where the next token's text_offset begins
+        self.started = False
+
+
+class _Exchange:
+    """The shapes of one endpoint's bodies and stream chunks, for every choice of the request."""
+
+    def __init__(self, chat: bool, parsed: ParsedRequest, model: str, pieces: Pieces | None,
+                 echo_texts: list[str], prompt_ids: list[list[int]] | None) -> None:
         self.chat = chat
+        self.parsed = parsed
         self.id = parsed.generate.request_id
         self.created = int(time.time())
         self.model = model
         self.object = "chat.completion" if chat else "text_completion"
+        self.pieces = pieces
+        self.echo_texts = echo_texts  # per prompt: what echo puts before the completion
+        self.prompt_ids = prompt_ids  # per prompt: its tokens, for echo's prompt logprobs
+        self.choices = [_Choice(i) for i in range(len(parsed.generates))]
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}
 
-    def body(self, text: str, finish: str, usage: dict, route: dict) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return self._head(self.object) | {"choices": [choice], "usage": usage, "syshax": route}
+    def shown(self, ch: _Choice, event: Delta) -> tuple[str, dict | None]:
+        """The text and logprobs one Delta of a choice adds to the answer (echo's prompt comes with the first)."""
+        parsed = self.parsed
+        text, entries = event.text, list(event.logprobs)
+        if parsed.max_tokens_zero:  # the one token the engine had to generate is not shown
+            text, entries = "", []
+        prefix, prompt_part = "", None
+        if not ch.started:
+            ch.started = True
+            p = parsed.prompt_index(ch.index)
+            if parsed.echo:
+                prefix = self.echo_texts[p]
+                if parsed.logprobs and event.prompt_logprobs is not None:
+                    prompt_part = logprob_shapes.completion(list(event.prompt_logprobs), self.prompt_ids[p],
+                                                            self.pieces, 0)
+        lp = None
+        if parsed.logprobs:
+            if self.chat:
+                lp = logprob_shapes.chat(entries, self.pieces)
+            else:
+                lp = logprob_shapes.completion(entries, [e.token for e in entries], self.pieces,
+                                               ch.chars + len(prefix))
+                if prompt_part is not None:
+                    lp = logprob_shapes.extend(prompt_part, lp)
+        text = prefix + text
+        ch.chars += len(text)
+        return text, lp
 
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict:
+    def add(self, ch: _Choice, event: Delta) -> None:
+        """Keep a Delta's output for the whole body."""
+        text, lp = self.shown(ch, event)
+        ch.parts.append(text)
+        ch.n += event.n_tokens
+        if lp is not None:
+            if ch.logprobs is None:
+                ch.logprobs = lp
+            elif self.chat:
+                ch.logprobs["content"] += lp["content"]
+            else:
+                logprob_shapes.extend(ch.logprobs, lp)
+
+    def usage(self, accepted: list[Accepted]) -> dict:
+        """Each prompt counted once (its n choices share it), every choice's completion counted."""
+        firsts = accepted[:: self.parsed.n]
+        prompt = sum(a.prompt_tokens for a in firsts)
+        completion = 0 if self.parsed.max_tokens_zero else sum(ch.n for ch in self.choices)
+        return _usage(prompt, completion, sum(a.cached_tokens for a in firsts))
+
+    def body(self, usage: dict, route: dict) -> dict:
+        choices = []
+        for ch in self.choices:
+            text = "".join(ch.parts)
+            if self.chat:
+                choices.append({"index": ch.index, "message": {"role": "assistant", "content": text},
+                                "logprobs": ch.logprobs, "finish_reason": ch.finish})
+            else:
+                choices.append({"index": ch.index, "text": text, "logprobs": ch.logprobs,
+                                "finish_reason": ch.finish})
+        return self._head(self.object) | {"choices": choices, "usage": usage, "syshax": route}
+
+    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False,
+              logprobs: dict | None = None) -> dict:
         if self.chat:
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return self._head("chat.completion.chunk") | {"choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return self._head("text_completion") | {"choices": [choice]}
 
-    def final_chunk(self, finish: str, route: dict) -> dict:
-        """The chunk with the finish reason, and syshax's note of the route the request took."""
-        return self.chunk(None if self.chat else "", finish) | {"syshax": route}
+    def final_chunk(self, index: int, finish: str, route: dict) -> dict:
+        """The chunk with a choice's finish reason, and syshax's note of the route the request took."""
+        return self.chunk(index, None if self.chat else "", finish) | {"syshax": route}
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
             "choices": [], "usage": usage}
 
 
-def _usage(accepted: Accepted, completion_tokens: int) -> dict:
-    return {"prompt_tokens": accepted.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": accepted.prompt_tokens + completion_tokens,
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
             # prompt tokens whose KV came from the prefix cache
-            "prompt_tokens_details": {"cached_tokens": accepted.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -85,7 +160,7 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def _next_event(request: web.Request, stream: RequestStream, deadline: float | None):
+async def _next_event(request: web.Request, stream, deadline: float | None):
     """The stream's next event; None if the client left. Raises APIError past the deadline."""
     while True:
         timeout = _DISCONNECT_POLL
@@ -117,13 +192,10 @@ def _rejected(event: Rejected) -> APIError:
     return APIError(event.status, event.message, type=kind, param=event.param, code=event.code, headers=headers)
 
 
-async def _start(request: web.Request, parsed: ParsedRequest) -> tuple[RequestStream, Accepted]:
+def _submit(request: web.Request, generate: GenerateRequest) -> RequestStream:
     scheduler = request.app[SCHEDULER]
-    generate = await scheduler.prepare(parsed.generate)  # tokenized here when the prefix cache may serve it
-    if isinstance(generate, Rejected):
-        raise _rejected(generate)
     try:
-        stream = scheduler.submit(generate)
+        return scheduler.submit(generate)
     except Overloaded as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(exc.retry_after)}) from None
@@ -132,15 +204,37 @@ async def _start(request: web.Request, parsed: ParsedRequest) -> tuple[RequestSt
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="engine_unavailable",
                        headers={"Retry-After": "5"}) from None
+
+
+async def _accepted(request: web.Request, stream: RequestStream) -> Accepted:
     event = await _next_event(request, stream, time.monotonic() + 30.0)
     if event is None:
-        stream.cancel()
         raise _ClientGone()
     if isinstance(event, Rejected):
         raise _rejected(event)
     if isinstance(event, Delta):  # the worker died before it could accept
         raise APIError(503, event.error or "the engine failed", type="server_error", code="engine_error")
-    return stream, event
+    return event
+
+
+async def _start(request: web.Request, parsed: ParsedRequest) -> tuple[Fanout, list[Accepted]]:
+    """Every choice submitted and accepted, or none left running."""
+    streams: list[RequestStream] = []
+    prepared = []
+    for generate in parsed.generates:  # tokenized here when the prefix cache may serve them
+        generate = await request.app[SCHEDULER].prepare(generate)
+        if isinstance(generate, Rejected):
+            raise _rejected(generate)
+        prepared.append(generate)
+    try:
+        for generate in prepared:
+            streams.append(_submit(request, generate))
+        accepted = [await _accepted(request, s) for s in streams]
+    except BaseException:
+        for s in streams:
+            s.cancel()
+        raise
+    return Fanout(streams), accepted
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -154,6 +248,25 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                        headers={"Retry-After": "5"}) from None
 
 
+async def _prompt_views(request: web.Request, parsed: ParsedRequest) -> tuple[Pieces | None, list[str], list | None]:
+    """What echo and logprobs show of the prompts: the token pieces, each prompt's text, and its token ids."""
+    if not (parsed.echo or parsed.logprobs):
+        return None, [], None
+    holder = request.app[VOCAB]
+    vocab = await holder.get()
+    firsts = parsed.generates[:: parsed.n]  # one per prompt
+    ids = None
+    if parsed.echo and parsed.logprobs:
+        ids = await asyncio.to_thread(lambda: [vocab.prompt_tokens(g) for g in firsts])
+    texts = []
+    for g, text in zip(firsts, parsed.prompts):
+        if text is None and g.prompt_tokens is not None:
+            text = b"".join(holder.pieces.bytes(t) for t in g.prompt_tokens if 0 <= t < vocab.n_vocab).decode(
+                "utf-8", errors="replace")
+        texts.append(text or "")
+    return holder.pieces, texts, ids
+
+
 async def _generate_admitted(request: web.Request, chat: bool, timer: RequestTimer) -> web.StreamResponse:
     cfg = request.app[STATE].config
     try:
@@ -165,63 +278,68 @@ async def _generate_admitted(request: web.Request, chat: bool, timer: RequestTim
     body = parse_json_body(raw)
     parsed = (parse_chat(body, request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages) if chat
               else parse_completion(body, request.app[MODEL_NAME], cfg.default_max_tokens))
+    views = await _prompt_views(request, parsed)
     try:
-        stream, accepted = await _start(request, parsed)
+        fan, accepted = await _start(request, parsed)
     except _ClientGone:
         return web.Response(status=499, text="client closed the request")
-    timer.accepted(accepted.prompt_tokens)
-    exchange = _Exchange(chat, parsed, request.app[MODEL_NAME])
+    timer.accepted(sum(a.prompt_tokens for a in accepted[:: parsed.n]))
+    exchange = _Exchange(chat, parsed, request.app[MODEL_NAME], *views)
     try:
         if parsed.stream:
-            return await _respond_stream(request, stream, accepted, exchange, parsed.include_usage, timer)
-        return await _respond_json(request, stream, accepted, exchange, timer)
+            return await _respond_stream(request, fan, accepted, exchange, parsed.include_usage, timer)
+        return await _respond_json(request, fan, accepted, exchange, timer)
     except _ClientGone:
         log.info("%s: client left before the answer was ready", parsed.generate.request_id)
         return web.Response(status=499, text="client closed the request")
     finally:
-        stream.cancel()  # no-op once finished; frees the sequence if the client left
+        fan.cancel()  # no-op once finished; frees the sequences if the client left
 
 
-async def _respond_json(request, stream: RequestStream, accepted: Accepted, ex: _Exchange,
+async def _respond_json(request, fan: Fanout, accepted: list[Accepted], ex: _Exchange,
                         timer: RequestTimer) -> web.Response:
     deadline = time.monotonic() + request.app[STATE].config.request_timeout
-    parts: list[str] = []
+    left = len(ex.choices)
     n = 0
-    while True:
-        event = await _next_event(request, stream, deadline if n == 0 else None)
-        if event is None:
+    while left:
+        got = await _next_event(request, fan, deadline if n == 0 else None)
+        if got is None:
             raise _ClientGone()
+        index, event = got
         if isinstance(event, Rejected):
             raise _rejected(event)
-        parts.append(event.text)
+        ch = ex.choices[index]
+        ex.add(ch, event)
         n += event.n_tokens
         timer.tokens(event.n_tokens)
         if event.finish_reason == "error":
             raise APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
         if event.finish_reason:
-            timer.finished(event.finish_reason)
-            route = _route_of(stream)
-            return web.json_response(ex.body("".join(parts), event.finish_reason, _usage(accepted, n),
-                                             route), headers={"X-Syshax-Route": route["route"]})
+            ch.finish = event.finish_reason
+            left -= 1
+    timer.finished(ex.choices[-1].finish)
+    route = _route_of(fan.route_stream)
+    return web.json_response(ex.body(ex.usage(accepted), route), headers={"X-Syshax-Route": route["route"]})
 
 
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex: _Exchange,
+async def _respond_stream(request, fan: Fanout, accepted: list[Accepted], ex: _Exchange,
                           include_usage: bool, timer: RequestTimer) -> web.StreamResponse:
     # Hold the headers until the first token: an error before it is still a proper HTTP error.
     deadline = time.monotonic() + request.app[STATE].config.request_timeout
-    first = await _next_event(request, stream, deadline)
+    first = await _next_event(request, fan, deadline)
     if first is None:
         raise _ClientGone()
-    if isinstance(first, Rejected):
-        raise _rejected(first)
-    if first.finish_reason == "error":
-        raise APIError(500, f"generation failed: {first.error}", type="server_error", code="engine_error")
+    if isinstance(first[1], Rejected):
+        raise _rejected(first[1])
+    if first[1].finish_reason == "error":
+        raise APIError(500, f"generation failed: {first[1].error}", type="server_error", code="engine_error")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no", "X-Syshax-Route": _route_of(stream)["route"]})
+                                       "X-Accel-Buffering": "no",
+                                       "X-Syshax-Route": _route_of(fan.route_stream)["route"]})
     await resp.prepare(request)
     timeout = request.app[STATE].config.client_timeout
 
@@ -230,28 +348,42 @@ async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex
         await asyncio.wait_for(resp.write(data), timeout)
 
     n = 0
-    event = first
+    left = len(ex.choices)
+    index, event = first
     try:
         if ex.chat:
-            await send(_sse(ex.chunk("", None, role=True)))
+            for ch in ex.choices:
+                await send(_sse(ex.chunk(ch.index, "", None, role=True)))
         while True:
+            if isinstance(event, Rejected):  # a later choice refused after the headers went out
+                await send(_sse(_rejected(event).body()))
+                break
+            ch = ex.choices[index]
             n += event.n_tokens
+            ch.n += event.n_tokens
             timer.tokens(event.n_tokens)
             if event.finish_reason == "error":
                 err = APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
                 await send(_sse(err.body()))
                 break
-            if event.text:
-                await send(_sse(ex.chunk(event.text, None)))
+            text, lp = ex.shown(ch, event)
+            if lp is not None and ex.chat and not lp["content"]:
+                lp = None
+            if text or lp is not None:
+                await send(_sse(ex.chunk(ch.index, text, None, logprobs=lp)))
             if event.finish_reason:
-                timer.finished(event.finish_reason)
-                await send(_sse(ex.final_chunk(event.finish_reason, _route_of(stream))))
-                if include_usage:
-                    await send(_sse(ex.usage_chunk(_usage(accepted, n))))
-                break
-            event = await _next_event(request, stream, None)
-            if event is None:
+                ch.finish = event.finish_reason
+                left -= 1
+                await send(_sse(ex.final_chunk(ch.index, event.finish_reason, _route_of(fan.route_stream))))
+                if not left:
+                    timer.finished(event.finish_reason)
+                    if include_usage:
+                        await send(_sse(ex.usage_chunk(ex.usage(accepted))))
+                    break
+            got = await _next_event(request, fan, None)
+            if got is None:
                 return resp
+            index, event = got
         await send(b"data: [DONE]\n\n")
         await resp.write_eof()
     except (ConnectionResetError, ConnectionError):

@@ -10,7 +10,7 @@ OpenAI shapes, the error shape for every 4xx/5xx, and SSE as ``text/event-stream
 from __future__ import annotations
 
 from syshaxd import __version__
-from syshaxd.api.validate import CHAT_ROLES, INTEGER_RANGES, MAX_STOP, NUMBER_RANGES
+from syshaxd.api.validate import CHAT_ROLES, INTEGER_RANGES, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP, NUMBER_RANGES
 
 ERROR_STATUSES = {
     "400": "The body is invalid: the error's `param` names the field and its message says what is allowed.",
@@ -43,8 +43,8 @@ def _sampling_fields(model_name: str, routes: list[str]) -> dict:
     fields = {
         "model": {"type": "string", "enum": [model_name],
                   "description": "The id /v1/models lists; any other gets 404 `model_not_found`."},
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": 1,
-                        "description": "One choice per request; n > 1 gets 400."}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N,
+                        "description": "Choices per prompt; with a seed, choice j samples with seed + j."}),
         "stream": _nullable({"type": "boolean", "description": "Answer as server-sent events (text/event-stream)."}),
         "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})},
                                      "description": "Only together with `stream: true`; `include_usage` adds a "
@@ -70,8 +70,8 @@ def _sampling_fields(model_name: str, routes: list[str]) -> dict:
     return fields
 
 
-def _max_tokens(n_ctx: int, default: str) -> dict:
-    return _nullable({"type": "integer", "minimum": 1, "maximum": n_ctx,
+def _max_tokens(n_ctx: int, default: str, low: int = 1) -> dict:
+    return _nullable({"type": "integer", "minimum": low, "maximum": n_ctx,
                       "description": f"Tokens to generate (default {default}); the prompt plus this must fit "
                                      f"the context of {n_ctx} tokens, else 400 `context_length_exceeded`."})
 
@@ -81,20 +81,26 @@ def _completion_request(common: dict, n_ctx: int) -> dict:
         {"type": "string", "minLength": 1},
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
          "description": "Token ids of the model's vocabulary."},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-         "minItems": 1, "maxItems": 1},
-    ], "description": "One prompt: text, or token ids; a batch of one is accepted, larger batches get 400."}
+         "minItems": 1, "maxItems": MAX_PROMPTS},
+    ], "description": "Text, or token ids, or a batch of either: n choices per prompt, choice index "
+                      "prompt_index * n + j; usage counts each prompt once."}
     return {
         "type": "object",
         "required": ["model", "prompt"],
         "properties": common | {
             "prompt": prompt,
-            "max_tokens": _max_tokens(n_ctx, "16"),
-            "echo": _nullable({"type": "boolean", "enum": [False]}),
+            "max_tokens": _max_tokens(n_ctx, "16; 0 only with echo: the prompt alone", low=0),
+            "echo": _nullable({"type": "boolean", "description": "The prompt's text before each completion (with "
+                                                                 "logprobs, the prompt tokens' too)."}),
             "suffix": _nullable({"type": "string", "maxLength": 0}),
-            "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": 1}),
-            "logprobs": {"type": "null", "description": "Not supported."},
+            "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N,
+                                  "description": "Only equal to n (no extra candidates are ranked)."}),
+            "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                   "description": "Each token's logprob and this many most likely alternatives: "
+                                                  "the model's raw distribution, before temperature and "
+                                                  "penalties. A torch or vLLM prefill engine (hetero) answers 400."}),
         },
         "additionalProperties": True,
     }
@@ -121,8 +127,10 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
                          "description": "Rendered with the model's own chat template."},
             "max_tokens": _max_tokens(n_ctx, "default_max_tokens, within the context"),
             "max_completion_tokens": _max_tokens(n_ctx, "max_tokens"),
-            "logprobs": _nullable({"type": "boolean", "enum": [False]}),
-            "top_logprobs": {"type": "null", "description": "Not supported."},
+            "logprobs": _nullable({"type": "boolean", "description": "Each token's logprob (the raw model "
+                                   "distribution, as completions' logprobs)."}),
+            "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                       "description": "Alternatives per token; needs logprobs: true."}),
             "tools": _nullable({"type": "array", "maxItems": 0, "description": "Tool calling is not implemented."}),
             "response_format": _nullable({"type": "object", "required": ["type"],
                                           "properties": {"type": {"type": "string", "enum": ["text"]}},
@@ -130,6 +138,56 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
         },
         "additionalProperties": True,
     }
+
+
+def _token_schemas(model_name: str) -> dict:
+    """/tokenize and /detokenize: llama-server's fields, and vLLM's names for the same things."""
+    model = _nullable({"type": "string", "enum": [model_name], "description": "Optional; another gets 404."})
+    flag = _nullable({"type": "boolean"})
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"],
+               "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)},
+                              "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}}}
+    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    piece = {"type": "object", "required": ["id", "piece"],
+             "properties": {"id": {"type": "integer"},
+                            "piece": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}],
+                                      "description": "The text, or its bytes when not whole UTF-8."}}}
+    return {
+        "TokenizeRequest": {
+            "description": "One of `content` (llama-server), `prompt` (vLLM) or `messages` (rendered with the "
+                           "model's chat template, as chat completions are).",
+            "anyOf": [{"required": ["content"]}, {"required": ["prompt"]}, {"required": ["messages"]}],
+            "type": "object",
+            "properties": {"content": {"type": "string"}, "prompt": {"type": "string"},
+                           "messages": {"type": "array", "items": message, "minItems": 1},
+                           "add_special": flag, "add_special_tokens": flag, "with_pieces": flag,
+                           "add_generation_prompt": _nullable({"type": "boolean", "enum": [True]}),
+                           "model": model},
+            "additionalProperties": True,
+        },
+        "Tokenized": {"type": "object", "required": ["tokens", "count", "max_model_len"],
+                      "properties": {"tokens": {"anyOf": [token_ids, {"type": "array", "items": piece}]},
+                                     "count": {"type": "integer"}, "max_model_len": {"type": "integer"}}},
+        "DetokenizeRequest": {"type": "object", "required": ["tokens"],
+                              "properties": {"tokens": token_ids, "model": model}, "additionalProperties": True},
+        "TokenizerInfo": {"type": "object", "required": ["eos_token", "vocab_size", "model_max_length"],
+                          "properties": {"tokenizer_class": {"type": "string"}, "vocab_size": {"type": "integer"},
+                                         "model_max_length": {"type": "integer"},
+                                         **{k: {"type": ["string", "null"]} for k in
+                                            ("bos_token", "eos_token", "pad_token", "chat_template")}}},
+        "Detokenized": {"type": "object", "required": ["content"],
+                        "properties": {"content": {"type": "string"}, "prompt": {"type": "string"}}},
+    }
+
+
+def _token_op(summary: str, request: str, answer: str, secured: list) -> dict:
+    return {"post": {"summary": summary, "security": secured,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+                     "responses": {"200": {"description": summary,
+                                           "content": {"application/json": {"schema": _ref(answer)}}}}
+                     | _errors("400", "401", "404", "413")}}
 
 
 def _schemas() -> dict:
@@ -142,6 +200,22 @@ def _schemas() -> dict:
     head = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
             "system_fingerprint": {"type": "string"}}
     finish = {"type": "string", "enum": ["stop", "length"]}
+    number_or_null = {"type": ["number", "null"]}
+    completion_lp = {"anyOf": [{"type": "null"}, {
+        "type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+        "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
+                       "token_logprobs": {"type": "array", "items": number_or_null},
+                       "top_logprobs": {"type": "array", "items": {"anyOf": [
+                           {"type": "null"}, {"type": "object", "additionalProperties": {"type": "number"}}]}},
+                       "text_offset": {"type": "array", "items": {"type": "integer"}}}}]}
+    chat_token = {"type": "object", "required": ["token", "logprob", "bytes"],
+                  "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
+                                 "bytes": {"type": "array", "items": {"type": "integer"}}}}
+    chat_lp = {"anyOf": [{"type": "null"}, {
+        "type": "object", "required": ["content"],
+        "properties": {"content": {"type": "array", "items": chat_token | {"properties": chat_token["properties"] | {
+            "top_logprobs": {"type": "array", "items": chat_token}}}},
+                       "refusal": {"type": "null"}}}]}
     route = {"description": "syshax's note of where the request ran (also the X-Syshax-Route header): `route` "
                             "cpu, gpu or hetero; in auto mode the decider's `reason`, and `moved_to` when an "
                             "offloaded decode moved back to the GPU.",
@@ -166,7 +240,7 @@ def _schemas() -> dict:
                 "choices": {"type": "array", "minItems": 1, "items": {
                     "type": "object", "required": ["index", "text", "finish_reason"],
                     "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
-                                   "logprobs": {"type": "null"}, "finish_reason": finish}}},
+                                   "logprobs": completion_lp, "finish_reason": finish}}},
                 "usage": _ref("Usage"),
                 "syshax": _ref("Route"),
             },
@@ -177,7 +251,7 @@ def _schemas() -> dict:
                 "object": {"const": "chat.completion"},
                 "choices": {"type": "array", "minItems": 1, "items": {
                     "type": "object", "required": ["index", "message", "finish_reason"],
-                    "properties": {"index": {"type": "integer"}, "logprobs": {"type": "null"},
+                    "properties": {"index": {"type": "integer"}, "logprobs": chat_lp,
                                    "finish_reason": finish,
                                    "message": {"type": "object", "required": ["role", "content"],
                                                "properties": {"role": {"const": "assistant"},
@@ -192,6 +266,7 @@ def _schemas() -> dict:
             "properties": head | {"object": {"const": "text_completion"},
                                   "choices": {"type": "array", "items": {"type": "object", "properties": {
                                       "index": {"type": "integer"}, "text": {"type": "string"},
+                                      "logprobs": completion_lp,
                                       "finish_reason": {"type": ["string", "null"]}}}},
                                   "usage": _ref("Usage"), "syshax": _ref("Route")},
         },
@@ -205,6 +280,7 @@ def _schemas() -> dict:
                                       "index": {"type": "integer"},
                                       "delta": {"type": "object", "properties": {
                                           "role": {"type": "string"}, "content": {"type": "string"}}},
+                                      "logprobs": chat_lp,
                                       "finish_reason": {"type": ["string", "null"]}}}},
                                   "usage": _ref("Usage"), "syshax": _ref("Route")},
         },
@@ -262,7 +338,7 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
     secured = [{"bearerAuth": []}] if keys_required else []
     common = _sampling_fields(model_name, routes)
     schemas = _schemas() | {"CompletionRequest": _completion_request(common, n_ctx),
-                            "ChatCompletionRequest": _chat_request(common, n_ctx)}
+                            "ChatCompletionRequest": _chat_request(common, n_ctx)} | _token_schemas(model_name)
     json_200 = lambda ref, what: {"200": {"description": what,  # noqa: E731
                                           "content": {"application/json": {"schema": _ref(ref)}}}}
     return {
@@ -274,6 +350,12 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
                                                     "CompletionChunk", secured)},
             "/v1/chat/completions": {"post": _generation("Chat completion", "ChatCompletionRequest",
                                                          "ChatCompletion", "ChatCompletionChunk", secured)},
+            "/tokenize": _token_op("Text or chat messages to the model's token ids", "TokenizeRequest", "Tokenized",
+                                   secured),
+            "/detokenize": _token_op("Token ids to text", "DetokenizeRequest", "Detokenized", secured),
+            "/tokenizer_info": {"get": {"summary": "The vocabulary's special tokens and chat template (vLLM's)",
+                                        "security": secured,
+                                        "responses": json_200("TokenizerInfo", "The tokenizer.") | _errors("401")}},
             "/v1/models": {"get": {"summary": "The served model", "security": secured,
                                    "responses": json_200("ModelList", "The one model this daemon serves.")
                                    | _errors("401")}},

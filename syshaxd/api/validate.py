@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from syshaxd.api.errors import APIError, invalid
@@ -13,6 +13,9 @@ from syshaxd.config import MODES
 from syshaxd.engine.types import GenerateRequest, SamplingParams
 
 MAX_STOP = 4
+MAX_N = 16  # choices per prompt (n)
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_LOGPROBS = 20  # top alternatives per token (completions' logprobs, chat's top_logprobs), as vLLM
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 
@@ -35,10 +38,24 @@ NUMBER_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "presence_pen
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    generate: GenerateRequest
+    """One API request: one GenerateRequest per choice (prompt_index * n + j), and how to show the results."""
+
+    generates: tuple[GenerateRequest, ...]
     stream: bool
     include_usage: bool
     model: str
+    n: int = 1
+    echo: bool = False  # completions: each choice's text begins with its prompt
+    prompts: tuple[str | None, ...] = (None,)  # each prompt's text; None: token ids (echo detokenizes them)
+    logprobs: bool = False  # completions' `logprobs` or chat's `logprobs: true`
+    max_tokens_zero: bool = False  # echo with max_tokens 0: the engines generate one token, which is dropped
+
+    @property
+    def generate(self) -> GenerateRequest:
+        return self.generates[0]
+
+    def prompt_index(self, choice: int) -> int:
+        return choice // self.n
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -60,7 +77,7 @@ def parse_json_body(raw: bytes) -> dict:
     return body
 
 
-def _type_error(name: str, expected: str, value: Any) -> APIError:
+def type_error(name: str, expected: str, value: Any) -> APIError:
     got = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
     return invalid(f"Invalid type for '{name}': expected {expected}, but got {got} instead.", param=name,
@@ -83,7 +100,7 @@ def _number(body: dict, name: str, default: float | None, low: float, high: floa
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _type_error(name, "a number", value)
+        raise type_error(name, "a number", value)
     if not low <= value <= high:
         raise invalid(f"Invalid '{name}': {value} is out of range; it must be between {low} and {high}.", param=name)
     return float(value)
@@ -94,7 +111,7 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int | N
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(name, "an integer", value)
+        raise type_error(name, "an integer", value)
     if value < low or (high is not None and value > high):
         limit = f"at least {low}" if high is None else f"between {low} and {high}"
         raise invalid(f"Invalid '{name}': {value}; it must be {limit}.", param=name)
@@ -106,7 +123,7 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _type_error(name, "a boolean", value)
+        raise type_error(name, "a boolean", value)
     return value
 
 
@@ -117,7 +134,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _type_error("stop", "a string or an array of strings", value)
+        raise type_error("stop", "a string or an array of strings", value)
     if len(value) > MAX_STOP:
         raise invalid(f"Invalid 'stop': at most {MAX_STOP} stop sequences are allowed, got {len(value)}.", param="stop")
     if any(s == "" for s in value):
@@ -131,22 +148,16 @@ def _unsupported(body: dict, name: str, allowed: tuple = (None,), why: str = "")
                       code="unsupported_parameter")
 
 
-def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, bool, tuple[str, ...], bool]:
+def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, bool, tuple[str, ...], bool, int]:
     model = body.get("model")
     if model is None:
         raise invalid("you must provide a model parameter", param="model", code="missing_required_parameter")
     if not isinstance(model, str):
-        raise _type_error("model", "a string", model)
+        raise type_error("model", "a string", model)
     if model != served_model:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{served_model}`.",
                        param="model", code="model_not_found")
-    n = body.get("n")
-    if n is not None:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise _type_error("n", "an integer", n)
-        if n != 1:
-            raise invalid(f"Invalid 'n': {n}. This server returns one choice per request; send n=1 "
-                          "(or several requests).", param="n", code="unsupported_parameter")
+    n = _integer(body, "n", 1, 1, MAX_N)
     numbers = {name: _number(body, name, NUMBER_DEFAULTS[name], low, high)
                for name, (low, high) in NUMBER_RANGES.items()}
     sampling = SamplingParams(
@@ -159,13 +170,13 @@ def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, b
     include_usage = False
     if options is not None:
         if not isinstance(options, dict):
-            raise _type_error("stream_options", "an object", options)
+            raise type_error("stream_options", "an object", options)
         if not stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
         include_usage = _boolean(options, "include_usage", False)
     _unsupported(body, "logit_bias", (None, {}))
     ignore_eos = _boolean(body, "ignore_eos", False)
-    return model, sampling, stream, include_usage, _stop(body), ignore_eos
+    return model, sampling, stream, include_usage, _stop(body), ignore_eos, n
 
 
 def _route(body: dict) -> str:
@@ -175,7 +186,7 @@ def _route(body: dict) -> str:
     if ext is None:
         return ""
     if not isinstance(ext, dict):
-        raise _type_error("syshax", "an object", ext)
+        raise type_error("syshax", "an object", ext)
     mode = ext.get("mode")
     if mode is None:
         return ""
@@ -185,62 +196,98 @@ def _route(body: dict) -> str:
     return mode
 
 
-def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, low: int = 1) -> int | None:
     for name in names:
         if body.get(name) is not None:
-            return _integer(body, name, default, 1)
+            return _integer(body, name, default, low)
     return default
 
 
-def _prompt(body: dict) -> tuple[str | None, tuple[int, ...] | None]:
-    if "prompt" not in body or body["prompt"] is None:
-        raise invalid("you must provide a prompt parameter", param="prompt", code="missing_required_parameter")
-    p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
+def _one_prompt(p: Any) -> tuple[str | None, tuple[int, ...] | None] | None:
+    """(text, None) or (None, token ids) for one prompt; None when p is neither shape."""
     if isinstance(p, str):
         if p == "":
             raise invalid("Invalid 'prompt': the prompt must not be empty.", param="prompt")
         return _text("prompt", p), None
-    if isinstance(p, list):
+    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         if not p:
             raise invalid("Invalid 'prompt': the prompt must not be empty.", param="prompt")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            if any(t < 0 for t in p):
-                raise invalid("Invalid 'prompt': token ids must not be negative.", param="prompt")
-            return None, tuple(p)
-        if all(isinstance(t, (str, list)) for t in p):
-            raise invalid(f"Invalid 'prompt': this server takes one prompt per request, got {len(p)}; "
-                          "send one request per prompt.", param="prompt", code="unsupported_parameter")
-    raise _type_error("prompt", "a string, an array of token ids, or an array with one of those", p)
+        if any(t < 0 for t in p):
+            raise invalid("Invalid 'prompt': token ids must not be negative.", param="prompt")
+        return None, tuple(p)
+    return None
+
+
+def _prompts(body: dict) -> list[tuple[str | None, tuple[int, ...] | None]]:
+    """The request's prompts: a string or token ids, or an array of those (a batch)."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise invalid("you must provide a prompt parameter", param="prompt", code="missing_required_parameter")
+    p = body["prompt"]
+    one = _one_prompt(p)
+    if one is not None:
+        return [one]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > MAX_PROMPTS:
+            raise invalid(f"Invalid 'prompt': at most {MAX_PROMPTS} prompts per request, got {len(p)}.",
+                          param="prompt", code="array_above_max_length")
+        batch = [_one_prompt(x) for x in p]
+        if all(b is not None for b in batch):
+            return batch
+    raise type_error("prompt", "a string, an array of token ids, or an array of those", p)
+
+
+def _choices(base: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """n copies of base (one prompt's choices), with seeds seed + j when a seed is given."""
+    out = []
+    for j in range(n):
+        seed = base.sampling.seed
+        if seed is not None:
+            seed = (seed + j) % 2**64 if seed >= 0 else seed + j
+        out.append(replace(base, sampling=replace(base.sampling, seed=seed)))
+    return out
+
+
+def _logprobs_k(body: dict, name: str) -> int | None:
+    return _integer(body, name, None, 0, MAX_LOGPROBS)
 
 
 def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> ParsedRequest:
-    model, sampling, stream, include_usage, stop, ignore_eos = _common(body, served_model)
-    prompt, tokens = _prompt(body)
-    _unsupported(body, "echo", (None, False))
+    model, sampling, stream, include_usage, stop, ignore_eos, n = _common(body, served_model)
+    prompts = _prompts(body)
+    echo = _boolean(body, "echo", False)
     _unsupported(body, "suffix", (None, ""))
-    _unsupported(body, "best_of", (None, 1))
-    _unsupported(body, "logprobs", (None,), "logprobs are not computed")
-    req = GenerateRequest(
-        request_id=f"cmpl-{uuid.uuid4().hex}",
-        max_tokens=_max_tokens(body, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS),
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise invalid(f"'best_of' other than n is not supported by this server (got {best_of!r}); send n alone.",
+                      param="best_of", code="unsupported_parameter")
+    k = _logprobs_k(body, "logprobs")
+    # echo with max_tokens 0 returns the prompt alone (lm-eval's loglikelihood asks exactly that)
+    max_tokens = _max_tokens(body, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS, 0 if echo else 1)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    base = GenerateRequest(
+        request_id=rid,
+        max_tokens=max_tokens or 1,
         sampling=sampling,
-        prompt=prompt,
-        prompt_tokens=tokens,
         stop=stop,
         ignore_eos=ignore_eos,
         default_max_tokens=default_max_tokens,
         route=_route(body),
         cache_prompt=_boolean(body, "cache_prompt", True),  # llama-server's opt-out of the prefix cache
+        logprobs=k,
+        prompt_logprobs=k if echo else None,
     )
-    return ParsedRequest(req, stream, include_usage, model)
+    generates = [replace(c, prompt=text, prompt_tokens=tokens) for text, tokens in prompts for c in _choices(base, n)]
+    if len(generates) > 1:
+        generates = [replace(g, request_id=f"{rid}-{i}") for i, g in enumerate(generates)]
+    return ParsedRequest(tuple(generates), stream, include_usage, model, n=n, echo=echo,
+                         prompts=tuple(text for text, _ in prompts), logprobs=k is not None,
+                         max_tokens_zero=max_tokens == 0)
 
 
-def _message(i: int, m: Any) -> dict:
+def parse_message(i: int, m: Any) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise _type_error(where, "an object", m)
+        raise type_error(where, "an object", m)
     role = m.get("role")
     if role not in CHAT_ROLES:
         raise invalid(f"Invalid '{where}.role': {role!r}; it must be one of {', '.join(CHAT_ROLES)}.",
@@ -257,17 +304,17 @@ def _message(i: int, m: Any) -> dict:
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise _type_error(f"{where}.content", "a string or an array of text parts", content)
+        raise type_error(f"{where}.content", "a string or an array of text parts", content)
     return {"role": role, "content": _text(f"{where}.content", content)}
 
 
 def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messages: int = 2048) -> ParsedRequest:
-    model, sampling, stream, include_usage, stop, ignore_eos = _common(body, served_model)
+    model, sampling, stream, include_usage, stop, ignore_eos, n = _common(body, served_model)
     messages = body.get("messages")
     if messages is None:
         raise invalid("you must provide a messages parameter", param="messages", code="missing_required_parameter")
     if not isinstance(messages, list):
-        raise _type_error("messages", "an array", messages)
+        raise type_error("messages", "an array", messages)
     if not messages:
         raise invalid("Invalid 'messages': empty array. Expected an array with at least one message.",
                       param="messages", code="empty_array")
@@ -275,16 +322,19 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         raise invalid(f"Invalid 'messages': array too long. Expected an array with maximum length {max_messages}, "
                       f"but got an array with length {len(messages)} instead (max_messages).", param="messages",
                       code="array_above_max_length")
-    parsed = tuple(_message(i, m) for i, m in enumerate(messages))
-    _unsupported(body, "logprobs", (None, False), "logprobs are not computed")
-    _unsupported(body, "top_logprobs", (None,), "logprobs are not computed")
+    parsed = tuple(parse_message(i, m) for i, m in enumerate(messages))
+    logprobs = _boolean(body, "logprobs", False)
+    top = _logprobs_k(body, "top_logprobs")
+    if top is not None and not logprobs:
+        raise invalid("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     _unsupported(body, "tools", (None, []), "tool calling is not implemented")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise invalid("'response_format' other than {\"type\": \"text\"} is not supported by this server.",
                       param="response_format", code="unsupported_parameter")
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
     req = GenerateRequest(
-        request_id=f"chatcmpl-{uuid.uuid4().hex}",
+        request_id=rid,
         max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens"), None),
         sampling=sampling,
         messages=parsed,
@@ -293,5 +343,9 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         default_max_tokens=default_max_tokens,
         route=_route(body),
         cache_prompt=_boolean(body, "cache_prompt", True),  # llama-server's opt-out of the prefix cache
+        logprobs=(top or 0) if logprobs else None,
     )
-    return ParsedRequest(req, stream, include_usage, model)
+    generates = _choices(req, n)
+    if n > 1:
+        generates = [replace(g, request_id=f"{rid}-{i}") for i, g in enumerate(generates)]
+    return ParsedRequest(tuple(generates), stream, include_usage, model, n=n, logprobs=logprobs)

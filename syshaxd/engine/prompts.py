@@ -1,35 +1,63 @@
-"""Prompts tokenized in the daemon, exactly as the llama.cpp engines tokenize them.
+"""The daemon's copy of the model's vocabulary, and prompts tokenized in the daemon exactly as the engines do.
 
-The prefix cache is planned from a prompt's token ids before the request goes to a worker, so the
-daemon tokenizes (and renders chat) with the GGUF's own vocabulary and template (gguf/vocab.py), off
-the event loop, and sends the ids on. A prompt that cannot run is refused here, before any engine
-work, with the Rejected an engine would have answered.
+Loaded vocab-only from the GGUF the engines read (gguf/vocab.py), on first use and off the event
+loop, so token ids and chat rendering are the engines' own. The prefix cache is planned from a
+prompt's token ids before the request goes to a worker (PromptTokenizer); /tokenize, /detokenize
+and the token texts of logprobs read the same copy. A prompt that cannot run is refused here,
+before any engine work, with the Rejected an engine would have answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from pathlib import Path
+from functools import lru_cache
 
 from syshaxd.engine.types import GenerateRequest, Rejected
 from syshaxd.gguf.vocab import Vocab, admit
 
 
+class DaemonVocab:
+    def __init__(self, gguf: str) -> None:
+        self.gguf = gguf
+        self._vocab: Vocab | None = None
+        self.pieces: Pieces | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> Vocab:
+        if self._vocab is None:
+            async with self._lock:
+                if self._vocab is None:
+                    vocab = await asyncio.to_thread(Vocab, self.gguf)
+                    self.pieces = Pieces(vocab)
+                    self._vocab = vocab
+        return self._vocab
+
+
+class Pieces:
+    """Token id -> its bytes and text, as a reply shows them (special tokens as their text), cached."""
+
+    def __init__(self, vocab: Vocab) -> None:
+        self.vocab = vocab
+        self.bytes = lru_cache(maxsize=65536)(lambda t: vocab.piece_bytes(t, special=True))
+
+    def text(self, token: int) -> str:
+        return self.bytes(token).decode("utf-8", errors="replace")
+
+
 class PromptTokenizer:
-    def __init__(self, gguf: str | Path, n_ctx: int) -> None:
-        self.vocab = Vocab(gguf)
-        self.n_ctx = min(n_ctx, self.vocab.n_ctx_train or n_ctx)  # what the engines allow one sequence
+    def __init__(self, vocab: DaemonVocab, n_ctx: int) -> None:
+        self.vocab = vocab
+        self.n_ctx = n_ctx  # capped by the model's training context, as the engines cap it
 
     async def tokenize(self, request: GenerateRequest) -> GenerateRequest | Rejected:
         """The request with its prompt as token ids, or why it cannot run."""
         if request.prompt_tokens is not None:
             return request
-        admitted = await asyncio.to_thread(admit, self.vocab, request, self.n_ctx)
+        vocab = await self.vocab.get()
+        n_ctx = min(self.n_ctx, vocab.n_ctx_train or self.n_ctx)
+        admitted = await asyncio.to_thread(admit, vocab, request, n_ctx)
         if isinstance(admitted, Rejected):
             return admitted
         tokens, _ = admitted
         return replace(request, prompt_tokens=tuple(tokens), prompt=None, messages=None)
-
-    def close(self) -> None:
-        self.vocab.close()

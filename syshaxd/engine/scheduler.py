@@ -12,7 +12,7 @@ from syshaxd.engine.decider import Decision, EngineState, Thresholds, Verdict, d
 from syshaxd.engine.handoff import HandoffStream
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.offload import OffloadCounts, OffloadStream
-from syshaxd.engine.prompts import PromptTokenizer
+from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.engine.retry import RetryStream
 from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
@@ -52,6 +52,9 @@ class Scheduler:
         self.config = config
         self.prompts = prompts  # tokenizes in the daemon, for the prefix cache; None: the engines tokenize
         self.workers = workers
+        # the daemon's one copy of the vocabulary (the engines' GGUF: every worker serves the same model)
+        self.vocab = prompts.vocab if prompts is not None else DaemonVocab(workers[0].spec.model_path if workers
+                                                                            else "")
         self.pools = {pool: [w for w in workers if w.spec.pool == pool] for pool in Pool}
         self.decoders = self.pools[Pool.CPU]
         self.prefill = self.pools[Pool.PREFILL]
@@ -148,6 +151,7 @@ class Scheduler:
         """The request with its prefix plan when `worker` reads the prefix cache; the plan's blocks are held
         for the request until the worker reports on them or the request's stream there ends."""
         if (request.prompt_tokens is None or not request.cache_prompt or request.resume_tokens
+                or request.prompt_logprobs is not None  # every prompt position's logits: the prompt runs whole
                 or not worker.info.get("prefix_cache")):
             return request
         plan = self.ledger.plan_prefix(request.request_id, request.prompt_tokens)
@@ -183,6 +187,11 @@ class Scheduler:
             # the GPU engine is loading or being restarted: the CPU workers serve meanwhile
             decision = Decision(Verdict.CPU, f"the GPU engine is not ready ({self._states(self.gpu)}); "
                                 "serving on the CPU")
+            self.decisions[decision.route] += 1
+        elif mode == Mode.AUTO and (request.logprobs is not None or request.prompt_logprobs is not None):
+            # a decode offloaded from the GPU engine would lose them: such a request is not the decider's to place
+            decision = Decision(Verdict.CPU, "asks for logprobs: runs whole on a CPU worker, as an offloaded "
+                                "decode would not carry them")
             self.decisions[decision.route] += 1
         elif mode == Mode.AUTO:
             decision = self.decide()

@@ -99,6 +99,19 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's token, its log-probability, and the most likely tokens there (most likely first).
+
+    Log-probabilities are of the model's raw distribution (log-softmax of the logits, before
+    temperature, penalties and truncation), as vLLM reports them by default.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), descending
+
+
+@dataclass(frozen=True)
 class KVHandle:
     """Where a prefill left its KV record in the ring; only this crosses the control channel."""
 
@@ -109,6 +122,9 @@ class KVHandle:
     n_tokens: int
     first_token: int
     written_at: float  # time.time() when the record was committed
+    # the prefill engine's logprobs, when the request asked for them: the decoder sends them with the first token
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +174,10 @@ class GenerateRequest:
     # the prompt's blocks in the prefix cache (the daemon plans it from prompt_tokens); None: no cache
     prefix: PrefixPlan | None = None
     cache_prompt: bool = True  # False: the request neither reads nor fills the prefix cache
+    # logprobs: each generated token's logprob and this many top alternatives (None: none computed);
+    # prompt_logprobs: the same for every prompt token (echo), which needs every prompt position's logits
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 # --- worker -> daemon events -------------------------------------------------------------
@@ -225,6 +245,9 @@ class Delta:
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     error: str | None = None
     tokens: tuple[int, ...] = ()  # the token ids behind it (so a decode can continue on another engine)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token that went into the text (request.logprobs)
+    # the prompt's, on the first Delta (request.prompt_logprobs): None for the first token, which has no context
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

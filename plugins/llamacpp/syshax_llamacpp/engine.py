@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import llama_cpp
@@ -15,14 +15,14 @@ import numpy as np
 
 from syshaxd.gguf.quantize import ensure_quantized
 from syshaxd.gguf.vocab import Vocab, admit
+from syshax_llamacpp import logprobs, prefix
 from syshax_llamacpp.sampling import make_sampler, sample_logits
 from syshax_llamacpp.streams import StreamRun
 from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
 from syshaxd.engine.types import (Accepted, Cached, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest,
-                                  Imported, Prefilled, Rejected)
+                                  Imported, Prefilled, Rejected, TokenLogprob)
 from syshaxd.gguf.header import fingerprint_from_gguf
-from syshax_llamacpp import prefix
 from syshax_llamacpp.codec import StateBuffer, StateImportError, export_seq, widen_streams
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ class _Sequence:
     cached: bool = False  # the prompt may start from blocks of the prefix cache (request.prefix)
     hit_tokens: int = 0  # prompt tokens it took from the prefix cache
     refused: list = field(default_factory=list)  # hit slots that did not check out (told to the daemon)
+    # request.prompt_logprobs: the prompt's logprobs as its chunks run (None for its first token), sent once
+    prompt_lp: list | None = None
 
 
 class LlamaCppEngine:
@@ -244,7 +246,7 @@ class LlamaCppEngine:
             self.counters["steps"] += 1
             if rc != 0:
                 return self._fail(rc, [seq for seq, _ in rows])
-            deltas += [self._emit(seq, llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, i)) for seq, i in rows]
+            deltas += [self._emit(seq, *self._sample(seq, self.ctx, i)) for seq, i in rows]
         seq = next((s for s in self.active.values() if s.pending), None)
         if seq is not None:
             deltas += self._prefill_chunk(seq)
@@ -256,27 +258,35 @@ class LlamaCppEngine:
         logits = self._import_hits(seq) if seq.cached and seq.n_past == 0 else None
         if logits is not None:  # the whole prompt came from the cache: nothing to evaluate
             token = sample_logits(seq.sampler, logits)
+            k = seq.request.logprobs
+            lp = logprobs.of_logits(logits, token, k) if k is not None else None
         else:
             b = self.prefill_batch
             b.n_tokens = 0
             take = min(len(seq.pending), self.chunk)
+            start = seq.n_past
+            every = seq.prompt_lp is not None  # echo's prompt logprobs: logits for every position
             for _ in range(take):
                 last = len(seq.pending) == 1
-                self._add(b, seq.pending.popleft(), seq.n_past, 0, last)
+                self._add(b, seq.pending.popleft(), seq.n_past, 0, last or every)
                 seq.n_past += 1
             rc = llama_cpp.llama_decode(self.prefill_ctx, b)
             if rc != 0:
                 llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
                 return self._fail(rc, [seq])
+            if every:  # row j predicts the prompt's token after position start + j
+                seq.prompt_lp += logprobs.prompt_chunk(self.prefill_ctx, take, self.n_vocab,
+                                                       seq.prompt[start + 1:start + take + 1],
+                                                       seq.request.prompt_logprobs)
             if seq.pending:
                 return []
             if seq.request.prefix is not None and seq.request.prefix.final_store >= 0:  # kept with the prompt
                 logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.prefill_ctx, b.n_tokens - 1),
                                                (self.n_vocab,)).copy()
-            token = llama_cpp.llama_sampler_sample(seq.sampler, self.prefill_ctx, b.n_tokens - 1)
+            token, lp = self._sample(seq, self.prefill_ctx, b.n_tokens - 1)
         if not self.decodes or seq.request.handoff:
             cached = self._keep_blocks(seq, None, logits)
-            return [*cached, self._hand_on(seq, token)]
+            return [*cached, self._hand_on(seq, token, lp)]
         size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
         buf = self._state.ensure(size + 4 * self.max_seqs)
         export_seq(self.prefill_ctx, 0, self._state)
@@ -287,7 +297,7 @@ class LlamaCppEngine:
         got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, seq.seq_id)
         if got != size:
             return cached + self._fail(-1, [seq], "could not move the prompt's KV into the batch context")
-        return [*cached, self._emit(seq, token)]
+        return [*cached, self._emit(seq, token, lp)]
 
     def _import_hits(self, seq: _Sequence) -> np.ndarray | None:
         """Start seq's prompt from its cached blocks: their KV into the prompt context, the rest still to run.
@@ -384,6 +394,8 @@ class LlamaCppEngine:
         """Make seq active: a sampler, its text stream, and its prompt to evaluate or its KV to import."""
         seq.sampler = make_sampler(seq.request.sampling, self.n_vocab)
         seq.out = SequenceOutput.for_request(seq.request, seq.max_tokens, self.vocab.is_eog, self.vocab.piece_bytes)
+        if seq.request.prompt_logprobs is not None:
+            seq.prompt_lp = [None]
         self.active[seq.request.request_id] = seq
         self.counters["prompt_tokens"] += len(seq.prompt)
         if seq.request.kv is not None or seq.request.kv_missing:
@@ -413,13 +425,16 @@ class LlamaCppEngine:
             else:
                 seq.n_past = len(seq.prompt)
                 took = time.monotonic() - started
-                return [Imported(rid, True, seconds=took, nbytes=nbytes), self._emit(seq, handle.first_token)]
+                if handle.prompt_logprobs is not None:  # computed by the prefill engine, as this one would
+                    seq.prompt_lp = list(handle.prompt_logprobs)
+                return [Imported(rid, True, seconds=took, nbytes=nbytes),
+                        self._emit(seq, handle.first_token, handle.first_logprob)]
         else:
             log.warning("%s: no KV record (%s); recomputing the prompt here", rid, reason)
         seq.pending = deque(seq.prompt)
         return [Imported(rid, False, reason=reason)]
 
-    def _hand_on(self, seq: _Sequence, token: int) -> Prefilled:
+    def _hand_on(self, seq: _Sequence, token: int, lp: TokenLogprob | None) -> Prefilled:
         """Prefill role: write the prompt's KV into the ring and let the sequence go."""
         from syshaxd.kv.ring import RingError
 
@@ -430,7 +445,8 @@ class LlamaCppEngine:
             log.warning("%s: KV record not written (%s); the decoder will recompute the prompt", rid, exc)
             event = Prefilled(rid, None, Fallback.of_export(exc))
         else:
-            event = Prefilled(rid, handle)
+            prompt_lp = tuple(seq.prompt_lp) if seq.prompt_lp is not None else None
+            event = Prefilled(rid, replace(handle, first_logprob=lp, prompt_logprobs=prompt_lp))
         llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         self._release(seq)
         self.counters["finished"] += 1
@@ -447,14 +463,24 @@ class LlamaCppEngine:
         b.n_tokens = i + 1
         return i
 
-    def _emit(self, seq: _Sequence, token: int) -> Delta:
+    def _sample(self, seq: _Sequence, ctx, i: int) -> tuple[int, TokenLogprob | None]:
+        """The next token from batch row i, and its logprob when the request asked for them."""
+        token = llama_cpp.llama_sampler_sample(seq.sampler, ctx, i)
+        k = seq.request.logprobs
+        return token, (logprobs.at(ctx, i, self.n_vocab, token, k) if k is not None else None)
+
+    def _emit(self, seq: _Sequence, token: int, lp: TokenLogprob | None = None) -> Delta:
         text, finish = seq.out.token(token)
         if finish is None:
             seq.next_token = token
         else:
             self._release(seq)
             self.counters["finished"] += 1
-        return Delta(seq.request.request_id, text, 1, finish, tokens=(token,))
+        # the end-of-generation token that ends the text is not part of it: no logprob entry
+        ended = finish == "stop" and self.vocab.is_eog(token) and not seq.request.ignore_eos
+        prompt_lp, seq.prompt_lp = (tuple(seq.prompt_lp) if seq.prompt_lp is not None else None), None
+        return Delta(seq.request.request_id, text, 1, finish, tokens=(token,),
+                     logprobs=(lp,) if lp is not None and not ended else (), prompt_logprobs=prompt_lp)
 
     def _release(self, seq: _Sequence) -> None:
         """Remove the sequence from the KV cache and give its slot back."""

@@ -13,6 +13,7 @@ import torch
 from syshaxd.engine.types import (Accepted, EngineSpec, EngineStats, Fallback, GenerateRequest, KVHandle, Prefilled,
                                   Rejected, SamplingParams)
 from syshaxd.gguf.quantize import resolve_gguf
+from syshaxd.engine.capabilities import refuse_logprobs
 from syshaxd.gguf.vocab import Vocab, admit
 from syshaxd.kv.hf_codec import check_model, encode_tensors_into, hf_config_shape, past_key_values_layers
 from syshaxd.kv.record import DType, record_size
@@ -105,6 +106,9 @@ class TorchPrefillEngine:
                 "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
 
     def submit(self, request: GenerateRequest) -> list:
+        refused = refuse_logprobs(request, "torch", "hetero")
+        if refused is not None:
+            return [refused]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from syshaxd.gguf.quantize import resolve_gguf
+from syshaxd.engine.capabilities import refuse_logprobs
 from syshaxd.gguf.vocab import Vocab, admit
 from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
 from syshaxd.engine.types import (Accepted, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest, KVHandle,
-                                  Prefilled, Rejected)
+                                  Prefilled, Rejected, TokenLogprob)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,14 @@ class _Live:
     @property
     def n_generated(self) -> int:
         return self.out.n_generated
+
+
+def _logprob(position, token: int, k: int) -> TokenLogprob:
+    """vLLM's {token: Logprob(logprob, rank)} for one position: the chosen token and the k best, best first."""
+    best = sorted(((t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= k),
+                  key=lambda item: item[1].rank)
+    return TokenLogprob(int(token), float(position[token].logprob), tuple((int(t), float(lp.logprob))
+                                                                           for t, lp in best[:k]))
 
 
 class VllmEngine:
@@ -139,12 +148,16 @@ class VllmEngine:
                 "device": "cpu" if self.on_cpu else "cuda", "chat_template": self.vocab.template.source}
 
     def submit(self, request: GenerateRequest) -> list:
+        handoff = self.spec.role == "prefill" or request.handoff
+        if handoff:  # a handed-on prompt's logprobs do not travel with vLLM's KV record
+            refused = refuse_logprobs(request, "vLLM prefill", "hetero" if self.spec.role == "prefill" else "auto")
+            if refused is not None:
+                return [refused]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]
         prompt, max_tokens = admitted
         rid = request.request_id
-        handoff = self.spec.role == "prefill" or request.handoff
         if handoff and not self.spec.ring:
             return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
         prompt += request.resume_tokens  # a decode moved here continues after what it generated
@@ -157,7 +170,9 @@ class VllmEngine:
             repetition_penalty=s.repetition_penalty,
             # generate: end-of-generation and stop strings are decided here, as the llama.cpp engine does
             max_tokens=1 if handoff else max_tokens, ignore_eos=True, detokenize=False,
-            output_kind=self._DELTA, extra_args=dict(self._export_args) if handoff else None)
+            output_kind=self._DELTA, extra_args=dict(self._export_args) if handoff else None,
+            # vLLM's default logprobs_mode is raw_logprobs: the model's distribution, as the llama.cpp engine's
+            logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
         self.live[rid] = live
         self.counters["prompt_tokens"] += len(prompt)
         if not handoff and (self.held or self._generating() >= self.max_seqs):
@@ -247,9 +262,19 @@ class VllmEngine:
     def _deltas(self, live: _Live, out) -> list:
         rid = live.request.request_id
         deltas = []
-        for token in out.outputs[0].token_ids if out.outputs else ():
+        k = live.request.logprobs
+        sampled = out.outputs[0].logprobs if out.outputs and k is not None else None
+        prompt_lp = None
+        if live.request.prompt_logprobs is not None and out.prompt_logprobs is not None:  # the first output's
+            prompt_lp = tuple(None if d is None else _logprob(d, t, live.request.prompt_logprobs)
+                              for d, t in zip(out.prompt_logprobs, live.prompt))
+        for i, token in enumerate(out.outputs[0].token_ids if out.outputs else ()):
             text, finish = live.out.token(token)
-            deltas.append(Delta(rid, text, 1, finish, tokens=(int(token),)))
+            # the end-of-generation token that ends the text is not part of it: no logprob entry
+            ended = finish == "stop" and self.vocab.is_eog(token) and not live.request.ignore_eos
+            lp = (_logprob(sampled[i], token, k),) if sampled is not None and not ended else ()
+            deltas.append(Delta(rid, text, 1, finish, tokens=(int(token),), logprobs=lp,
+                                prompt_logprobs=prompt_lp if i == 0 else None))
             if finish is not None:
                 self._drop(live, abort=not out.finished)
                 self.counters["finished"] += 1
