@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syshaxd.api.errors import APIError, invalid
+from syshaxd.api.structured import parse_response_format
 from syshaxd.config import MODES
 from syshaxd.engine.types import GenerateRequest, SamplingParams
 
@@ -278,10 +279,7 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
     _unsupported(body, "logprobs", (None, False), "logprobs are not computed")
     _unsupported(body, "top_logprobs", (None,), "logprobs are not computed")
     _unsupported(body, "tools", (None, []), "tool calling is not implemented")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise invalid("'response_format' other than {\"type\": \"text\"} is not supported by this server.",
-                      param="response_format", code="unsupported_parameter")
+    grammar = parse_response_format(body.get("response_format"))
     req = GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens"), None),
@@ -291,5 +289,6 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         ignore_eos=ignore_eos,
         default_max_tokens=default_max_tokens,
         route=_route(body),
+        grammar=grammar,
     )
     return ParsedRequest(req, stream, include_usage, model)

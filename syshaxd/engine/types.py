@@ -133,6 +133,9 @@ class GenerateRequest:
     # tokens this request already generated on another engine: the prompt is followed by them
     # and generation continues after them (auto mode moving a CPU decode back to the GPU)
     resume_tokens: tuple[int, ...] = ()
+    # GBNF text (root rule "root") that the output must match: response_format and forced tool calls,
+    # converted in the daemon (api/structured.py); empty: unconstrained
+    grammar: str = ""
 
 
 # --- worker -> daemon events -------------------------------------------------------------

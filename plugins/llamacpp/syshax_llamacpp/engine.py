@@ -14,7 +14,7 @@ import llama_cpp
 
 from syshaxd.gguf.quantize import ensure_quantized
 from syshaxd.gguf.vocab import Vocab, admit
-from syshax_llamacpp.sampling import make_sampler
+from syshax_llamacpp.sampling import GrammarError, accept, make_sampler
 from syshax_llamacpp.streams import StreamRun
 from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
@@ -303,7 +303,11 @@ class LlamaCppEngine:
 
     def _start(self, seq: _Sequence) -> list:
         """Make seq active: a sampler, its text stream, and its prompt to evaluate or its KV to import."""
-        seq.sampler = make_sampler(seq.request.sampling, self.n_vocab)
+        try:  # a decode moved here continues its grammar (and penalties) after what it generated
+            seq.sampler = make_sampler(seq.request.sampling, self.n_vocab, seq.request.grammar, self.vocab.vocab,
+                                       seq.request.resume_tokens)
+        except GrammarError as exc:
+            return self._fail(-1, [seq], str(exc))
         seq.out = SequenceOutput.for_request(seq.request, seq.max_tokens, self.vocab.is_eog, self.vocab.piece_bytes)
         self.active[seq.request.request_id] = seq
         self.counters["prompt_tokens"] += len(seq.prompt)
@@ -334,6 +338,10 @@ class LlamaCppEngine:
             else:
                 seq.n_past = len(seq.prompt)
                 took = time.monotonic() - started
+                # the prefill engine sampled the first token: the chain here (its grammar) must see it too
+                if not accept(seq.sampler, handle.first_token, bool(seq.request.grammar)):
+                    return [Imported(rid, True, seconds=took, nbytes=nbytes),
+                            *self._fail(-1, [seq], "the prefill engine's first token breaks the grammar")]
                 return [Imported(rid, True, seconds=took, nbytes=nbytes), self._emit(seq, handle.first_token)]
         else:
             log.warning("%s: no KV record (%s); recomputing the prompt here", rid, reason)
