@@ -1,0 +1,171 @@
+"""Structured outputs and tool calls against a real daemon, through the official openai client.
+
+response_format json_schema / json_object constrain sampling with a grammar (api/structured.py):
+the output parses and validates whatever the tiny model would rather say. Schemas keep their
+strings and arrays bounded (maxLength, maxItems) so that a 135M model finishes well inside
+max_tokens and the finish is "stop".
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from conftest import MODEL_NAME, http_json, start_daemon
+
+NAME = {"type": "string", "maxLength": 24}
+WORD = {"type": "string", "maxLength": 16}
+
+
+def obj(props: dict, required=None) -> dict:
+    return {"type": "object", "properties": props, "required": list(props) if required is None else required,
+            "additionalProperties": False}
+
+
+# (prompt, schema): nested objects, enums, arrays, optional and required fields, consts, anyOf, $defs
+CASES = [
+    ("Describe a person as JSON.", obj({"name": NAME, "age": {"type": "integer"}})),
+    ("What is the weather today?", obj({"city": NAME, "sky": {"enum": ["sunny", "cloudy", "rainy"]},
+                                        "celsius": {"type": "number"}})),
+    ("List three fruits.", obj({"fruits": {"type": "array", "items": WORD, "minItems": 1, "maxItems": 3}})),
+    ("Is the sky blue?", obj({"answer": {"type": "boolean"}})),
+    ("Give a book with its author.", obj({"book": obj({"title": NAME, "author": obj({"first": WORD,
+                                                                                     "last": WORD})})})),
+    ("Pick a colour.", obj({"colour": {"enum": ["red", "green", "blue"]}})),
+    ("A point in 2D.", obj({"x": {"type": "integer"}, "y": {"type": "integer"}})),
+    ("Name a country and its capital.", obj({"country": NAME, "capital": NAME})),
+    ("Rate this movie from 1 to 5.", obj({"stars": {"enum": [1, 2, 3, 4, 5]}, "comment": NAME},
+                                         required=["stars"])),
+    ("Make a to-do list.", obj({"todo": {"type": "array", "maxItems": 3,
+                                         "items": obj({"task": WORD, "done": {"type": "boolean"}})}})),
+    ("Say hello.", obj({"greeting": WORD, "lang": {"const": "en"}})),
+    ("What day is it?", obj({"date": {"type": "string", "format": "date"}})),
+    ("Give an id.", obj({"id": {"type": "string", "format": "uuid"}})),
+    ("A product with a price.", obj({"product": NAME, "price": {"type": "number"},
+                                     "currency": {"enum": ["EUR", "USD"]}})),
+    ("A nullable note.", obj({"note": {"anyOf": [WORD, {"type": "null"}]}})),
+    ("Tags for a photo of a dog.", obj({"tags": {"type": "array", "items": {"enum": ["dog", "pet", "animal",
+                                                                                     "outdoor"]},
+                                                 "maxItems": 4}})),
+    ("A user record.", {"$defs": {"user": obj({"login": WORD, "admin": {"type": "boolean"}})},
+                        "type": "object", "properties": {"user": {"$ref": "#/$defs/user"}},
+                        "required": ["user"], "additionalProperties": False}),
+    ("Numbers between one and ten.", obj({"numbers": {"type": "array", "items": {"type": "integer"},
+                                                      "minItems": 2, "maxItems": 4}})),
+    ("A short code.", obj({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}})),
+    ("A pair of words.", {"type": "object", "properties": {"pair": {"type": "array", "prefixItems": [WORD, WORD]}},
+                          "required": ["pair"], "additionalProperties": False}),
+]
+
+
+def schema_format(schema: dict, name: str = "answer") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def ask(client, prompt: str, schema: dict, **kw):
+    return client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=kw.pop("max_tokens", 160),
+        response_format=schema_format(schema), **kw)
+
+
+def assert_valid(r, schema: dict) -> dict:
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    value = json.loads(choice.message.content)
+    jsonschema.validate(value, schema)
+    return value
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_json_schema_output_validates(client, i):
+    prompt, schema = CASES[i]
+    # greedy for half, sampled (seeded) for the other half: the grammar holds either way
+    kw = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "seed": i}
+    assert_valid(ask(client, prompt, schema, **kw), schema)
+
+
+def test_json_schema_streamed_matches_plain(client):
+    prompt, schema = CASES[1]
+    plain = ask(client, prompt, schema, temperature=0).choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=160, temperature=0,
+        response_format=schema_format(schema), stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
+    jsonschema.validate(json.loads(plain), schema)
+
+
+@pytest.mark.parametrize("prompt", ['Return {"ok": true}.', 'Copy this JSON: {"a": 1}'])
+@pytest.mark.parametrize("temperature", [0, 0.7])
+def test_json_object_parses(client, prompt, temperature):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=40, temperature=temperature,
+        seed=1, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_truncated_json_is_length(client):
+    """A max_tokens too small for the object ends with "length": the grammar is not complete, and says so."""
+    prompt, schema = CASES[4]
+    r = ask(client, prompt, schema, temperature=0, max_tokens=5)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"type": "integer", "minimum": 1}, "minimum"),
+    (obj({"a": {"type": "string", "minLength": 1, "not": {"const": "x"}}}), "properties.a.not"),
+    (obj({"a": {"oneOf": [{"type": "string"}, {"type": "integer"}]}}), "oneOf"),
+    (obj({"a": {"type": "string", "format": "email"}}), "format"),
+    (obj({"a": {"type": "string", "pattern": "[a-z]+"}}), "pattern"),
+    ({"type": "object", "patternProperties": {"^x": {}}}, "patternProperties"),
+    ({"$ref": "https://example.invalid/schema.json"}, "$ref"),
+])
+def test_unsupported_schema_is_400_naming_it(client, schema, named):
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, "x", schema)
+    body = err.value.body
+    assert err.value.status_code == 400 and body["code"] == "unsupported_schema"
+    assert body["param"] == "response_format.json_schema.schema"
+    assert f"response_format.json_schema.schema.{named}" in body["message"] or named in body["message"], body
+
+
+@pytest.mark.parametrize("fmt, param", [
+    ({"type": "json"}, "response_format.type"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "response_format.json_schema.name"),
+    ("json_object", "response_format"),
+])
+def test_malformed_response_format_is_400(daemon, fmt, param):
+    status, body = http_json(f"{daemon.base_url}/chat/completions", {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "response_format": fmt})
+    assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_text_response_format_is_plain(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4, temperature=0, response_format={"type": "text"})
+    assert r.choices[0].message.content
+
+
+# --- hetero: the prefill worker samples the first token, the decoder carries the grammar on -------------
+
+
+@pytest.fixture(scope="module")
+def hetero_client(default_model, tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("hetero-structured"),
+                     {"model": str(default_model), "model_name": MODEL_NAME, "mode": "hetero", "n_ctx": 1024,
+                      "prefill_cpu_affinity": "0"})
+    yield openai.OpenAI(base_url=d.base_url, api_key="unused", max_retries=0, timeout=120), d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("i", [0, 3, 4, 9, 13])
+def test_hetero_json_schema_validates(hetero_client, i):
+    client, d = hetero_client
+    prompt, schema = CASES[i]
+    r = ask(client, prompt, schema, temperature=0.7, seed=i)
+    assert r.model_extra["syshax"]["route"] == "hetero"
+    assert_valid(r, schema)
