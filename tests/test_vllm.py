@@ -190,3 +190,18 @@ def test_auto_daemon_with_vllm_offloads_when_saturated_and_every_text_is_right(d
         assert [w["backend"] for w in st["workers"]] == ["vllm", "llamacpp"]
     finally:
         assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("i", [3, 6, 18])
+def test_gpu_mode_json_schema_validates(client, i):
+    """vLLM constrains with the daemon's grammar (structured_outputs, xgrammar reading the GBNF)."""
+    import json
+
+    import jsonschema
+    from test_structured import CASES, schema_format
+
+    prompt, schema = CASES[i]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=60, temperature=0.7, seed=i, response_format=schema_format(schema))
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)

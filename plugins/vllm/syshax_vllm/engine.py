@@ -85,9 +85,10 @@ class VllmEngine:
         self.llm = self._build(gpu)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         self._SamplingParams, self._TokensPrompt, self._DELTA = SamplingParams, TokensPrompt, RequestOutputKind.DELTA
+        self._StructuredOutputsParams = StructuredOutputsParams
         if spec.ring:
             from syshax_vllm import connector
 
@@ -157,7 +158,9 @@ class VllmEngine:
             repetition_penalty=s.repetition_penalty,
             # generate: end-of-generation and stop strings are decided here, as the llama.cpp engine does
             max_tokens=1 if handoff else max_tokens, ignore_eos=True, detokenize=False,
-            output_kind=self._DELTA, extra_args=dict(self._export_args) if handoff else None)
+            output_kind=self._DELTA, extra_args=dict(self._export_args) if handoff else None,
+            # the daemon's grammar (GBNF, which xgrammar reads); a handed-on prompt's one token obeys it too
+            structured_outputs=self._StructuredOutputsParams(grammar=request.grammar) if request.grammar else None)
         self.live[rid] = live
         self.counters["prompt_tokens"] += len(prompt)
         if not handoff and (self.held or self._generating() >= self.max_seqs):
