@@ -169,3 +169,141 @@ def test_hetero_json_schema_validates(hetero_client, i):
     r = ask(client, prompt, schema, temperature=0.7, seed=i)
     assert r.model_extra["syshax"]["route"] == "hetero"
     assert_valid(r, schema)
+
+
+# --- tools ----------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def assert_call(r, names=tuple(SCHEMAS)):
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return call
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_tool_choice_required_gives_a_valid_call(client, temperature):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=WEATHER_ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=80, temperature=temperature, seed=3)
+    assert_call(r)
+    assert r.choices[0].message.content is None
+
+
+@pytest.mark.parametrize("name", ["add", "get_weather"])
+def test_named_tool_choice_calls_that_function(client, name):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Add 2 and 3, or check the weather in Oslo."}],
+        tools=TOOLS, tool_choice={"type": "function", "function": {"name": name}}, max_tokens=80, temperature=0)
+    assert assert_call(r, (name,)).function.name == name
+
+
+def test_round_trip_call_then_tool_result_then_answer(client):
+    first = client.chat.completions.create(model=MODEL_NAME, messages=WEATHER_ASK, tools=TOOLS,
+                                           tool_choice="required", max_tokens=80, temperature=0)
+    call = assert_call(first)
+    messages = WEATHER_ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"celsius": 18, "sky": "sunny"})},
+    ]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=24,
+                                       temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+def test_streamed_tool_call_deltas_reassemble_into_the_same_call(client):
+    kw = dict(model=MODEL_NAME, messages=WEATHER_ASK, tools=TOOLS, tool_choice="required", max_tokens=80,
+              temperature=0)
+    plain = assert_call(client.chat.completions.create(**kw))
+    calls: dict[int, dict] = {}
+    finishes = []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        choice = chunk.choices[0]
+        finishes += [choice.finish_reason] if choice.finish_reason else []
+        for d in choice.delta.tool_calls or ():
+            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = d.id or call["id"]
+            if d.function is not None:
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+    assert finishes == ["tool_calls"]
+    assert list(calls) == [0] and calls[0]["id"].startswith("call_")
+    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == (plain.function.name,
+                                                                     json.loads(plain.function.arguments))
+
+
+def test_tool_choice_none_and_auto_answer_text(client):
+    for choice in ("none", "auto"):
+        r = client.chat.completions.create(model=MODEL_NAME, messages=WEATHER_ASK, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")  # SmolLM2 answers in prose
+        assert r.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}}}}]}, "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tools_are_400_naming_the_param(daemon, extra, param):
+    status, body = http_json(f"{daemon.base_url}/chat/completions",
+                             {"model": MODEL_NAME, "messages": WEATHER_ASK, "max_tokens": 4} | extra)
+    assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_tool_message_needs_its_call_id(daemon):
+    status, body = http_json(f"{daemon.base_url}/chat/completions", {
+        "model": MODEL_NAME, "max_tokens": 4,
+        "messages": WEATHER_ASK + [{"role": "tool", "content": "18 degrees"}]})
+    assert status == 400 and body["error"]["param"] == "messages[1].tool_call_id", body
+
+
+# The auto-mode parsers, on the shapes the documented template families write (no model needed).
+
+def test_auto_parses_hermes_blocks_and_llama_json():
+    from syshaxd.api.tools import parse_output, parse_tools
+
+    tools = parse_tools({"tools": TOOLS})
+    content, calls = parse_output('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                                  '{"city": "Oslo", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n'
+                                  '{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', tools)
+    assert content == "Let me check." and [c.name for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[1].arguments) == {"a": 1, "b": 2}
+    content, calls = parse_output('<|python_tag|>{"name": "add", "parameters": {"a": 4, "b": 5}}', tools)
+    assert content is None and calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 4, "b": 5}
+    for text in ('{"name": "unknown", "arguments": {}}', "Plain text.", "<tool_call>not json</tool_call>"):
+        assert parse_output(text, tools) == (text, [])
+
+
+def test_auto_stream_holds_only_what_may_be_a_call():
+    from syshaxd.api.tools import ToolStream, parse_tools
+
+    stream = ToolStream(parse_tools({"tools": TOOLS}))
+    sent = "".join(stream.feed(p) for p in ["Let me ", "check.\n<tool", "_call>\n", '{"name": "add", ',
+                                             '"arguments": {"a": 1, "b": 2}}\n</tool_call>'])
+    rest, calls = stream.finish()
+    assert sent + rest == "Let me check.\n" and calls[0].name == "add"
+    stream = ToolStream(parse_tools({"tools": TOOLS}))
+    assert "".join(stream.feed(p) for p in ["Hello", " <b>", "there"]) + stream.finish()[0] == "Hello <b>there"

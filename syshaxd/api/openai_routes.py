@@ -13,6 +13,7 @@ from syshaxd import __version__
 from syshaxd.api.errors import APIError
 from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE
 from syshaxd.api.state import Draining
+from syshaxd.api.tools import ToolStream, parse_output
 from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion, parse_json_body
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
 from syshaxd.engine.supervisor import EngineUnavailable
@@ -39,6 +40,7 @@ class _Exchange:
         self.created = int(time.time())
         self.model = model
         self.object = "chat.completion" if chat else "text_completion"
+        self.tools = parsed.tools  # chat with tools: the output is read back into tool calls
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -46,8 +48,14 @@ class _Exchange:
 
     def body(self, text: str, finish: str, usage: dict, route: dict) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                content, calls = parse_output(text, self.tools)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [c.to_json() for c in calls]}
+                    finish = "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return self._head(self.object) | {"choices": [choice], "usage": usage, "syshax": route}
@@ -63,6 +71,16 @@ class _Exchange:
             return self._head("chat.completion.chunk") | {"choices": [choice]}
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         return self._head("text_completion") | {"choices": [choice]}
+
+    def tool_call_chunks(self, calls: list) -> list[dict]:
+        """A call's streamed deltas as OpenAI sends them: id, type and name first, then its arguments."""
+        chunks = []
+        for i, call in enumerate(calls):
+            for part in (call.to_json(i) | {"function": {"name": call.name, "arguments": ""}},
+                         {"index": i, "function": {"arguments": call.arguments}}):
+                choice = {"index": 0, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
+                chunks.append(self._head("chat.completion.chunk") | {"choices": [choice]})
+        return chunks
 
     def final_chunk(self, finish: str, route: dict) -> dict:
         """The chunk with the finish reason, and syshax's note of the route the request took."""
@@ -226,6 +244,7 @@ async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex
 
     n = 0
     event = first
+    held = ToolStream(ex.tools) if ex.tools is not None else None  # text that may be a tool call waits here
     try:
         if ex.chat:
             await send(_sse(ex.chunk("", None, role=True)))
@@ -236,11 +255,20 @@ async def _respond_stream(request, stream: RequestStream, accepted: Accepted, ex
                 err = APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
                 await send(_sse(err.body()))
                 break
-            if event.text:
-                await send(_sse(ex.chunk(event.text, None)))
+            text = held.feed(event.text) if held is not None else event.text
+            if text:
+                await send(_sse(ex.chunk(text, None)))
             if event.finish_reason:
+                finish = event.finish_reason
+                if held is not None:
+                    rest, calls = held.finish()
+                    if rest:
+                        await send(_sse(ex.chunk(rest, None)))
+                    for chunk in ex.tool_call_chunks(calls):
+                        await send(_sse(chunk))
+                    finish = "tool_calls" if calls else finish
                 timer.finished(event.finish_reason)
-                await send(_sse(ex.final_chunk(event.finish_reason, _route_of(stream))))
+                await send(_sse(ex.final_chunk(finish, _route_of(stream))))
                 if include_usage:
                     await send(_sse(ex.usage_chunk(_usage(accepted.prompt_tokens, n))))
                 break

@@ -10,6 +10,7 @@ from typing import Any
 
 from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.structured import parse_response_format
+from syshaxd.api.tools import Tools, call_grammar, parse_tools
 from syshaxd.config import MODES
 from syshaxd.engine.types import GenerateRequest, SamplingParams
 
@@ -40,6 +41,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str
+    tools: Tools | None = None  # chat with tools: how the output is read back into tool calls
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -258,7 +260,36 @@ def _message(i: int, m: Any) -> dict:
         content = "".join(parts)
     if not isinstance(content, str):
         raise _type_error(f"{where}.content", "a string or an array of text parts", content)
-    return {"role": role, "content": _text(f"{where}.content", content)}
+    out = {"role": role, "content": _text(f"{where}.content", content)}
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = _tool_calls(where, m["tool_calls"])
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise invalid(f"Missing required parameter: '{where}.tool_call_id'.", param=f"{where}.tool_call_id",
+                          code="missing_required_parameter")
+        out["tool_call_id"] = call_id
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def _tool_calls(where: str, calls: Any) -> list[dict]:
+    """An assistant message's earlier tool calls, in OpenAI's shape (arguments as JSON text)."""
+    if not isinstance(calls, list):
+        raise _type_error(f"{where}.tool_calls", "an array", calls)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str):
+            raise invalid(f"Invalid '{at}': expected {{\"id\": ..., \"type\": \"function\", \"function\": "
+                          "{\"name\": ..., \"arguments\": <JSON text>}}.", param=at)
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": _text(f"{at}.function.name", fn["name"]),
+                                 "arguments": _text(f"{at}.function.arguments", fn["arguments"])}})
+    return out
 
 
 def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messages: int = 2048) -> ParsedRequest:
@@ -278,8 +309,14 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
     parsed = tuple(_message(i, m) for i, m in enumerate(messages))
     _unsupported(body, "logprobs", (None, False), "logprobs are not computed")
     _unsupported(body, "top_logprobs", (None,), "logprobs are not computed")
-    _unsupported(body, "tools", (None, []), "tool calling is not implemented")
+    tools = parse_tools(body)
     grammar = parse_response_format(body.get("response_format"))
+    if tools is not None and tools.forced:
+        if grammar:
+            raise invalid("'response_format' json_object/json_schema cannot be combined with a forced tool call "
+                          "(tool_choice 'required' or a named function): the call's arguments follow its schema.",
+                          param="response_format")
+        grammar = call_grammar(tools)
     req = GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens"), None),
@@ -290,5 +327,6 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         default_max_tokens=default_max_tokens,
         route=_route(body),
         grammar=grammar,
+        tools=tools.tools if tools else (),
     )
-    return ParsedRequest(req, stream, include_usage, model)
+    return ParsedRequest(req, stream, include_usage, model, tools)

@@ -136,6 +136,8 @@ class GenerateRequest:
     # GBNF text (root rule "root") that the output must match: response_format and forced tool calls,
     # converted in the daemon (api/structured.py); empty: unconstrained
     grammar: str = ""
+    # chat: the tools the template renders into the prompt ({"type": "function", "function": {...}})
+    tools: tuple[dict, ...] = ()
 
 
 # --- worker -> daemon events -------------------------------------------------------------
