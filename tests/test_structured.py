@@ -132,6 +132,13 @@ def test_unsupported_schema_is_400_naming_it(client, schema, named):
     assert f"response_format.json_schema.schema.{named}" in body["message"] or named in body["message"], body
 
 
+def test_schema_llama_cpp_cannot_parse_is_400(client):
+    """A pattern the converter passes through but llama.cpp's grammar parser refuses (\\d): the worker says 400."""
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, "x", obj({"n": {"type": "string", "pattern": "^\\d+$"}}))
+    assert err.value.body["code"] == "unsupported_schema"
+
+
 @pytest.mark.parametrize("fmt, param", [
     ({"type": "json"}, "response_format.type"),
     ({"type": "json_schema"}, "response_format.json_schema"),
@@ -307,3 +314,36 @@ def test_auto_stream_holds_only_what_may_be_a_call():
     assert sent + rest == "Let me check.\n" and calls[0].name == "add"
     stream = ToolStream(parse_tools({"tools": TOOLS}))
     assert "".join(stream.feed(p) for p in ["Hello", " <b>", "there"]) + stream.finish()[0] == "Hello <b>there"
+
+
+# A template with a tool format (Hermes/Qwen2.5 style, cut down): tools and earlier calls reach it as HF passes them.
+HERMES = (
+    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_template_with_a_tool_format_gets_tools_and_calls_as_hf_passes_them():
+    from syshaxd.gguf.chat import ChatTemplate
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "3", "tool_call_id": "call_1"}]
+    text = ChatTemplate(HERMES, "", "<|im_end|>").render(messages, [ADD])
+    assert json.dumps(ADD) in text  # the tool, as tojson writes it
+    assert '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' in text  # arguments an object
+    assert "<|im_start|>tool\n3" in text
+
+
+def test_template_without_a_tool_format_gets_a_note_and_text_blocks():
+    from syshaxd.gguf.chat import CHATML, ChatTemplate
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "3", "tool_call_id": "call_1"}]
+    text = ChatTemplate(CHATML, "", "<|im_end|>").render(messages, [ADD])
+    assert text.startswith("<|im_start|>system\nYou may call functions.") and '"name": "add"' in text
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n3\n</tool_response>" in text

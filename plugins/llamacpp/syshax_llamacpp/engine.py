@@ -14,7 +14,7 @@ import llama_cpp
 
 from syshaxd.gguf.quantize import ensure_quantized
 from syshaxd.gguf.vocab import Vocab, admit
-from syshax_llamacpp.sampling import GrammarError, accept, make_sampler
+from syshax_llamacpp.sampling import GrammarError, accept, grammar_parses, make_sampler
 from syshax_llamacpp.streams import StreamRun
 from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
@@ -173,6 +173,10 @@ class LlamaCppEngine:
         rid = request.request_id
         if request.handoff and self.port is None:
             return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
+        if request.grammar and not grammar_parses(self.vocab.vocab, request.grammar):
+            return [Rejected(rid, 400, "llama.cpp could not parse the grammar built from the request's schema; "
+                             "simplify the schema (a 'pattern', most likely).", "unsupported_schema",
+                             "response_format")]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]

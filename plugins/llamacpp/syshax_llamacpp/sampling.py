@@ -59,6 +59,16 @@ def make_sampler(params: SamplingParams, n_vocab: int, grammar: str = "", vocab=
     return chain
 
 
+def grammar_parses(vocab, grammar: str) -> bool:
+    """Whether llama.cpp takes the grammar (checked when a request arrives, so a bad one is a 400, not a failed
+    generation)."""
+    g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    if not g:
+        return False
+    llama_cpp.llama_sampler_free(g)
+    return True
+
+
 def accept(chain, token: int, grammar: bool) -> bool:
     """Accept a token sampled elsewhere (a prefill engine's first token) into the chain, as sampling here
     would have. False, accepting nothing, when the grammar forbids it: llama.cpp aborts the process on a
