@@ -347,3 +347,11 @@ def test_template_without_a_tool_format_gets_a_note_and_text_blocks():
     assert text.startswith("<|im_start|>system\nYou may call functions.") and '"name": "add"' in text
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
     assert "<|im_start|>user\n<tool_response>\n3\n</tool_response>" in text
+
+
+def test_hetero_forced_tool_call_is_valid(hetero_client):
+    client, d = hetero_client
+    r = client.chat.completions.create(model=MODEL_NAME, messages=WEATHER_ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=80, temperature=0.7, seed=5)
+    assert r.model_extra["syshax"]["route"] == "hetero"
+    assert_call(r)
