@@ -173,9 +173,12 @@ def hetero_client(default_model, tmp_path_factory):
 def test_hetero_json_schema_validates(hetero_client, i):
     client, d = hetero_client
     prompt, schema = CASES[i]
+    before = d.status()["kv"]
     r = ask(client, prompt, schema, temperature=0.7, seed=i)
     assert r.model_extra["syshax"]["route"] == "hetero"
     assert_valid(r, schema)
+    kv = d.status()["kv"]  # the decoder took the prefill's KV and first token: no recompute
+    assert kv["records_read"] == before["records_read"] + 1 and kv["fallbacks"] == before["fallbacks"]
 
 
 # --- tools ----------------------------------------------------------------------------------------------
