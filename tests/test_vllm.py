@@ -205,3 +205,18 @@ def test_gpu_mode_json_schema_validates(client, i):
                                        max_tokens=60, temperature=0.7, seed=i, response_format=schema_format(schema))
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_gpu_mode_forced_tool_call_and_bad_grammar(client):
+    import openai as oa
+    from test_structured import TOOLS, WEATHER_ASK, assert_call, obj
+
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=WEATHER_ASK, tools=TOOLS,
+                                       tool_choice="required", max_tokens=60, temperature=0)
+    assert_call(r)
+    with pytest.raises(oa.BadRequestError):  # \d: neither llama.cpp's nor xgrammar's GBNF; the engine lives on
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=WEATHER_ASK, max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": obj(
+                {"n": {"type": "string", "pattern": "^\\d+$"}})}})
+    assert client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=WEATHER_ASK, max_tokens=2)

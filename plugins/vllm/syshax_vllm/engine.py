@@ -140,6 +140,15 @@ class VllmEngine:
                 "device": "cpu" if self.on_cpu else "cuda", "chat_template": self.vocab.template.source}
 
     def submit(self, request: GenerateRequest) -> list:
+        if request.grammar:  # checked here: vLLM raises on a grammar it cannot compile, in add_request
+            try:
+                import xgrammar
+
+                xgrammar.Grammar.from_ebnf(request.grammar)
+            except Exception as exc:  # noqa: BLE001  (xgrammar raises RuntimeError and others)
+                return [Rejected(request.request_id, 400, f"vLLM's grammar engine (xgrammar) could not compile the "
+                                 f"grammar built from the request's schema ({exc}); simplify the schema.",
+                                 "unsupported_schema", "response_format")]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]
