@@ -358,3 +358,25 @@ def test_hetero_forced_tool_call_is_valid(hetero_client):
                                        max_tokens=80, temperature=0.7, seed=5)
     assert r.model_extra["syshax"]["route"] == "hetero"
     assert_call(r)
+
+
+# --- auto: a saturated GPU engine offloads decodes; a constrained one stays on the CPU ---------------------
+
+
+def test_auto_mode_json_schema_validates_on_every_route(default_model, tmp_path):
+    import concurrent.futures
+
+    from test_auto import AUTO
+
+    d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, **AUTO})
+    try:
+        client = openai.OpenAI(base_url=d.base_url, api_key="unused", max_retries=0, timeout=300)
+        picks = [0, 1, 3, 6, 7, 9, 13, 16]
+        with concurrent.futures.ThreadPoolExecutor(len(picks)) as pool:
+            answers = list(pool.map(lambda i: ask(client, *CASES[i], temperature=0), picks))
+        for i, r in zip(picks, answers):
+            assert_valid(r, CASES[i][1])
+        routes = {r.model_extra["syshax"]["route"] for r in answers}
+        assert {"gpu", "hetero"} <= routes, routes
+    finally:
+        assert d.stop() == 0, d.log()
