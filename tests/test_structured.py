@@ -380,3 +380,17 @@ def test_auto_mode_json_schema_validates_on_every_route(default_model, tmp_path)
         assert {"gpu", "hetero"} <= routes, routes
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_hetero_with_torch_prefill_refuses_structured_output(default_model, tmp_path):
+    """The torch prefill engine samples the first token without a grammar: it says so, as a 400."""
+    pytest.importorskip("torch")
+    d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, "mode": "hetero",
+                                "prefill_engine": "torch", "n_ctx": 1024, "prefill_cpu_affinity": "0"})
+    try:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        status, err = http_json(f"{d.base_url}/chat/completions", body | {"response_format": {"type": "json_object"}})
+        assert status == 400 and err["error"]["param"] == "response_format" and "torch" in err["error"]["message"]
+        assert http_json(f"{d.base_url}/chat/completions", body)[0] == 200
+    finally:
+        assert d.stop() == 0, d.log()
