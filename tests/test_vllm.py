@@ -218,3 +218,60 @@ def test_gpu_mode_logprobs_and_echo(client, daemon):
     chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, n=2)
     assert all(len(c.logprobs.content) >= 1 and len(c.logprobs.content[0].top_logprobs) == 2 for c in chat.choices)
+
+
+@pytest.mark.parametrize("i", [3, 6, 18])
+def test_gpu_mode_json_schema_validates(client, i):
+    """vLLM constrains with the daemon's grammar (structured_outputs, xgrammar reading the GBNF)."""
+    import json
+
+    import jsonschema
+    from test_structured import CASES, schema_format
+
+    prompt, schema = CASES[i]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=60, temperature=0.7, seed=i, response_format=schema_format(schema))
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_gpu_mode_forced_tool_call_and_bad_grammar(client):
+    import openai as oa
+    from test_structured import TOOLS, WEATHER_ASK, assert_call, obj
+
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=WEATHER_ASK, tools=TOOLS,
+                                       tool_choice="required", max_tokens=60, temperature=0)
+    assert_call(r)
+    with pytest.raises(oa.BadRequestError):  # \d: neither llama.cpp's nor xgrammar's GBNF; the engine lives on
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=WEATHER_ASK, max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": obj(
+                {"n": {"type": "string", "pattern": "^\\d+$"}})}})
+    assert client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=WEATHER_ASK, max_tokens=2)
+
+
+def test_hetero_with_vllm_prefill_json_schema_validates(default_model, hf_folder, tmp_path):
+    """vLLM samples the first token under the grammar; the llama.cpp decoder's grammar accepts it and goes on."""
+    import json
+
+    import jsonschema
+    import openai
+
+    from conftest import MODEL_NAME, start_daemon
+    from test_structured import CASES, schema_format
+
+    d = start_daemon(tmp_path, {"model": str(default_model), "mode": "hetero", "prefill_engine": "vllm",
+                                "n_ctx": 1024, "max_num_seqs": 4, "prefill_cpu_affinity": "0"})
+    try:
+        client = openai.OpenAI(base_url=d.base_url, api_key="x", max_retries=0, timeout=300)
+        for i in (0, 6, 13):
+            prompt, schema = CASES[i]
+            r = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=80, temperature=0.7, seed=i,
+                                               response_format=schema_format(schema))
+            assert r.choices[0].finish_reason == "stop" and r.model_extra["syshax"]["route"] == "hetero"
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        kv = d.status()["kv"]
+        assert kv["records_read"] == 3 and kv["fallbacks"] == {}
+    finally:
+        assert d.stop() == 0, d.log()

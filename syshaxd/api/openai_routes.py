@@ -15,6 +15,7 @@ from syshaxd.api import logprob_shapes
 from syshaxd.api.fanout import Fanout
 from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE, VOCAB
 from syshaxd.api.state import Draining
+from syshaxd.api.tools import ToolStream, parse_output
 from syshaxd.engine.prompts import Pieces
 from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion, parse_json_body
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
@@ -61,6 +62,7 @@ class _Exchange:
         self.echo_texts = echo_texts  # per prompt: what echo puts before the completion
         self.prompt_ids = prompt_ids  # per prompt: its tokens, for echo's prompt logprobs
         self.choices = [_Choice(i) for i in range(len(parsed.generates))]
+        self.tools = parsed.tools  # chat with tools: the output is read back into tool calls
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -119,8 +121,15 @@ class _Exchange:
         for ch in self.choices:
             text = "".join(ch.parts)
             if self.chat:
-                choices.append({"index": ch.index, "message": {"role": "assistant", "content": text},
-                                "logprobs": ch.logprobs, "finish_reason": ch.finish})
+                message, finish = {"role": "assistant", "content": text}, ch.finish
+                if self.tools is not None:
+                    content, calls = parse_output(text, self.tools)
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": [c.to_json() for c in calls]}
+                        finish = "tool_calls"
+                choices.append({"index": ch.index, "message": message, "logprobs": ch.logprobs,
+                                "finish_reason": finish})
             else:
                 choices.append({"index": ch.index, "text": text, "logprobs": ch.logprobs,
                                 "finish_reason": ch.finish})
@@ -138,6 +147,16 @@ class _Exchange:
             return self._head("chat.completion.chunk") | {"choices": [choice]}
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return self._head("text_completion") | {"choices": [choice]}
+
+    def tool_call_chunks(self, index: int, calls: list) -> list[dict]:
+        """A choice's calls as OpenAI streams them: id, type and name first, then the arguments."""
+        chunks = []
+        for i, call in enumerate(calls):
+            for part in (call.to_json(i) | {"function": {"name": call.name, "arguments": ""}},
+                         {"index": i, "function": {"arguments": call.arguments}}):
+                choice = {"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
+                chunks.append(self._head("chat.completion.chunk") | {"choices": [choice]})
+        return chunks
 
     def final_chunk(self, index: int, finish: str, route: dict) -> dict:
         """The chunk with a choice's finish reason, and syshax's note of the route the request took."""
@@ -350,6 +369,7 @@ async def _respond_stream(request, fan: Fanout, accepted: list[Accepted], ex: _E
     n = 0
     left = len(ex.choices)
     index, event = first
+    held = {ch.index: ToolStream(ex.tools) for ch in ex.choices} if ex.tools is not None else None
     try:
         if ex.chat:
             for ch in ex.choices:
@@ -367,14 +387,23 @@ async def _respond_stream(request, fan: Fanout, accepted: list[Accepted], ex: _E
                 await send(_sse(err.body()))
                 break
             text, lp = ex.shown(ch, event)
+            if held is not None:  # text that may be a tool call waits until it is known
+                text = held[ch.index].feed(text)
             if lp is not None and ex.chat and not lp["content"]:
                 lp = None
             if text or lp is not None:
                 await send(_sse(ex.chunk(ch.index, text, None, logprobs=lp)))
             if event.finish_reason:
-                ch.finish = event.finish_reason
+                ch.finish = finish = event.finish_reason
+                if held is not None:
+                    rest, calls = held[ch.index].finish()
+                    if rest:
+                        await send(_sse(ex.chunk(ch.index, rest, None)))
+                    for chunk in ex.tool_call_chunks(ch.index, calls):
+                        await send(_sse(chunk))
+                    finish = "tool_calls" if calls else finish
                 left -= 1
-                await send(_sse(ex.final_chunk(ch.index, event.finish_reason, _route_of(fan.route_stream))))
+                await send(_sse(ex.final_chunk(ch.index, finish, _route_of(fan.route_stream))))
                 if not left:
                     timer.finished(event.finish_reason)
                     if include_usage:

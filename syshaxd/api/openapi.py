@@ -116,6 +116,9 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
             "role": {"type": "string", "enum": list(CHAT_ROLES)},
             "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}],
                         "description": "Text, or text parts; an assistant message may send null."},
+            "tool_calls": {"type": "array", "description": "An assistant message's earlier calls (OpenAI's shape).",
+                           "items": {"type": "object", "required": ["id", "type", "function"]}},
+            "tool_call_id": {"type": "string", "description": "Required in a `tool` message: the call it answers."},
         },
         "additionalProperties": True,
     }
@@ -131,10 +134,30 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
                                    "distribution, as completions' logprobs)."}),
             "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                                        "description": "Alternatives per token; needs logprobs: true."}),
-            "tools": _nullable({"type": "array", "maxItems": 0, "description": "Tool calling is not implemented."}),
-            "response_format": _nullable({"type": "object", "required": ["type"],
-                                          "properties": {"type": {"type": "string", "enum": ["text"]}},
-                                          "additionalProperties": False}),
+            "tools": _nullable({"type": "array", "maxItems": 128, "items": _ref("Tool"),
+                                "description": "Functions the model may call. tool_choice `required` or a named "
+                                               "function constrains the output to one valid call by grammar; "
+                                               "`auto` parses the calls the model writes."}),
+            "tool_choice": _nullable({"anyOf": [
+                {"type": "string", "enum": ["none", "auto", "required"]},
+                {"type": "object", "required": ["type", "function"],
+                 "properties": {"type": {"const": "function"},
+                                "function": {"type": "object", "required": ["name"],
+                                             "properties": {"name": {"type": "string"}}}}}]}),
+            "parallel_tool_calls": _nullable({"type": "boolean"}),
+            "response_format": _nullable({"anyOf": [
+                {"type": "object", "required": ["type"],
+                 "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}}},
+                {"type": "object", "required": ["type", "json_schema"],
+                 "properties": {"type": {"const": "json_schema"}, "json_schema": {
+                     "type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                                    "schema": {"type": "object", "description": "A JSON Schema; keywords the "
+                                               "grammar cannot enforce (minimum, not, oneOf, ...) are a 400 naming "
+                                               "them."},
+                                    "strict": _nullable({"type": "boolean"})}}}}],
+                "description": "json_object and json_schema constrain sampling with a grammar: the output parses "
+                               "(and validates)."}),
         },
         "additionalProperties": True,
     }
@@ -199,7 +222,7 @@ def _schemas() -> dict:
                  "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}}}}
     head = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
             "system_fingerprint": {"type": "string"}}
-    finish = {"type": "string", "enum": ["stop", "length"]}
+    finish = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
     number_or_null = {"type": ["number", "null"]}
     completion_lp = {"anyOf": [{"type": "null"}, {
         "type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
@@ -216,6 +239,16 @@ def _schemas() -> dict:
         "properties": {"content": {"type": "array", "items": chat_token | {"properties": chat_token["properties"] | {
             "top_logprobs": {"type": "array", "items": chat_token}}}},
                        "refusal": {"type": "null"}}}]}
+    tool_call = {"type": "object", "required": ["id", "type", "function"],
+                 "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                                "function": {"type": "object", "required": ["name", "arguments"],
+                                             "properties": {"name": {"type": "string"},
+                                                            "arguments": {"type": "string"}}}}}
+    tool_call_delta = {"type": "object", "required": ["index"],
+                       "properties": {"index": {"type": "integer"}, "id": {"type": "string"},
+                                      "type": {"const": "function"},
+                                      "function": {"type": "object", "properties": {
+                                          "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
     route = {"description": "syshax's note of where the request ran (also the X-Syshax-Route header): `route` "
                             "cpu, gpu or hetero; in auto mode the decider's `reason`, and `moved_to` when an "
                             "offloaded decode moved back to the GPU.",
@@ -224,6 +257,14 @@ def _schemas() -> dict:
                             "moved_to": {"type": "string"}}}
     return {
         "Route": route,
+        "Tool": {"type": "object", "required": ["type", "function"],
+                 "properties": {"type": {"const": "function"}, "function": {
+                     "type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                                    "description": {"type": "string"},
+                                    "parameters": {"type": "object", "description": "A JSON Schema of the "
+                                                   "arguments (the same keywords as response_format's)."},
+                                    "strict": _nullable({"type": "boolean"})}}}},
         "Error": {
             "type": "object", "required": ["error"],
             "properties": {"error": {
@@ -255,7 +296,9 @@ def _schemas() -> dict:
                                    "finish_reason": finish,
                                    "message": {"type": "object", "required": ["role", "content"],
                                                "properties": {"role": {"const": "assistant"},
-                                                              "content": {"type": "string"}}}}}},
+                                                              "content": {"type": ["string", "null"]},
+                                                              "tool_calls": {"type": "array",
+                                                                             "items": tool_call}}}}}},
                 "usage": _ref("Usage"),
                 "syshax": _ref("Route"),
             },
@@ -279,7 +322,8 @@ def _schemas() -> dict:
                                   "choices": {"type": "array", "items": {"type": "object", "properties": {
                                       "index": {"type": "integer"},
                                       "delta": {"type": "object", "properties": {
-                                          "role": {"type": "string"}, "content": {"type": "string"}}},
+                                          "role": {"type": "string"}, "content": {"type": "string"},
+                                          "tool_calls": {"type": "array", "items": tool_call_delta}}},
                                       "logprobs": chat_lp,
                                       "finish_reason": {"type": ["string", "null"]}}}},
                                   "usage": _ref("Usage"), "syshax": _ref("Route")},

@@ -9,6 +9,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from syshaxd.api.errors import APIError, invalid
+from syshaxd.api.structured import parse_response_format
+from syshaxd.api.tools import Tools, call_grammar, parse_tools
 from syshaxd.config import MODES
 from syshaxd.engine.types import GenerateRequest, SamplingParams
 
@@ -49,6 +51,7 @@ class ParsedRequest:
     prompts: tuple[str | None, ...] = (None,)  # each prompt's text; None: token ids (echo detokenizes them)
     logprobs: bool = False  # completions' `logprobs` or chat's `logprobs: true`
     max_tokens_zero: bool = False  # echo with max_tokens 0: the engines generate one token, which is dropped
+    tools: Tools | None = None  # chat with tools: how the output is read back into tool calls
 
     @property
     def generate(self) -> GenerateRequest:
@@ -305,7 +308,36 @@ def parse_message(i: int, m: Any) -> dict:
         content = "".join(parts)
     if not isinstance(content, str):
         raise type_error(f"{where}.content", "a string or an array of text parts", content)
-    return {"role": role, "content": _text(f"{where}.content", content)}
+    out = {"role": role, "content": _text(f"{where}.content", content)}
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = _tool_calls(where, m["tool_calls"])
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise invalid(f"Missing required parameter: '{where}.tool_call_id'.", param=f"{where}.tool_call_id",
+                          code="missing_required_parameter")
+        out["tool_call_id"] = call_id
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def _tool_calls(where: str, calls: Any) -> list[dict]:
+    """An assistant message's earlier tool calls, in OpenAI's shape (arguments as JSON text)."""
+    if not isinstance(calls, list):
+        raise type_error(f"{where}.tool_calls", "an array", calls)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str):
+            raise invalid(f"Invalid '{at}': expected {{\"id\": ..., \"type\": \"function\", \"function\": "
+                          "{\"name\": ..., \"arguments\": <JSON text>}}.", param=at)
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": _text(f"{at}.function.name", fn["name"]),
+                                 "arguments": _text(f"{at}.function.arguments", fn["arguments"])}})
+    return out
 
 
 def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messages: int = 2048) -> ParsedRequest:
@@ -327,11 +359,14 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
     top = _logprobs_k(body, "top_logprobs")
     if top is not None and not logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
-    _unsupported(body, "tools", (None, []), "tool calling is not implemented")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise invalid("'response_format' other than {\"type\": \"text\"} is not supported by this server.",
-                      param="response_format", code="unsupported_parameter")
+    tools = parse_tools(body)
+    grammar = parse_response_format(body.get("response_format"))
+    if tools is not None and tools.forced:
+        if grammar:
+            raise invalid("'response_format' json_object/json_schema cannot be combined with a forced tool call "
+                          "(tool_choice 'required' or a named function): the call's arguments follow its schema.",
+                          param="response_format")
+        grammar = call_grammar(tools)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     req = GenerateRequest(
         request_id=rid,
@@ -344,8 +379,10 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         route=_route(body),
         cache_prompt=_boolean(body, "cache_prompt", True),  # llama-server's opt-out of the prefix cache
         logprobs=(top or 0) if logprobs else None,
+        grammar=grammar,
+        tools=tools.tools if tools else (),
     )
     generates = _choices(req, n)
     if n > 1:
         generates = [replace(g, request_id=f"{rid}-{i}") for i, g in enumerate(generates)]
-    return ParsedRequest(tuple(generates), stream, include_usage, model, n=n, logprobs=logprobs)
+    return ParsedRequest(tuple(generates), stream, include_usage, model, n=n, logprobs=logprobs, tools=tools)

@@ -90,7 +90,8 @@ class OffloadStream:
         """Decide again; move the rest of the decode to the GPU engine when it has room now."""
         self._counts.reconsidered += 1
         decision = self._decide()
-        if decision.route != Verdict.GPU or self._accepted is None:
+        # a grammar-constrained decode stays: vLLM's structured outputs cannot start a grammar mid-output
+        if decision.route != Verdict.GPU or self._accepted is None or self._request.grammar:
             self._next_check = len(self._generated) + (decision.token_limit or self._token_limit)
             return
         remaining = self._accepted.max_tokens - len(self._generated)

@@ -178,6 +178,11 @@ class GenerateRequest:
     # prompt_logprobs: the same for every prompt token (echo), which needs every prompt position's logits
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # GBNF text (root rule "root") that the output must match: response_format and forced tool calls,
+    # converted in the daemon (api/structured.py); empty: unconstrained
+    grammar: str = ""
+    # chat: the tools the template renders into the prompt ({"type": "function", "function": {...}})
+    tools: tuple[dict, ...] = ()
 
 
 # --- worker -> daemon events -------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 from syshaxd.gguf.quantize import ensure_quantized
 from syshaxd.gguf.vocab import Vocab, admit
 from syshax_llamacpp import logprobs, prefix
-from syshax_llamacpp.sampling import make_sampler, sample_logits
+from syshax_llamacpp.sampling import GrammarError, accept, grammar_parses, make_sampler, sample_logits
 from syshax_llamacpp.streams import StreamRun
 from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
@@ -188,6 +188,10 @@ class LlamaCppEngine:
         rid = request.request_id
         if request.handoff and self.port is None:
             return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
+        if request.grammar and not grammar_parses(self.vocab.vocab, request.grammar):
+            return [Rejected(rid, 400, "llama.cpp could not parse the grammar built from the request's schema; "
+                             "simplify the schema (a 'pattern', most likely).", "unsupported_schema",
+                             "response_format")]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]
@@ -392,7 +396,11 @@ class LlamaCppEngine:
 
     def _start(self, seq: _Sequence) -> list:
         """Make seq active: a sampler, its text stream, and its prompt to evaluate or its KV to import."""
-        seq.sampler = make_sampler(seq.request.sampling, self.n_vocab)
+        try:  # a decode moved here continues its grammar (and penalties) after what it generated
+            seq.sampler = make_sampler(seq.request.sampling, self.n_vocab, seq.request.grammar, self.vocab.vocab,
+                                       seq.request.resume_tokens)
+        except GrammarError as exc:
+            return self._fail(-1, [seq], str(exc))
         seq.out = SequenceOutput.for_request(seq.request, seq.max_tokens, self.vocab.is_eog, self.vocab.piece_bytes)
         if seq.request.prompt_logprobs is not None:
             seq.prompt_lp = [None]
@@ -427,6 +435,10 @@ class LlamaCppEngine:
                 took = time.monotonic() - started
                 if handle.prompt_logprobs is not None:  # computed by the prefill engine, as this one would
                     seq.prompt_lp = list(handle.prompt_logprobs)
+                # the prefill engine sampled the first token: the chain here (its grammar) must see it too
+                if not accept(seq.sampler, handle.first_token, bool(seq.request.grammar)):
+                    return [Imported(rid, True, seconds=took, nbytes=nbytes),
+                            *self._fail(-1, [seq], "the prefill engine's first token breaks the grammar")]
                 return [Imported(rid, True, seconds=took, nbytes=nbytes),
                         self._emit(seq, handle.first_token, handle.first_logprob)]
         else:

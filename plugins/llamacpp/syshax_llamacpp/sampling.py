@@ -1,8 +1,9 @@
-"""Build a llama.cpp sampler chain for one sequence from the request's sampling parameters."""
+"""Build a llama.cpp sampler chain for one sequence from the request's sampling parameters (and grammar)."""
 
 from __future__ import annotations
 
 import ctypes
+import math
 
 import llama_cpp
 import numpy as np
@@ -12,10 +13,27 @@ from syshaxd.engine.types import SamplingParams
 PENALTY_LAST_N = 64
 
 
-def make_sampler(params: SamplingParams, n_vocab: int) -> llama_cpp.llama_sampler_p:
-    """A native sampler chain; the caller frees it with llama_sampler_free."""
+class GrammarError(ValueError):
+    """llama.cpp would not parse the request's grammar."""
+
+
+def make_sampler(params: SamplingParams, n_vocab: int, grammar: str = "", vocab=None,
+                 history=()) -> llama_cpp.llama_sampler_p:
+    """A native sampler chain; the caller frees it with llama_sampler_free.
+
+    With a grammar, the grammar sampler comes first (so top-k and the rest only ever see tokens it
+    allows) and `history` -- tokens already generated elsewhere -- is accepted into the chain, so the
+    grammar and the penalties continue from there. llama_sampler_sample on the chain accepts each
+    sampled token into every sampler of it, the grammar included.
+    """
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     add = lambda s: llama_cpp.llama_sampler_chain_add(chain, s)  # noqa: E731
+    if grammar:
+        g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+        if not g:
+            llama_cpp.llama_sampler_free(chain)
+            raise GrammarError("llama.cpp could not parse the request's grammar")
+        add(g)
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
         add(
             llama_cpp.llama_sampler_init_penalties(
@@ -25,16 +43,20 @@ def make_sampler(params: SamplingParams, n_vocab: int) -> llama_cpp.llama_sample
         )
     if params.greedy:
         add(llama_cpp.llama_sampler_init_greedy())
-        return chain
-    if params.top_k > 0:
-        add(llama_cpp.llama_sampler_init_top_k(params.top_k))
-    if params.top_p < 1.0:
-        add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-    if params.min_p > 0.0:
-        add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
-    add(llama_cpp.llama_sampler_init_temp(params.temperature))
-    seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
-    add(llama_cpp.llama_sampler_init_dist(seed))
+    else:
+        if params.top_k > 0:
+            add(llama_cpp.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+        add(llama_cpp.llama_sampler_init_temp(params.temperature))
+        seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
+        add(llama_cpp.llama_sampler_init_dist(seed))
+    for token in history:
+        if not accept(chain, token, bool(grammar)):
+            llama_cpp.llama_sampler_free(chain)
+            raise GrammarError(f"token {token}, generated before, does not match the request's grammar")
     return chain
 
 
@@ -57,3 +79,27 @@ def sample_logits(sampler, logits: np.ndarray) -> int:
     token = int(array.data[array.selected].id)  # a sampler may point `data` elsewhere, as in llama_sampler_sample
     llama_cpp.llama_sampler_accept(sampler, token)
     return token
+
+
+def grammar_parses(vocab, grammar: str) -> bool:
+    """Whether llama.cpp takes the grammar (checked when a request arrives, so a bad one is a 400, not a failed
+    generation)."""
+    g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    if not g:
+        return False
+    llama_cpp.llama_sampler_free(g)
+    return True
+
+
+def accept(chain, token: int, grammar: bool) -> bool:
+    """Accept a token sampled elsewhere (a prefill engine's first token) into the chain, as sampling here
+    would have. False, accepting nothing, when the grammar forbids it: llama.cpp aborts the process on a
+    grammar accept that leaves no way on, so the token is checked against the grammar first."""
+    if grammar:
+        cell = llama_cpp.llama_token_data(token, 0.0, 0.0)
+        cur = llama_cpp.llama_token_data_array(ctypes.pointer(cell), 1, -1, False)
+        llama_cpp.llama_sampler_apply(llama_cpp.llama_sampler_chain_get(chain, 0), ctypes.byref(cur))
+        if math.isinf(cell.logit):
+            return False
+    llama_cpp.llama_sampler_accept(chain, token)
+    return True

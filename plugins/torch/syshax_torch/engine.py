@@ -109,6 +109,11 @@ class TorchPrefillEngine:
         refused = refuse_logprobs(request, "torch", "hetero")
         if refused is not None:
             return [refused]
+        if request.grammar:  # its first token is sampled here, and this engine has no grammar sampler
+            return [Rejected(request.request_id, 400, "Structured output (response_format json_object/json_schema, "
+                             "or a forced tool call) is not supported with prefill_engine = \"torch\": it samples "
+                             "the first token without a grammar. Use prefill_engine \"llamacpp\", or "
+                             "syshax.mode \"cpu\".", "unsupported_parameter", "response_format")]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]

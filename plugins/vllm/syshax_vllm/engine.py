@@ -94,9 +94,10 @@ class VllmEngine:
         self.llm = self._build(gpu)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         self._SamplingParams, self._TokensPrompt, self._DELTA = SamplingParams, TokensPrompt, RequestOutputKind.DELTA
+        self._StructuredOutputsParams = StructuredOutputsParams
         if spec.ring:
             from syshax_vllm import connector
 
@@ -153,6 +154,15 @@ class VllmEngine:
             refused = refuse_logprobs(request, "vLLM prefill", "hetero" if self.spec.role == "prefill" else "auto")
             if refused is not None:
                 return [refused]
+        if request.grammar:  # checked here: vLLM raises on a grammar it cannot compile, in add_request
+            try:
+                import xgrammar
+
+                xgrammar.Grammar.from_ebnf(request.grammar)
+            except Exception as exc:  # noqa: BLE001  (xgrammar raises RuntimeError and others)
+                return [Rejected(request.request_id, 400, f"vLLM's grammar engine (xgrammar) could not compile the "
+                                 f"grammar built from the request's schema ({exc}); simplify the schema.",
+                                 "unsupported_schema", "response_format")]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]
@@ -172,7 +182,9 @@ class VllmEngine:
             max_tokens=1 if handoff else max_tokens, ignore_eos=True, detokenize=False,
             output_kind=self._DELTA, extra_args=dict(self._export_args) if handoff else None,
             # vLLM's default logprobs_mode is raw_logprobs: the model's distribution, as the llama.cpp engine's
-            logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
+            logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs,
+            # the daemon's grammar (GBNF, which xgrammar reads); a handed-on prompt's one token obeys it too
+            structured_outputs=self._StructuredOutputsParams(grammar=request.grammar) if request.grammar else None)
         self.live[rid] = live
         self.counters["prompt_tokens"] += len(prompt)
         if not handoff and (self.held or self._generating() >= self.max_seqs):

@@ -1,0 +1,233 @@
+"""Tool calling: check `tools` and `tool_choice`, build the grammar of a forced call, and find calls in output.
+
+tool_choice "required" or a named function constrains the output to one JSON object
+{"name": ..., "arguments": {...}} through a grammar (api/structured.py), so the call always parses
+and its arguments match the function's schema. "auto" leaves the model free and parses what it
+wrote: `<tool_call>{...}</tool_call>` blocks (Qwen2.5, Hermes, and the system note a template
+without a tool format gets, gguf/chat.py) or, as Llama 3.1 answers, the whole output being one
+JSON object {"name": ..., "parameters"/"arguments": ...} naming a given tool.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from syshaxd.api.errors import invalid
+from syshaxd.api.structured import SchemaError, _check, schema_to_grammar
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open a JSON call with it
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def to_json(self, index: int | None = None) -> dict:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index} | call
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A chat request's tools, as they go into the prompt, and how the output is read."""
+
+    tools: tuple[dict, ...]  # {"type": "function", "function": {...}}, for the chat template
+    choice: str  # "auto", "required", or the one function's name ("none" never makes a Tools)
+    forced: bool  # required or named: the output is one call, by grammar
+    parallel: bool = True
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools)
+
+
+def _param(i: int, key: str = "") -> str:
+    return f"tools[{i}]" + (f".{key}" if key else "")
+
+
+def _function(i: int, tool) -> dict:
+    if not isinstance(tool, dict):
+        raise invalid(f"Invalid type for '{_param(i)}': expected an object.", param=_param(i), code="invalid_type")
+    if tool.get("type") != "function":
+        raise invalid(f"Invalid '{_param(i, 'type')}': {tool.get('type')!r}; only 'function' tools are supported.",
+                      param=_param(i, "type"))
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise invalid(f"Missing required parameter: '{_param(i, 'function')}'.", param=_param(i, "function"),
+                      code="missing_required_parameter")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise invalid(f"Invalid '{_param(i, 'function.name')}': it must be 1 to 64 of a-z, A-Z, 0-9, _ and -.",
+                      param=_param(i, "function.name"))
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise invalid(f"Invalid type for '{_param(i, 'function.description')}': expected a string.",
+                      param=_param(i, "function.description"), code="invalid_type")
+    params = fn.get("parameters")
+    if params is None:  # OpenAI: no parameters means a function that takes none
+        params = {"type": "object", "properties": {}}
+    where = _param(i, "function.parameters")
+    if not isinstance(params, dict):
+        raise invalid(f"Invalid type for '{where}': expected a JSON Schema object.", param=where, code="invalid_type")
+    try:
+        _check(params, where)
+    except SchemaError as exc:
+        raise invalid(f"Invalid '{exc.where}': {exc}. A forced tool call is constrained by a grammar built from "
+                      "the schema, and this server refuses what it cannot enforce.", param=where,
+                      code="unsupported_schema") from None
+    out = {"name": name, "parameters": params}
+    if fn.get("description"):
+        out["description"] = fn["description"]
+    return {"type": "function", "function": out}
+
+
+def parse_tools(body: dict) -> Tools | None:
+    """The request's tools, or None when there are none (or tool_choice is "none")."""
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if raw is not None and not isinstance(raw, list):
+        raise invalid("Invalid type for 'tools': expected an array.", param="tools", code="invalid_type")
+    if not raw:
+        if choice is not None and choice != "none":
+            raise invalid("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are "
+                          "specified.", param="tool_choice")
+        return None
+    if len(raw) > 128:
+        raise invalid(f"Invalid 'tools': array too long. Expected an array with maximum length 128, but got an "
+                      f"array with length {len(raw)} instead.", param="tools", code="array_above_max_length")
+    tools = tuple(_function(i, t) for i, t in enumerate(raw))
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise invalid("Invalid 'tools': function names must be unique.", param="tools")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("Invalid type for 'parallel_tool_calls': expected a boolean.", param="parallel_tool_calls",
+                      code="invalid_type")
+    if choice is None or choice in ("auto", "required", "none"):
+        choice = choice or "auto"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise invalid("Invalid 'tool_choice': expected 'none', 'auto', 'required' or "
+                          '{"type": "function", "function": {"name": ...}}.', param="tool_choice")
+        if name not in names:
+            raise invalid(f"Invalid 'tool_choice': function {name!r} is not among the request's tools.",
+                          param="tool_choice.function.name")
+        choice = name
+    else:
+        raise invalid(f"Invalid 'tool_choice': {choice!r}; expected 'none', 'auto', 'required' or "
+                      '{"type": "function", "function": {"name": ...}}.', param="tool_choice")
+    if choice == "none":
+        return None
+    return Tools(tools, choice, forced=choice != "auto", parallel=parallel is not False)
+
+
+def call_grammar(tools: Tools) -> str:
+    """The grammar of one call: {"name": <one of the allowed names>, "arguments": <that function's schema>}."""
+    fns = [t["function"] for t in tools.tools if tools.choice in ("required", t["function"]["name"])]
+    branches = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                 "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
+    schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
+    try:
+        return schema_to_grammar(schema, "tools")
+    except SchemaError as exc:  # every parameters schema was checked; this is the converter failing
+        raise invalid(f"Invalid 'tools': {exc}.", param="tools", code="unsupported_schema") from None
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(obj, names: frozenset[str]) -> ToolCall | None:
+    """A ToolCall from a parsed {"name": ..., "arguments" | "parameters": {...}}, if it names a given tool."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string, as OpenAI sends them
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_output(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) from a finished output. With no call found, the text is all content."""
+    if tools.forced:
+        try:
+            call = _call(json.loads(text), tools.names)
+        except ValueError:
+            call = None
+        return (None, [call]) if call else (text, [])
+    if OPEN in text:
+        calls = []
+        for block in _BLOCK.findall(text):
+            try:
+                call = _call(json.loads(block), tools.names)
+            except ValueError:
+                call = None
+            if call is None:  # not a call we can give back: the text stays text
+                return text, []
+            calls.append(call)
+        content = text[:text.index(OPEN)].strip() or None
+        return content, calls if tools.parallel else calls[:1]
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if body.startswith("{"):
+        try:
+            call = _call(json.loads(body), tools.names)
+        except ValueError:
+            call = None
+        if call is not None:
+            return None, [call]
+    return text, []
+
+
+class ToolStream:
+    """Which streamed text can go out as content now, and which must wait: what could be a tool call.
+
+    Forced calls hold everything (it is one JSON call). In auto mode text goes out until a
+    `<tool_call>` may be starting; and an output that begins with `{` (or Llama's <|python_tag|>)
+    is held whole, since it may be a JSON call. At the end, parse_output decides over all the text.
+    """
+
+    def __init__(self, tools: Tools) -> None:
+        self.tools = tools
+        self.text = ""
+        self.sent = 0  # characters of text already sent as content
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.tools.forced:
+            return ""
+        head = self.text.lstrip()
+        if self.sent == 0 and (head.startswith("{") or PYTHON_TAG.startswith(head[:len(PYTHON_TAG)])
+                               or head.startswith(PYTHON_TAG)):
+            return ""
+        end = self.text.find(OPEN, self.sent)
+        if end == -1:
+            end = len(self.text)
+            for n in range(min(len(OPEN) - 1, len(self.text) - self.sent), 0, -1):
+                if self.text.endswith(OPEN[:n]):
+                    end -= n
+                    break
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet sent, calls) once the output is complete."""
+        content, calls = parse_output(self.text, self.tools)
+        if not calls:
+            return self.text[self.sent:], []
+        # what went out was content before the call block; what is left of that goes now
+        start = self.text.find(OPEN)
+        return (self.text[self.sent:start] if start > self.sent else ""), calls
