@@ -12,6 +12,7 @@ from aiohttp import web
 from syshaxd import __version__
 from syshaxd.api.errors import APIError
 from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE
+from syshaxd.api.long_strings import check_strings
 from syshaxd.api.state import Draining
 from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion, parse_json_body
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
@@ -158,6 +159,7 @@ async def _generate_admitted(request: web.Request, chat: bool, timer: RequestTim
                        "send the whole body at once.", code="request_timeout",
                        headers={"Connection": "close"}) from None
     body = parse_json_body(raw)
+    check_strings(body, len(raw), cfg.max_string_bytes)
     parsed = (parse_chat(body, request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages) if chat
               else parse_completion(body, request.app[MODEL_NAME], cfg.default_max_tokens))
     try:
