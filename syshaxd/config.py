@@ -87,8 +87,8 @@ class Config:
     default_max_tokens: int = 1024  # chat requests without max_tokens
     max_messages: int = 2048  # messages in one chat request (OpenAI's limit); past it 400 naming "messages"
     max_string_bytes: int = 1 << 20  # UTF-8 bytes of any one string in a request; past it 400 naming the field
-    client_timeout: float = 30.0  # seconds a client may take to send its body, take a piece of its stream, or
-    # send the first byte on a new connection
+    client_timeout: float = 30.0  # seconds a client may take to send its body, take a piece of its stream,
+    # send a request head, or send the first byte on a new connection
     max_queue_size: int = 64  # requests waiting for a batch slot before 429
     request_timeout: float = 600.0  # seconds a request may wait for a slot before 503
 
