@@ -12,6 +12,8 @@ worker may have restarted and a known request must still give the text it gave a
 from __future__ import annotations
 
 import json
+import signal
+import time
 import urllib.error
 import urllib.request
 
@@ -279,6 +281,31 @@ def test_wrong_types_anywhere(small, endpoint, field, value, deep):
         body[field] = 8  # a valid length: keep the generation short
     status, answer = post(small, endpoint, body)
     check(status, answer)
+
+
+# --- the limit changes live ------------------------------------------------------------------------
+
+def reload_with(d, old: str, new: str) -> None:
+    """Rewrite one line of the daemon's config, SIGHUP it, and wait until it says it applied the change."""
+    config = d.log_path.with_suffix(".toml")  # start_daemon writes the config beside the log
+    config.write_text(config.read_text().replace(old, new))
+    key, before, after = old.split(" = ")[0], old.split(" = ")[1], new.split(" = ")[1]
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while f"applied {key} {before} -> {after}" not in d.log():
+        assert time.monotonic() < deadline, d.log()[-2000:]
+        time.sleep(0.1)
+
+
+def test_max_string_bytes_changes_live(small):
+    body = completion(prompt="Hello", stop=["a" * (MAX_STRING + 100)])
+    assert post(small, "completions", body)[0] == 400
+    reload_with(small, f"max_string_bytes = {MAX_STRING}", f"max_string_bytes = {2 * MAX_STRING}")
+    try:
+        assert post(small, "completions", body)[0] == 200
+    finally:
+        reload_with(small, f"max_string_bytes = {2 * MAX_STRING}", f"max_string_bytes = {MAX_STRING}")
+    assert post(small, "completions", body)[0] == 400
 
 
 # --- afterwards ------------------------------------------------------------------------------------
