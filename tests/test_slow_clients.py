@@ -94,7 +94,8 @@ def test_a_connection_that_sends_nothing_is_closed_after_client_timeout(daemon):
         silent.settimeout(15)
         started = time.monotonic()
         assert silent.recv(1) == b""  # the daemon closed it
-        assert 2.0 <= time.monotonic() - started < 10
+        # the daemon's clock starts at accept, which a loaded test process may see after the fact
+        assert 1.5 <= time.monotonic() - started < 10
     assert daemon.status()["http_connections"]["closed_silent"] == before + 1
     assert good(daemon)  # a connection that does send is served as ever
 
