@@ -1,14 +1,16 @@
-"""A 4 MB request must not slow the working streams: 8 streams alone, then while 4 MB bodies keep arriving.
+"""A 4 MB request must not slow the working streams: 8 streams alone, then while 4 MB bodies arrive.
 
 Starts one syshaxd in cpu mode (default limits: max_body_bytes 4 MiB, max_string_bytes 1 MiB),
-runs 8 concurrent streamed completions (unique prompts, forced length) alone, then runs the same
-8 streams again while bodies just under max_body_bytes are sent one after another, round robin,
-until the streams end: a 4 MB prompt string, four messages of 1 MB each, a prompt of a million
-token ids, and one byte over the limit. Then the 8 streams alone once more. Prints each big input's
-status, code and time to answer, the workers' restarts, and TPOT p50/p90 of each stream run with the
-ratio against the runs alone; writes JSON under bench/results/.
+runs 8 concurrent streamed completions (unique prompts, forced length) alone, then the same 8
+streams again while bodies just under max_body_bytes arrive round robin until the streams end: a
+4 MB prompt string, four messages of 1 MB each, a prompt of a million token ids, and one byte over
+the limit; then once beside each of those alone; then alone once more. One big body at a time,
+--gap seconds after the last one's answer (0: back to back, a flood of gigabytes that client and
+daemon parse on the same CPUs as the streams). Prints each big input's status, code and time to
+answer, the workers' restarts, and TPOT p50/p90 of each stream run against the runs alone; writes
+JSON under bench/results/.
 
-  .venv/bin/python bench/bench_big_request.py [--streams 8] [--output-len 128]
+  .venv/bin/python bench/bench_big_request.py [--streams 8] [--output-len 128] [--gap 1.0]
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ async def run_streams(url: str, prompts, output_len: int) -> dict:
             "tpot_p90_ms": statistics.quantiles(tpots, n=10, method="inclusive")[-1]}
 
 
-async def streams_beside_big(url: str, prompts, output_len: int, inputs: dict) -> tuple[dict, dict]:
-    """The streams, with the big inputs sent round robin (one at a time) until they end."""
+async def streams_beside_big(url: str, prompts, output_len: int, inputs: dict, gap: float) -> tuple[dict, dict]:
+    """The streams, with the big inputs sent round robin, one at a time and gap seconds apart, until they end."""
     answers: dict[str, list] = {name: [] for name in inputs}
     streams = asyncio.create_task(run_streams(url, prompts, output_len))
     await asyncio.sleep(0.5)  # the streams are admitted and decoding
@@ -106,6 +108,7 @@ async def streams_beside_big(url: str, prompts, output_len: int, inputs: dict) -
                 answers[name].append(await send_big(session, url, endpoint, raw))
                 if streams.done():
                     break
+                await asyncio.wait([streams], timeout=gap)
     return await streams, answers
 
 
@@ -132,8 +135,12 @@ async def main(args: argparse.Namespace) -> dict:
         inputs = big_inputs(model)
         await run_streams(url, prompts(9), 8)  # warm-up
         result["runs"]["alone (before)"] = await run_streams(url, prompts(0), args.output_len)
-        result["runs"]["during 4 MB requests"], answers = await streams_beside_big(url, prompts(1), args.output_len,
-                                                                                   inputs)
+        result["runs"]["during all four, round robin"], answers = await streams_beside_big(
+            url, prompts(1), args.output_len, inputs, args.gap)
+        for k, name in enumerate(inputs, start=3):  # which input costs the streams what
+            result["runs"][f"during {name}"], alone_answers = await streams_beside_big(
+                url, prompts(k), args.output_len, {name: inputs[name]}, args.gap)
+            answers[name] += alone_answers[name]
         await asyncio.sleep(1)
         result["runs"]["alone (after)"] = await run_streams(url, prompts(2), args.output_len)
         async with aiohttp.ClientSession() as session:
@@ -155,6 +162,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--gap", type=float, default=1.0,
+                   help="seconds between one big body's answer and the next (0: back to back, a flood)")
     return p.parse_args(argv)
 
 
