@@ -30,7 +30,7 @@ SYSTEM_CONFIG = Path("/etc/syshax/syshax.toml")
 # Keys a running daemon applies at once (SIGHUP, `syshax config set`). Everything else
 # is read when workers are planned or the listener is bound, so it needs a restart.
 LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens", "max_messages", "client_timeout",
-                       "log_level", "drain_timeout",
+                       "max_string_bytes", "log_level", "drain_timeout",
                        # auto mode's decider reads these at every decision
                        "gpu_cache_threshold", "cpu_throughput_threshold", "token_limit_multiplier",
                        "token_limit_min", "token_limit_max"})
@@ -87,8 +87,9 @@ class Config:
     # requests
     default_max_tokens: int = 1024  # chat requests without max_tokens
     max_messages: int = 2048  # messages in one chat request (OpenAI's limit); past it 400 naming "messages"
-    client_timeout: float = 30.0  # seconds a client may take to send its body, take a piece of its stream, or
-    # send the first byte on a new connection
+    max_string_bytes: int = 1 << 20  # UTF-8 bytes of any one string in a request; past it 400 naming the field
+    client_timeout: float = 30.0  # seconds a client may take to send its body, take a piece of its stream,
+    # send a request head, or send the first byte on a new connection
     max_queue_size: int = 64  # requests waiting for a batch slot before 429
     request_timeout: float = 600.0  # seconds a request may wait for a slot before 503
 
@@ -216,6 +217,7 @@ def _validate(cfg: Config) -> None:
                           f"got {cfg.token_limit_max}")
     at_least("default_max_tokens", 1)
     at_least("max_messages", 1)
+    at_least("max_string_bytes", 1024)
     at_least("client_timeout", 0.1)
     at_least("max_queue_size", 0)
     at_least("request_timeout", 0.001)

@@ -74,3 +74,45 @@ def test_a_big_input_is_answered_clearly_and_the_daemon_serves_on(served, name):
     assert restarts(served) == restarted, served.log()[-3000:]
     print(f"[big inputs] {served.status()['mode']:<6} {name:<26} -> {status} "
           f"{(answer.get('error') or {}).get('code') or ''} in {took:.2f}s")
+
+
+OVER = words(MB + 1)  # one byte past max_string_bytes' default
+LONG_STRINGS = {
+    "stop[1]": ("completions", {"prompt": GOOD, "stop": ["\n", OVER]}),
+    "stop": ("completions", {"prompt": GOOD, "stop": OVER}),
+    "prompt": ("completions", {"prompt": OVER}),
+    "messages[1].content": ("chat/completions", {"messages": [{"role": "system", "content": "Be brief."},
+                                                              {"role": "user", "content": OVER}]}),
+    "messages[0].content[1].text": ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "text", "text": OVER}]}]}),
+    "messages[0].name": ("chat/completions", {"messages": [{"role": "user", "content": "hi", "name": OVER}]}),
+    "user": ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": OVER}),
+    "metadata.note": ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                           "metadata": {"note": OVER}}),
+}
+
+
+@pytest.mark.parametrize("param", list(LONG_STRINGS))
+def test_a_string_past_max_string_bytes_gets_400_naming_it(served, param):
+    endpoint, body = LONG_STRINGS[param]
+    status, answer = http_json(f"{served.base_url}/{endpoint}", {"model": MODEL_NAME, "max_tokens": 4, **body},
+                               timeout=60)
+    assert status == 400, answer
+    error = answer["error"]
+    assert (error["param"], error["code"], error["type"]) == (param, "string_above_max_length",
+                                                              "invalid_request_error"), error
+    assert "max_string_bytes" in error["message"] and f"{MB + 1} bytes" in error["message"], error
+
+
+@pytest.mark.parametrize("name, value", [(words(MB), "a name of exactly max_string_bytes"),
+                                          ("é" * (MB // 2), "a name of max_string_bytes in 2-byte characters")])
+def test_a_string_of_exactly_max_string_bytes_is_taken(served, name, value):
+    body = {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": GOOD, "name": name}]}
+    status, answer = http_json(f"{served.base_url}/chat/completions", body, timeout=60)
+    assert status == 200, (value, answer)
+
+
+def test_a_name_that_is_not_text_gets_400_naming_it(served):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi", "name": {"first": "x"}}]}
+    status, answer = http_json(f"{served.base_url}/chat/completions", body)
+    assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, "messages[0].name", "invalid_type")

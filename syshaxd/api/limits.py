@@ -6,6 +6,12 @@ but hands each accepted connection to ``ConnectionCap``, which counts the open o
 arrive in one loop iteration) and answers the ones over the cap itself, without
 parsing or routing anything: a fixed 503 in OpenAI's error shape, with Retry-After.
 Idle keep-alive connections count too: they hold a socket like any other.
+
+aiohttp has no timeout on a request head either: a client that sends one header byte a second
+holds its connection forever. ``_HeadWatch`` follows each connection's bytes just far enough to
+know when it is inside a request head (the ends of heads, and bodies by their Content-Length),
+and a head not complete within client_timeout closes the connection; so does a new connection
+that sends nothing at all.
 """
 
 from __future__ import annotations
@@ -38,23 +44,34 @@ def _refusal(limit: int) -> bytes:
 class ConnectionCap:
     """Counts open connections and refuses those past the limit; bind() it to the runner's server."""
 
-    def __init__(self, limit: int, first_byte_timeout: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, limit: int, head_timeout: Callable[[], float] = lambda: 0.0) -> None:
         self.limit = limit
-        self.first_byte_timeout = first_byte_timeout  # seconds a new connection may stay silent (0: forever)
+        # seconds a new connection may stay silent, and any request head may take to arrive (0: forever)
+        self.head_timeout = head_timeout
         self.open = 0
         self.refused = 0
         self.silent_closed = 0
+        self.slow_head_closed = 0
         self._server: web.Server | None = None
         self._answer = _refusal(limit)
         self._last_warning = 0.0
+        self._last_slow_head_log = 0.0
 
     def bind(self, server: web.Server) -> "ConnectionCap":
         self._server = server
         return self
 
+    def closed_slow_head(self) -> None:
+        self.slow_head_closed += 1
+        now = time.monotonic()
+        if now - self._last_slow_head_log > 10.0:  # one line per burst, not one per connection
+            self._last_slow_head_log = now
+            log.info("closed a connection whose request head did not arrive within %gs (client_timeout); "
+                     "%d so far", self.head_timeout(), self.slow_head_closed)
+
     def stats(self) -> dict:
         return {"open": self.open, "max_connections": self.limit, "refused": self.refused,
-                "closed_silent": self.silent_closed}
+                "closed_silent": self.silent_closed, "closed_slow_head": self.slow_head_closed}
 
     def __call__(self) -> asyncio.BaseProtocol:
         """The protocol for one accepted connection (asyncio's protocol factory)."""
@@ -71,16 +88,70 @@ class ConnectionCap:
         return _Counted(self._server(), self)
 
 
-class _Counted(asyncio.Protocol):
-    """aiohttp's protocol for one connection, and one decrement of the count when it is lost."""
+class _HeadWatch:
+    """Whether a connection's byte stream is inside a request head, followed by feed() as bytes arrive.
 
-    __slots__ = ("_inner", "_cap", "_done", "_silence")
+    Between heads it skips each body by its Content-Length. A chunked body, or a head too large to
+    be one aiohttp accepts (it answers that itself), ends the watch: the connection is then bounded
+    as before, by the 408 on its body and aiohttp's keep-alive timeout.
+    """
+
+    __slots__ = ("_head", "_body_left", "given_up")
+
+    _MAX_HEAD = 64 << 10  # aiohttp refuses far smaller heads (8190 bytes a line) with its own 400
+
+    def __init__(self) -> None:
+        self._head = bytearray()  # the current head so far
+        self._body_left = 0
+        self.given_up = False
+
+    @property
+    def in_head(self) -> bool:
+        return bool(self._head) and not self.given_up
+
+    def feed(self, data: bytes) -> None:
+        i = 0
+        while i < len(data) and not self.given_up:
+            if self._body_left:
+                taken = min(self._body_left, len(data) - i)
+                self._body_left -= taken
+                i += taken
+                continue
+            seen = len(self._head)
+            self._head += data[i:]
+            end = self._head.find(b"\r\n\r\n", max(seen - 3, 0))
+            if end < 0:
+                self.given_up = len(self._head) > self._MAX_HEAD
+                return
+            i += end + 4 - seen
+            self._body_left = self._body_length(bytes(self._head[:end]))
+            self._head.clear()
+
+    def _body_length(self, head: bytes) -> int:
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length" and value.strip().isdigit():
+                length = int(value.strip())
+            elif name == b"transfer-encoding" or name == b"content-length":  # chunked, or not a length we read
+                self.given_up = True
+        return length
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol for one connection, one decrement of the count when it is lost, and the head timeout."""
+
+    __slots__ = ("_inner", "_cap", "_done", "_deadline", "_watch", "_transport", "_received")
 
     def __init__(self, inner: asyncio.Protocol, cap: ConnectionCap) -> None:
         self._inner = inner
         self._cap = cap
         self._done = False
-        self._silence: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None  # armed while a head is awaited
+        self._watch = _HeadWatch()
+        self._transport = None
+        self._received = False
 
     def connection_made(self, transport) -> None:
         sock = transport.get_extra_info("socket")
@@ -89,20 +160,37 @@ class _Counted(asyncio.Protocol):
             # client_timeout lets it go). Left to autotuning, loopback buffers take megabytes: a whole
             # long answer, generated for nobody.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-        timeout = self._cap.first_byte_timeout()
-        if timeout > 0:  # a connection that never sends a byte holds a socket for nothing
-            self._silence = asyncio.get_running_loop().call_later(timeout, self._close_silent, transport)
+        self._transport = transport
+        self._arm()  # a connection that never sends a byte holds a socket for nothing
         self._inner.connection_made(transport)
 
-    def _close_silent(self, transport) -> None:
-        self._silence = None
-        self._cap.silent_closed += 1
-        transport.close()
+    def _arm(self) -> None:
+        timeout = self._cap.head_timeout()
+        if timeout > 0 and self._deadline is None:
+            self._deadline = asyncio.get_running_loop().call_later(timeout, self._close_slow)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _close_slow(self) -> None:
+        self._deadline = None
+        if self._received:
+            self._cap.closed_slow_head()
+        else:
+            self._cap.silent_closed += 1
+        if self._transport is not None:
+            self._transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self._silence is not None:
-            self._silence.cancel()
-            self._silence = None
+        self._received = True
+        if not self._watch.given_up:
+            self._watch.feed(data)
+            if self._watch.in_head:
+                self._arm()  # from a head's first byte; a running timer keeps its start
+            else:
+                self._disarm()  # between requests aiohttp's keep-alive timeout applies; bodies get 408
         self._inner.data_received(data)
 
     def eof_received(self):
@@ -115,9 +203,8 @@ class _Counted(asyncio.Protocol):
         self._inner.resume_writing()
 
     def connection_lost(self, exc) -> None:
-        if self._silence is not None:
-            self._silence.cancel()
-            self._silence = None
+        self._disarm()
+        self._transport = None
         if not self._done:
             self._done = True
             self._cap.open -= 1

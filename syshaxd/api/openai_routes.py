@@ -14,6 +14,7 @@ from syshaxd.api.errors import APIError
 from syshaxd.api import logprob_shapes
 from syshaxd.api.fanout import Fanout
 from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE, VOCAB
+from syshaxd.api.long_strings import check_strings
 from syshaxd.api.state import Draining
 from syshaxd.api.tools import ToolStream, parse_output
 from syshaxd.engine.prompts import Pieces
@@ -295,6 +296,7 @@ async def _generate_admitted(request: web.Request, chat: bool, timer: RequestTim
                        "send the whole body at once.", code="request_timeout",
                        headers={"Connection": "close"}) from None
     body = parse_json_body(raw)
+    check_strings(body, len(raw), cfg.max_string_bytes)
     parsed = (parse_chat(body, request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages) if chat
               else parse_completion(body, request.app[MODEL_NAME], cfg.default_max_tokens))
     views = await _prompt_views(request, parsed)

@@ -295,6 +295,9 @@ def parse_message(i: int, m: Any) -> dict:
     if role not in CHAT_ROLES:
         raise invalid(f"Invalid '{where}.role': {role!r}; it must be one of {', '.join(CHAT_ROLES)}.",
                       param=f"{where}.role")
+    name = m.get("name")  # the template ignores it, but a name must be text, as OpenAI's is
+    if name is not None and not isinstance(name, str):
+        raise _type_error(f"{where}.name", "a string", name)
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
