@@ -207,14 +207,16 @@ def test_http_binds_loopback_unless_configured(daemon):
 
 
 def test_shared_memory_ring_is_0600_and_the_daemons(keyed):
-    segment = Path(f"/dev/shm/syshax-{keyed.proc.pid}-kv")
-    st = segment.stat()
-    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
-    assert st.st_uid == psutil.Process(keyed.proc.pid).uids().effective == os.geteuid()
-    # the workers map that one file and no other segment
+    # the KV ring and the prefix cache's block store
+    segments = {Path(f"/dev/shm/syshax-{keyed.proc.pid}-{kind}") for kind in ("kv", "prefix")}
+    for segment in segments:
+        st = segment.stat()
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_uid == psutil.Process(keyed.proc.pid).uids().effective == os.geteuid()
+    # the workers map those files and no other segment
     for child in psutil.Process(keyed.proc.pid).children():
         maps = {m.path for m in child.memory_maps() if "/dev/shm/" in m.path}
-        assert maps <= {str(segment)}, maps
+        assert maps <= {str(s) for s in segments}, maps
 
 
 # --- what a request can reach ---------------------------------------------------------------------

@@ -297,7 +297,7 @@ def parse_message(i: int, m: Any) -> dict:
                       param=f"{where}.role")
     name = m.get("name")  # the template ignores it, but a name must be text, as OpenAI's is
     if name is not None and not isinstance(name, str):
-        raise _type_error(f"{where}.name", "a string", name)
+        raise type_error(f"{where}.name", "a string", name)
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""

@@ -6,7 +6,9 @@ plan; the daemon creates what the plan names (the ring's shared-memory segment) 
 
 from __future__ import annotations
 
+import logging
 import os
+import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,6 +24,9 @@ from syshaxd.numa import (
     plan_prefill_worker,
     read_host_topology,
 )
+
+
+log = logging.getLogger(__name__)
 
 
 class PlanError(RuntimeError):
@@ -66,9 +71,10 @@ def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixSto
     try:
         fingerprint = fingerprint_from_gguf(model_path)
         n_vocab = n_vocab_from_gguf(model_path)
-    except (GGUFError, OSError, KeyError) as exc:
-        raise PlanError(f"prefix_cache_mb: cannot size the prefix cache from {model_path.name}: {exc}; "
-                        "set prefix_cache_mb = 0") from None
+    except (GGUFError, OSError, KeyError, ValueError, struct.error) as exc:
+        # the engines will say what is wrong with the file, through /health and the log
+        log.warning("no prefix cache: cannot size it from %s (%s)", model_path.name, exc)
+        return None
     # a block's record, and room for the logits of a whole prompt's last token (float32)
     slot = -(-(record_size(fingerprint, cfg.prefill_chunk_size, DType.F16) + 4 * n_vocab) // 4096) * 4096
     n_slots = cfg.prefix_cache_mb * 1024 * 1024 // slot
