@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -30,21 +29,14 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
-from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
-from syshaxd.bench.daemon import start_daemon, stop_daemon  # noqa: E402
+from syshaxd.bench.client import list_models, run_streams  # noqa: E402
+from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
 from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
 from syshaxd.config import Config  # noqa: E402
 
 MODEL = REPO / "models" / "SmolLM2-135M-Instruct.q4_0.gguf"
 MAX_BODY = Config().max_body_bytes
 MAX_STRING = Config().max_string_bytes
-
-
-def this_checkout() -> list[str]:
-    """`python -m syshaxd` from this checkout and its plugins: an installed `syshaxd` may be another checkout's."""
-    paths = [str(REPO), *(str(p) for p in sorted((REPO / "plugins").iterdir()) if p.is_dir())]
-    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return [sys.executable, "-m", "syshaxd"]
 
 
 def _words(n: int) -> str:
@@ -85,18 +77,6 @@ async def send_big(session: aiohttp.ClientSession, url: str, endpoint: str, raw:
     return resp.status, (body.get("error") or {}).get("code") or "", time.perf_counter() - started
 
 
-async def run_streams(url: str, prompts, output_len: int) -> dict:
-    async with aiohttp.ClientSession() as session:
-        model = (await list_models(session, url))[0]
-        client = StreamingClient(url, model, output_len)
-        level = await run_level(client, session, prompts, len(prompts))
-    ok = [r for r in level.records if r.ok]
-    tpots = sorted(1000 * r.tpot_s for r in ok if r.tpot_s is not None)
-    return {"ok": len(ok), "requests": len(level.records), "tok_s": sum(r.output_tokens for r in ok) / level.wall_s,
-            "tpot_p50_ms": statistics.median(tpots),
-            "tpot_p90_ms": statistics.quantiles(tpots, n=10, method="inclusive")[-1]}
-
-
 async def streams_beside_big(url: str, prompts, output_len: int, inputs: dict, gap: float) -> tuple[dict, dict]:
     """The streams, with the big inputs sent round robin, one at a time and gap seconds apart, until they end."""
     answers: dict[str, list] = {name: [] for name in inputs}
@@ -120,7 +100,7 @@ async def main(args: argparse.Namespace) -> dict:
     config.write_text(f"model = {json.dumps(str(args.model))}\nmodel_dir = {json.dumps(str(args.model.parent))}\n"
                       f"quantize = \"\"\nthreads = {args.threads}\ncpu_max_batch_size = {args.streams}\n"
                       f"admin_socket = {json.dumps(str(log_dir / 'admin.sock'))}\n")
-    daemon = await start_daemon("cpu", command=this_checkout(), config=str(config), startup_timeout_s=300,
+    daemon = await start_daemon("cpu", command=daemon_command(), config=str(config), startup_timeout_s=300,
                                 log_dir=str(log_dir))
     result: dict = {"runs": {}, "big": {}}
     try:

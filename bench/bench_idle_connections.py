@@ -21,24 +21,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import aiohttp  # noqa: E402
-
-from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
+from syshaxd.bench.client import run_streams  # noqa: E402
 from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
 from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
 
 MODEL = REPO / "models" / "SmolLM2-135M-Instruct.q4_0.gguf"
-
-
-async def run_streams(url: str, prompts, output_len: int) -> dict:
-    async with aiohttp.ClientSession() as session:
-        model = (await list_models(session, url))[0]
-        client = StreamingClient(url, model, output_len)
-        level = await run_level(client, session, prompts, len(prompts))
-    ok = [r for r in level.records if r.ok]
-    tokens = sum(r.output_tokens for r in ok)
-    return {"ok": len(ok), "requests": len(level.records), "tok_s": tokens / level.wall_s,
-            "tpot_p50_ms": 1000 * statistics.median(r.tpot_s for r in ok if r.tpot_s is not None)}
 
 
 async def open_idle(host: str, port: int, n: int) -> list:
@@ -96,7 +83,7 @@ if __name__ == "__main__":
     args = parse_args()
     runs = asyncio.run(main(args))
     alone = statistics.mean(r["tpot_p50_ms"] for name, r in runs.items() if name.startswith("alone"))
-    print(f"| run | ok | tok/s | TPOT p50 ms | TPOT / alone |\n|---|---:|---:|---:|---:|")
+    print("| run | ok | tok/s | TPOT p50 ms | TPOT / alone |\n|---|---:|---:|---:|---:|")
     for name, r in runs.items():
         print(f"| {name} | {r['ok']}/{r['requests']} | {r['tok_s']:.1f} | {r['tpot_p50_ms']:.2f} | "
               f"{r['tpot_p50_ms'] / alone:.2f}x |")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ import aiohttp
 
 from .prompts import Prompt
 
-__all__ = ["RequestRecord", "LevelRun", "StreamingClient", "api_base", "list_models", "run_level"]
+__all__ = ["RequestRecord", "LevelRun", "StreamingClient", "api_base", "list_models", "run_level", "run_streams"]
 
 _DETAIL_CHARS = 300
 # Failures of a connection before any answer came: the server closed a pooled keep-alive
@@ -339,3 +340,16 @@ async def run_level(
     wall_s = time.perf_counter() - level_start
     records.sort(key=lambda r: r.index)
     return LevelRun(concurrency, records, wall_s)
+
+
+async def run_streams(url: str, prompts, output_len: int) -> dict:
+    """One wave of streams, all at once (the bench/ scripts' working load): ok count, tok/s, TPOT p50 and p90."""
+    async with aiohttp.ClientSession() as session:
+        model = (await list_models(session, url))[0]
+        client = StreamingClient(url, model, output_len)
+        level = await run_level(client, session, prompts, len(prompts))
+    ok = [r for r in level.records if r.ok]
+    tpots = sorted(1000 * r.tpot_s for r in ok if r.tpot_s is not None)
+    return {"ok": len(ok), "requests": len(level.records), "tok_s": sum(r.output_tokens for r in ok) / level.wall_s,
+            "tpot_p50_ms": statistics.median(tpots),
+            "tpot_p90_ms": statistics.quantiles(tpots, n=10, method="inclusive")[-1]}
