@@ -14,12 +14,13 @@ import os
 import struct
 from pathlib import Path
 
-from syshaxd.kv.ring import DEFAULT_DIRECTORY, _pid_alive
+from syshaxd.kv.ring import DEFAULT_DIRECTORY, sweep_segments
 
 MAGIC = b"SYSHAXPC"
 VERSION = 1
 HEADER_SIZE = 4096
 _HEADER = struct.Struct("<8sQQQQ")  # magic, version, owner pid, slots, slot bytes
+_OWNER_AT = struct.calcsize("<8sQ")
 
 
 class StoreError(Exception):
@@ -87,10 +88,6 @@ class BlockStore:
         start = HEADER_SIZE + index * self.slot_bytes
         return self._view[start:start + self.slot_bytes]
 
-    @property
-    def capacity(self) -> int:
-        return self.n_slots * self.slot_bytes
-
     def close(self) -> None:
         if self._fd < 0:
             return
@@ -111,23 +108,4 @@ class BlockStore:
 
 def sweep_stale(directory: str | os.PathLike = DEFAULT_DIRECTORY) -> list[Path]:
     """Remove block stores whose owner pid is dead (a daemon killed with -9); returns them."""
-    removed = []
-    for path in sorted(Path(directory).glob("syshax-*-prefix")):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            head = os.pread(fd, _HEADER.size, 0)
-        finally:
-            os.close(fd)
-        if len(head) < _HEADER.size or head[:8] != MAGIC:
-            continue
-        owner = _HEADER.unpack(head)[2]
-        if not _pid_alive(owner):
-            try:
-                path.unlink()
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-    return removed
+    return sweep_segments("syshax-*-prefix", MAGIC, _OWNER_AT, directory)

@@ -444,19 +444,25 @@ def _state_name(state: int) -> str:
 def sweep_stale(instance_prefix: str = "syshax-", *,
                 directory: str | os.PathLike = DEFAULT_DIRECTORY) -> list[Path]:
     """Remove ring segments whose owner pid is dead (left by a daemon killed with -9); returns them."""
+    return sweep_segments(f"{instance_prefix}*-kv", MAGIC, 8 * _H_OWNER, directory)
+
+
+def sweep_segments(pattern: str, magic: bytes, owner_at: int, directory: str | os.PathLike) -> list[Path]:
+    """Remove the shared-memory segments matching pattern whose header (magic first, the owner's pid as a u64
+    at owner_at) names a dead owner; returns them. Both the ring and the prefix cache's store use it."""
     removed = []
-    for path in sorted(Path(directory).glob(f"{instance_prefix}*-kv")):
+    for path in sorted(Path(directory).glob(pattern)):
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
             continue
         try:
-            head = os.pread(fd, 8 * (_H_OWNER + 1), 0)
+            head = os.pread(fd, owner_at + 8, 0)
         finally:
             os.close(fd)
-        if len(head) < 8 * (_H_OWNER + 1) or head[:8] != MAGIC:
+        if len(head) < owner_at + 8 or head[:len(magic)] != magic:
             continue  # not ours, or still being created
-        (owner,) = struct.unpack_from("<Q", head, 8 * _H_OWNER)
+        (owner,) = struct.unpack_from("<Q", head, owner_at)
         if not _pid_alive(owner):
             try:
                 path.unlink()
