@@ -245,9 +245,7 @@ class _EngineCollector:
                  kv and kv.records_failed),
                 (CounterMetricFamily, "syshax_kv_bytes_moved", "Bytes of KV handed from prefill to decode.",
                  kv and kv.bytes_moved)):
-            metric = family(name, doc)
-            metric.add_metric([], float(value or 0))  # zero while there is no ring
-            yield metric
+            yield _single(family, name, doc, value)
         yield _labelled(CounterMetricFamily, "syshax_kv_fallbacks",
                         "Requests whose decoder recomputed the prompt instead of importing it.", "reason",
                         kv.fallbacks if kv else {})
@@ -274,9 +272,7 @@ class _EngineCollector:
                  cache and cache.bytes),
                 (GaugeMetricFamily, "syshax_prefix_cache_capacity_bytes", "Size of the prefix cache (prefix_cache_mb).",
                  cache and cache.capacity_bytes)):
-            metric = family(name, doc)
-            metric.add_metric([], float(value or 0))  # zero while there is no cache
-            yield metric
+            yield _single(family, name, doc, value)
 
     def _auto(self, auto: AutoStatus):
         yield _labelled(CounterMetricFamily, "syshax_auto_decisions", "auto mode's offload decisions, by outcome "
@@ -289,6 +285,13 @@ class _EngineCollector:
             c = CounterMetricFamily(f"syshax_auto_{name}", doc)
             c.add_metric([], float(value))
             yield c
+
+
+def _single(family, name: str, doc: str, value):
+    """One unlabelled series; zero while what it counts does not exist (no ring, no prefix cache)."""
+    metric = family(name, doc)
+    metric.add_metric([], float(value or 0))
+    return metric
 
 
 def _labelled(family, name: str, doc: str, label: str, counts: dict):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -71,7 +70,7 @@ def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixSto
     try:
         fingerprint = fingerprint_from_gguf(model_path)
         n_vocab = n_vocab_from_gguf(model_path)
-    except (GGUFError, OSError, KeyError, ValueError, struct.error) as exc:
+    except (GGUFError, OSError) as exc:
         # the engines will say what is wrong with the file, through /health and the log
         log.warning("no prefix cache: cannot size it from %s (%s)", model_path.name, exc)
         return None

@@ -44,7 +44,17 @@ def _gguf_value(mv, pos: int, vtype: int):
 
 
 def read_gguf_header(path: str | os.PathLike) -> tuple[dict, list[tuple[str, tuple[int, ...], int]]]:
-    """The metadata (long arrays left out) and the tensor table (name, shape, ggml type) of a GGUF file."""
+    """The metadata (long arrays left out) and the tensor table (name, shape, ggml type) of a GGUF file;
+    GGUFError when the file is not one (too short, cut off, an unknown value type)."""
+    try:
+        return _read_header(path)
+    except GGUFError:
+        raise
+    except (struct.error, KeyError, ValueError) as exc:  # ValueError: mmap of an empty file
+        raise GGUFError(f"{path}: not a readable GGUF header ({exc})") from None
+
+
+def _read_header(path: str | os.PathLike) -> tuple[dict, list[tuple[str, tuple[int, ...], int]]]:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         mv = memoryview(mm)
         try:
@@ -81,7 +91,9 @@ def n_vocab_from_gguf(path: str | os.PathLike) -> int:
 def fingerprint_from_gguf(path: str | os.PathLike) -> ModelFingerprint:
     """The model fingerprint of a GGUF file; any engine loading weights made from it can compute it."""
     meta, tensors = read_gguf_header(path)
-    arch = meta["general.architecture"]
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise GGUFError(f"{Path(path).name}: no general.architecture in the GGUF metadata")
 
     def get(key, default=None):
         value = meta.get(f"{arch}.{key}", default)
