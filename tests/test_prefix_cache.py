@@ -294,3 +294,39 @@ def test_a_seeded_sample_from_the_cached_logits_is_the_sample_a_miss_draws(cache
     sampled(True)  # keeps the whole prompt
     hit = sampled(True)
     assert hit[0] == miss[0] and hit[1] == hit[2]
+
+
+def test_a_cached_block_whose_bytes_changed_is_refused_and_the_prompt_recomputed(default_model, tmp_path):
+    """The engine checks every record it is planned to read: a flipped byte makes it evaluate instead."""
+    from syshaxd.kv.block_store import HEADER_SIZE
+    from syshaxd.kv.record import MAGIC
+
+    d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, "prefill_chunk_size": BLOCK,
+                                "n_ctx": 512, "prefix_cache_mb": 16})
+    try:
+        client = connect(d)
+        prompt = PROMPTS[6]
+        expected = complete(client, prompt, cache_prompt=False)[:2]
+        complete(client, prompt)  # kept
+        cache = d.status()["prefix_cache"]
+        slot_bytes = cache["capacity_bytes"] // cache["capacity_blocks"]
+        with open(store_path(str(d.proc.pid)), "r+b") as f:
+            flipped = 0
+            for slot in range(cache["capacity_blocks"]):
+                at = HEADER_SIZE + slot * slot_bytes
+                f.seek(at)
+                if f.read(len(MAGIC)) == MAGIC:
+                    f.seek(at + 4096)  # inside the K and V rows, under the record's checksum
+                    byte = f.read(1)
+                    f.seek(at + 4096)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+                    flipped += 1
+        assert flipped > 0
+        text, n, cached_tokens, _ = complete(client, prompt)
+        assert (text, n) == expected and cached_tokens == 0
+        status = d.status()["prefix_cache"]
+        assert status["refused"] >= 1
+        assert "cannot be used" in d.log()
+        assert complete(client, prompt)[:2] == expected  # kept anew, and right
+    finally:
+        assert d.stop() == 0

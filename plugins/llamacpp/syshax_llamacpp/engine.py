@@ -60,8 +60,8 @@ class _Sequence:
     out: SequenceOutput | None = None
     started: float = 0.0
     cached: bool = False  # the prompt may start from blocks of the prefix cache (request.prefix)
+    found: prefix.Found | None = None  # the cached records checked when it was submitted
     hit_tokens: int = 0  # prompt tokens it took from the prefix cache
-    refused: list = field(default_factory=list)  # hit slots that did not check out (told to the daemon)
     # request.prompt_logprobs: the prompt's logprobs as its chunks run (None for its first token), sent once
     prompt_lp: list | None = None
 
@@ -200,14 +200,11 @@ class LlamaCppEngine:
         seq = _Sequence(request=request, prompt=prompt, max_tokens=max_tokens, started=time.monotonic())
         plan = request.prefix
         if plan is not None and self.store is not None and plan.block_tokens == self.chunk and not request.resume_tokens:
-            # the blocks written by now are checked now, so the answer's usage can say what is reused; the plan's
-            # blocks are held for this request until it reports, and checked again when its prompt runs
-            hits, seq.refused = prefix.check_hits(self.store, self.fingerprint, plan, prompt, written_only=True)
-            seq.cached, seq.hit_tokens = True, len(hits) * self.chunk
-            if plan.final is not None and plan.final[1] and len(hits) == (len(prompt) - 1) // self.chunk:
-                whole, refused = prefix.check_final(self.store, self.fingerprint, plan, prompt, self.n_vocab)
-                seq.refused += refused
-                seq.hit_tokens = len(prompt) if whole is not None else seq.hit_tokens
+            # the records written by now are checked now, so the answer's usage can say what is reused; the plan's
+            # records are held for this request until it reports, and those written meanwhile are checked when
+            # its prompt runs
+            seq.found = prefix.find(self.store, self.fingerprint, plan, prompt, self.n_vocab, written_only=True)
+            seq.cached, seq.hit_tokens = True, sum(r.n_tokens for r in seq.found.records)
         accepted = Accepted(rid, len(prompt), max_tokens, cached_tokens=seq.hit_tokens)
         if not self._needs_slot(seq):
             # a prompt only handed on runs in the prompt context and holds no batch slot: it starts at once,
@@ -307,16 +304,10 @@ class LlamaCppEngine:
         """Start seq's prompt from its cached blocks: their KV into the prompt context, the rest still to run.
         Returns the last token's logits when the whole prompt was cached."""
         seq.cached = False
-        plan = seq.request.prefix
-        blocks, refused = prefix.check_hits(self.store, self.fingerprint, plan, seq.prompt)
-        whole = None
-        if plan.final is not None and len(blocks) == (len(seq.prompt) - 1) // self.chunk:
-            whole, bad = prefix.check_final(self.store, self.fingerprint, plan, seq.prompt, self.n_vocab)
-            refused += bad
-        seq.refused = sorted(set(seq.refused) | set(refused))
+        found = seq.found = prefix.find(self.store, self.fingerprint, seq.request.prefix, seq.prompt, self.n_vocab,
+                                        seq.found)
         seq.hit_tokens = 0
-        if whole is not None:
-            blocks.append(whole[0])
+        blocks = found.records
         if not blocks:
             return None
         try:
@@ -331,7 +322,7 @@ class LlamaCppEngine:
             seq.pending.popleft()
         seq.n_past = n
         self.counters["cached_tokens"] += n
-        return whole[1] if whole is not None else None
+        return found.whole[1] if found.whole is not None else None
 
     def _keep_blocks(self, seq: _Sequence, state_bytes, logits) -> list:
         """Write the prompt's new blocks (and the whole prompt with its last logits) into the prefix cache as
@@ -345,7 +336,8 @@ class LlamaCppEngine:
                 state_bytes = export_seq(self.prefill_ctx, 0, self._state)
             stored = prefix.store_blocks(self.store, self.fingerprint, plan, state_bytes, seq.prompt,
                                          logits if plan.final_store >= 0 else None)
-        return [Cached(seq.request.request_id, tuple(stored), tuple(seq.refused), seq.hit_tokens)]
+        refused = tuple(seq.found.refused) if seq.found is not None else ()
+        return [Cached(seq.request.request_id, tuple(stored), refused, seq.hit_tokens)]
 
     def _count(self, n: int) -> None:
         self._rate.add(n)

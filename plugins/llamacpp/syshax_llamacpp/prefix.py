@@ -9,7 +9,7 @@ its token ids and positions are exactly those of the prompt at that place.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -47,63 +47,75 @@ class BlockChain:
         return np.concatenate([b.v(layer) for b in self.blocks])
 
 
-def check_hits(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan, prompt: list[int],
-               written_only: bool = False) -> tuple[list[KVRecord], list[int]]:
-    """The plan's hit blocks that are exactly the prompt's, in order up to the first that is not; and the
-    slots of written blocks that are not (the daemon drops them).
+@dataclass
+class Found:
+    """The cached records a prompt starts with, each checked: its first blocks, and perhaps its whole last chunk
+    with its last token's logits; and the slots of written records that turned out not to be the prompt's."""
 
-    A block planned while it was being written (checksum 0) counts when it is complete by now; one that
-    is not yet stops the run quietly. written_only: stop at the first such block.
+    blocks: list[KVRecord] = field(default_factory=list)
+    whole: tuple[KVRecord, np.ndarray] | None = None
+    refused: list[int] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[KVRecord]:
+        return self.blocks + ([self.whole[0]] if self.whole is not None else [])
+
+
+def find(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan, prompt: list[int], n_vocab: int,
+         found: Found | None = None, written_only: bool = False) -> Found:
+    """What of the plan is exactly this prompt's, checked in order up to the first record that is not.
+
+    `found`: what an earlier look checked already (held for the request since, so not read again); this
+    one goes on after it. A block planned while it was being written (checksum 0) counts when it is
+    complete by now; one that is not yet ends the run quietly. written_only: end at the first such block.
     """
+    found = found if found is not None else Found()
     c = plan.block_tokens
-    good, refused = [], []
-    for j, (slot, checksum) in enumerate(plan.hits):
+    if found.refused or found.whole is not None:
+        return found  # a refusal ends the run; a whole prompt is all there is
+    for j in range(len(found.blocks), len(plan.hits)):
+        slot, checksum = plan.hits[j]
         if written_only and not checksum:
-            break
-        start = j * c
-        try:
-            record = decode(store.slot(slot), expect=fingerprint)
-            why = ("its checksum is not the one reported" if checksum and record.checksum != checksum
-                   else "it holds other tokens" if record.tokens.tolist() != prompt[start:start + c]
-                   else "its positions are not the prompt's" if not np.array_equal(record.positions,
-                                                                                    np.arange(start, start + c))
-                   else "")
-        except (RecordError, IndexError) as exc:
-            why = str(exc)
-        if why and not checksum:
-            break  # not written yet (or given up): the prompt runs from here
+            return found
+        record, why, _ = _read(store, slot, 0, fingerprint, checksum, prompt, j * c, (j + 1) * c)
         if why:
-            log.error("prefix cache: block %d (slot %d) cannot be used: %s; evaluating from token %d", j, slot, why,
-                      start)
-            refused.append(slot)
-            break
-        good.append(record)
-    return good, refused
-
-
-def check_final(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan, prompt: list[int],
-                n_vocab: int) -> tuple[tuple[KVRecord, np.ndarray] | None, list[int]]:
-    """The cached last chunk of this very prompt and its last token's logits, if they are exactly this prompt's;
-    and the slot, if it was written and is not (the daemon drops it)."""
+            return _refuse(found, slot, checksum, f"block {j}", why)
+        found.blocks.append(record)
+    if plan.final is None or len(found.blocks) != (len(prompt) - 1) // c:
+        return found
     slot, checksum = plan.final
-    start = (len(prompt) - 1) // plan.block_tokens * plan.block_tokens
+    if written_only and not checksum:
+        return found
+    record, why, view = _read(store, slot, 4 * n_vocab, fingerprint, checksum, prompt, len(found.blocks) * c,
+                              len(prompt))
+    if why:
+        return _refuse(found, slot, checksum, "the whole prompt", why)
+    # written before the record's seal, so a record that checks out has its logits
+    found.whole = (record, np.frombuffer(view, np.float32, n_vocab, len(view) - 4 * n_vocab).copy())
+    return found
+
+
+def _read(store: BlockStore, slot: int, tail: int, fingerprint: ModelFingerprint, checksum: int, prompt: list[int],
+          start: int, end: int):
+    """The record in the slot (before its last `tail` bytes), why it is not tokens start..end of the prompt as
+    reported ("" when it is), and the slot's bytes."""
     try:
         view = store.slot(slot)
-        logits_at = len(view) - 4 * n_vocab
-        record = decode(view[:logits_at], expect=fingerprint)
-        why = ("its checksum is not the one reported" if checksum and record.checksum != checksum
-               else "it holds other tokens" if record.tokens.tolist() != prompt[start:]
-               else "its positions are not the prompt's" if not np.array_equal(record.positions,
-                                                                                np.arange(start, len(prompt)))
-               else "")
+        record = decode(view[:len(view) - tail], expect=fingerprint)
     except (RecordError, IndexError, ValueError) as exc:
-        why = str(exc)
-    if why:
-        if checksum:
-            log.error("prefix cache: the cached whole prompt (slot %d) cannot be used: %s", slot, why)
-        return None, [slot] if checksum else []
-    # written before the record's seal, so a record that checks out has its logits
-    return (record, np.frombuffer(view, np.float32, n_vocab, logits_at).copy()), []
+        return None, str(exc), None
+    why = ("its checksum is not the one reported" if checksum and record.checksum != checksum
+           else "it holds other tokens" if record.tokens.tolist() != prompt[start:end]
+           else "its positions are not the prompt's" if not np.array_equal(record.positions, np.arange(start, end))
+           else "")
+    return record, why, view
+
+
+def _refuse(found: Found, slot: int, checksum: int, what: str, why: str) -> Found:
+    if checksum:  # written and reported, yet not what it should be: the daemon drops it
+        log.error("prefix cache: %s (slot %d) cannot be used: %s; evaluating from there", what, slot, why)
+        found.refused.append(slot)
+    return found  # not written yet (or given up): the prompt runs from here
 
 
 def import_blocks(ctx, seq_id: int, blocks: list[KVRecord], fingerprint: ModelFingerprint,
