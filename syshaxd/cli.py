@@ -196,6 +196,8 @@ def _print_status(st: dict) -> None:
         print(f"{w.name:<10} {w.role:<9} {w.state:<11} {w.pid or '-':>7} {format_cpulist(w.cpus) or '-':<10} "
               f"{s.running:>4} {s.waiting:>5} {s.max_batch_size:>5} {s.kv_usage:>6.1%} {s.tokens_per_second:>7.1f} "
               f"{w.restarts:>8}")
+        if w.kernels:
+            print(f"{'':<10} kernels: {w.kernels} ({w.kernels_why})")
         if w.error:
             print(f"{'':<10} error: {w.error}")
     for key, counts in (("routes", sched.routes), ("refused", sched.refused)):

@@ -24,6 +24,7 @@ MODES = tuple(Mode)
 QUANTIZE_TYPES = ("", "q4_0")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PREEMPTION_MODES = ("recompute",)
+REPACK_SETTINGS = ("auto", "on", "off")
 
 SYSTEM_CONFIG = Path("/etc/syshax/syshax.toml")
 
@@ -64,6 +65,7 @@ class Config:
     cpu_affinity: str = ""  # cpulists, ";" between workers ("0-3;4-7"); CUSTOM_CPU_AFFINITY overrides it
     prefill_chunk_size: int = 256  # prompt tokens per step, so a long prompt does not stall the batch
     prefix_cache_mb: int = 512  # prompt KV kept for reuse (automatic prefix caching) in /dev/shm; 0: off
+    repack: str = "auto"  # llama.cpp's repacked weight kernels (llama-server's --repack): auto, on, off
 
     # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring
     prefill_cpu_affinity: str = ""  # the prefill worker's CPUs; empty: a quarter of the first node's
@@ -184,6 +186,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"mode: must be one of {', '.join(MODES)}; got {cfg.mode!r}")
     if cfg.quantize not in QUANTIZE_TYPES:
         raise ConfigError(f'quantize: must be "" (load as is) or "q4_0"; got {cfg.quantize!r}')
+    if cfg.repack not in REPACK_SETTINGS:
+        raise ConfigError(f'repack: must be "auto" (the fastest kernels that run correctly on this CPU), "on" or '
+                          f'"off" (plain kernels); got {cfg.repack!r}')
     if cfg.log_level not in LOG_LEVELS:
         raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}; got {cfg.log_level!r}")
     if not 0 <= cfg.port <= 65535:

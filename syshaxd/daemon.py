@@ -122,7 +122,7 @@ class Service:
         ledger = KVLedger(ring, prefix=PrefixCache(prefix.n_slots, prefix.block_tokens, prefix.slot_bytes)
                           if prefix is not None else None)
         self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
-                                     ledger) for name, spec in engines.workers]
+                                     ledger, on_failed=self._worker_failed) for name, spec in engines.workers]
         # the prefix cache is planned from token ids: the daemon tokenizes as the engines do
         prompts = PromptTokenizer(DaemonVocab(str(model_path)), cfg.n_ctx) if prefix is not None else None
         self.scheduler = Scheduler(cfg, self.workers, ledger, prompts)
@@ -228,6 +228,11 @@ class Service:
             # would only make systemd restart into the same failure every RestartSec.
             self.notifier.ready(f"degraded: engines not ready ({failed}); /health answers 503")
             self._ready_sent = True
+
+    def _worker_failed(self, worker: WorkerHandle) -> None:
+        """A worker given up on after the daemon said ready (a crash loop): systemd's status line says so."""
+        if self._ready_sent:  # while loading, _load's own lines report it
+            self.notifier.status(f"degraded: {worker.name} failed: {worker.error}; /health answers 503")
 
     def _serving_line(self) -> str:
         n = sum(w.state == "ready" for w in self.workers)

@@ -111,6 +111,9 @@ def test_status_shows_mode_engines_and_queue(admin):
     assert table.returncode == 0, table.stderr
     assert "mode cpu" in table.stdout and "WORKER" in table.stdout
     assert any(line.split()[:3] == ["cpu0", "generate", "ready"] for line in table.stdout.splitlines())
+    # which CPU kernels the worker runs, and why (the llama.cpp engine's choice: tests/test_kernels.py)
+    kernels = st["workers"][0]["kernels"]
+    assert kernels and f"kernels: {kernels} ({st['workers'][0]['kernels_why']})" in table.stdout
 
 
 def test_version_names_client_and_daemon(admin, tmp_path):

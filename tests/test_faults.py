@@ -99,7 +99,7 @@ def test_a_stopped_cpu_worker_is_killed_and_replaced(cpu):
     FIGURES["faults"] += 1
     stopped = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # sent to the stopped worker: no answer until the worker is replaced, then a clean 503
+        # sent to the stopped worker: no answer until the worker is replaced, then sent again to the replacement
         waiting = pool.submit(http_json, f"{cpu.base_url}/completions",
                               {"model": MODEL_NAME, "prompt": "Are you there?", "max_tokens": 4})
         with pytest.raises(openai.APIError, match="stopped responding"):
@@ -108,8 +108,9 @@ def test_a_stopped_cpu_worker_is_killed_and_replaced(cpu):
         noticed = time.monotonic() - stopped
         status, body = waiting.result()
     assert HEARTBEAT - 0.5 <= noticed < HEARTBEAT + 6, noticed
-    assert status == 503 and body["error"]["code"] in ("engine_restarting", "engine_unavailable"), body
-    FIGURES["clean_error"] += 2  # the stream ended with an error event, the waiting request with a 503
+    assert status == 200 and body["usage"]["completion_tokens"] > 0, body
+    FIGURES["clean_error"] += 1  # the stream ended with an error event
+    FIGURES["completed"] += 1  # the waiting request, answered by the replacement
     new = wait_for(lambda: (w := worker(cpu, "cpu0"))["state"] == "ready" and w["pid"] != old["pid"] and w,
                    what="the replacement worker")
     assert new["hangs"] == 1 and new["restarts"] == 1

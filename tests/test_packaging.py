@@ -58,6 +58,7 @@ def test_rpm_holds_the_unit_config_and_entry_points(built_rpm):
         "/usr/bin/syshaxd",
         "/usr/bin/syshax",
         "/usr/lib/systemd/system/syshaxd.service",
+        "/usr/libexec/syshax/llama-wheel.sh",  # builds llama-cpp-python for the host (the spec says why)
         "/etc/syshax/syshax.toml",
         "/var/lib/syshax",
         "/usr/share/doc/syshax/README.md",  # the unit's Documentation=

@@ -208,7 +208,8 @@ def _route_of(stream: RequestStream) -> dict:
 
 def _rejected(event: Rejected) -> APIError:
     kind = "invalid_request_error" if event.status < 500 else "server_error"
-    headers = {"Retry-After": "1"} if event.status == 503 else None  # the worker is being replaced
+    # the worker is being replaced; one given up on (engine_failed) will not be back by retrying
+    headers = {"Retry-After": "1"} if event.status == 503 and event.code != "engine_failed" else None
     return APIError(event.status, event.message, type=kind, param=event.param, code=event.code, headers=headers)
 
 
@@ -223,7 +224,7 @@ def _submit(request: web.Request, generate: GenerateRequest) -> RequestStream:
         raise APIError(400, str(exc), param="syshax.mode", code="unsupported_route") from None
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="engine_unavailable",
-                       headers={"Retry-After": "5"}) from None
+                       headers=None if exc.final else {"Retry-After": "5"}) from None
 
 
 async def _accepted(request: web.Request, stream: RequestStream) -> Accepted:

@@ -8,6 +8,7 @@ benchmark and returns the process exit status (0: at least one target ran;
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import asyncio
 import json
 import sys
@@ -384,6 +385,9 @@ def run(args: argparse.Namespace) -> int:
         if args.url and args.mode:
             print("syshax benchmark: --mode is not used with --url (the servers given are benchmarked as they are)",
                   file=sys.stderr)
+        if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
+            raise ValueError("--plot needs matplotlib, which the default install leaves out: "
+                             "pip install 'syshax[plot]' (or matplotlib)")
         if _needs_tokenizer(args) and not _tokenizer_path(args).is_file():
             raise ValueError(f"--tokenizer: {str(_tokenizer_path(args))!r} is not a file;"
                              " give the GGUF of the model being served")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from syshaxd.backend import Role
 from syshaxd.config import Config
+from syshaxd.engine import faults
 from syshaxd.engine.types import EngineSpec, GpuSettings, Pool
 from syshaxd.numa import (
     ENV_CPU_AFFINITY,
@@ -26,6 +27,14 @@ from syshaxd.numa import (
 
 
 log = logging.getLogger(__name__)
+
+
+def _fault(env: dict) -> str:
+    """SYSHAX_FAULT, the tests' fault injection (engine/faults.py), checked."""
+    try:
+        return faults.parse(env.get("SYSHAX_FAULT", ""))
+    except faults.FaultError as exc:
+        raise PlanError(str(exc)) from None
 
 
 class PlanError(RuntimeError):
@@ -166,7 +175,7 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
         backend=cfg.cpu_engine, role=Role.GENERATE, model_path=str(model_path), model_name=model_name,
         n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=1,
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
-        handoff_timeout=cfg.handoff_timeout,
+        handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env),
         gpu=GpuSettings(cfg.gpu_memory_utilization, cfg.max_num_seqs, cfg.tensor_parallel_size, cfg.preemption_mode),
     )
     topology = read_host_topology()

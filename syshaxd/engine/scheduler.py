@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -129,8 +130,28 @@ class Scheduler:
     def _least_loaded(cls, workers: list[WorkerHandle], what: str) -> WorkerHandle:
         ready = [w for w in workers if w.state == "ready"]
         if not ready:
-            raise EngineUnavailable(f"no {what} is ready ({cls._states(workers)}); retry shortly")
+            raise cls._unready(workers, f"no {what}")
         return min(ready, key=lambda w: w.in_flight)
+
+    @classmethod
+    def _unready(cls, workers: list[WorkerHandle], what: str) -> EngineUnavailable:
+        """Why none of `workers` can take a request: retry shortly, unless every one of them failed for good."""
+        if workers and all(w.state == "failed" for w in workers):
+            return EngineUnavailable(f"{what} can serve: {cls._states(workers)}", final=True)
+        return EngineUnavailable(f"{what} is ready ({cls._states(workers)}); retry shortly")
+
+    async def wait_ready(self, workers: list[WorkerHandle]) -> bool:
+        """Wait, up to request_timeout, until one of `workers` is ready; False when that did not happen (each
+        failed for good, or the time ran out). A request whose worker died before its first token waits here
+        for the worker's restart rather than fail at once."""
+        deadline = time.monotonic() + self.config.request_timeout
+        while time.monotonic() < deadline:
+            if any(w.state == "ready" for w in workers):
+                return True
+            if all(w.state in ("failed", "stopped") for w in workers):
+                return False
+            await asyncio.sleep(0.1)
+        return False
 
     def pick_decoder(self) -> WorkerHandle:
         return self._least_loaded(self.decoders, "CPU worker")
@@ -175,7 +196,7 @@ class Scheduler:
         needed = self.gpu if mode == Mode.GPU else self.decoders
         if not any(w.state == "ready" for w in needed):
             self.refused["unavailable"] += 1
-            raise EngineUnavailable(f"no engine is ready to serve ({self._states(needed)}); retry shortly")
+            raise self._unready(needed, "no engine")
         if self.in_flight() >= self.capacity():
             self.refused["overloaded"] += 1
             raise Overloaded(
@@ -208,9 +229,11 @@ class Scheduler:
         if route == Route.CPU:
             # a retry on another worker recomputes the whole prompt: the plan went with the dead worker
             stream = RetryStream(request, self._submit_to(self.pick_decoder(), request), self.pick_decoder,
-                                 again=lambda sent: replace(sent, prefix=None))
+                                 again=lambda sent: replace(sent, prefix=None),
+                                 wait_ready=lambda: self.wait_ready(self.decoders))
         elif route == Route.GPU:
-            stream = RetryStream(request, self.pick_gpu().submit(request), self.pick_gpu)
+            stream = RetryStream(request, self.pick_gpu().submit(request), self.pick_gpu,
+                                 wait_ready=lambda: self.wait_ready(self.gpu))
         else:
             prefill = min(self.prefill or self.gpu, key=lambda w: w.in_flight)
             if prefill.state != "ready":

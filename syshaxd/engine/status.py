@@ -19,7 +19,7 @@ class WorkerStatus:
     backend: str
     role: str
     pool: str
-    state: str  # stopped, starting, ready, restarting, failed
+    state: str  # stopped, starting, warming (proving its kernels), ready, restarting, failed
     pid: int | None
     error: str
     restarts: int
@@ -28,6 +28,8 @@ class WorkerStatus:
     cpus: list[int]
     threads: int
     stats: EngineStats
+    kernels: str = ""  # the CPU kernels its engine runs (llama.cpp: repack, plain, ...); "" where not told
+    kernels_why: str = ""
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import psutil
 
@@ -30,6 +32,7 @@ from syshaxd.engine.types import (
     WorkerFailed,
     WorkerReady,
     WorkerStats,
+    WorkerWarming,
 )
 from syshaxd.engine.worker import worker_main
 
@@ -37,7 +40,11 @@ log = logging.getLogger(__name__)
 
 
 class EngineUnavailable(RuntimeError):
-    """No worker can take the request right now (loading, restarting or failed)."""
+    """No worker can take the request right now (loading, restarting or failed); final: all failed for good."""
+
+    def __init__(self, message: str, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
 
 
 @dataclass(eq=False)
@@ -86,9 +93,11 @@ class WorkerHandle:
     """
 
     BUSY_GRACE = 4
+    CRASH_LOOP = 3  # deaths in a row without a token served (or a prompt handed on): a crash loop
 
     def __init__(self, name: str, spec: EngineSpec, log_level: str, restart_delay: float,
-                 heartbeat_timeout: float = 30.0, ledger: KVLedger | None = None) -> None:
+                 heartbeat_timeout: float = 30.0, ledger: KVLedger | None = None,
+                 on_failed: Callable[["WorkerHandle"], None] | None = None) -> None:
         self.name = name
         self.spec = spec
         self.log_level = log_level
@@ -102,6 +111,12 @@ class WorkerHandle:
         self.restarts = 0
         self.last_heartbeat = 0.0
         self.streams: dict[str, WorkerStream] = {}
+        self.barren_deaths = 0  # deaths since it last served a token: CRASH_LOOP of them is a crash loop
+        self.fallback: dict = {}  # what its engine said gives safer kernels (WorkerWarming), tried once
+        self.fallback_loses = ""
+        self.fell_back = ""  # why it runs its fallback, for the status; "" while it runs as configured
+        self._warmup_error = ""  # what the worker said when its warm-up raised
+        self._on_failed = on_failed  # told once the worker is given up on (the daemon's status line)
         self.ledger = ledger or KVLedger()  # the owner of the KV records this worker writes or reads
         self.ready = asyncio.Event()
         self._process = None
@@ -232,6 +247,8 @@ class WorkerHandle:
         self.last_heartbeat = time.monotonic()
         if isinstance(msg, list):
             for event in msg:
+                if self.barren_deaths and (isinstance(event, Prefilled) or (isinstance(event, Delta) and event.n_tokens)):
+                    self.barren_deaths = 0  # it serves: whatever killed it before is not every request
                 stream = self.streams.get(event.request_id)
                 self._report_kv(event, stream is None)
                 if stream is None or isinstance(event, Cached):  # cancelled on our side already, or the ledger's alone
@@ -242,6 +259,14 @@ class WorkerHandle:
                 stream.queue.put_nowait(event)
         elif isinstance(msg, WorkerStats):
             self.stats = msg.stats
+        elif isinstance(msg, WorkerWarming):
+            self.info = msg.info
+            self.fallback, self.fallback_loses = dict(msg.fallback), msg.fallback_loses
+            self.state = "warming"
+            log.info("%s: engine built; warming up (kernels: %s, %s)", self.name, msg.info.get("kernels", "?"),
+                     msg.info.get("kernels_why", ""))
+        elif isinstance(msg, WorkerFailed) and msg.during == "warm-up" and self.fallback:
+            self._warmup_error = msg.message  # it exits now; _on_exit restarts it with the fallback
         elif isinstance(msg, WorkerReady):
             self.info = msg.info
             self.state = "ready"
@@ -250,9 +275,11 @@ class WorkerHandle:
             log.info("%s: ready (%s, n_ctx=%s, batch=%s, cpus=%s)", self.name, self.info.get("model_name"),
                      self.info.get("n_ctx"), self.info.get("max_batch_size"), self.info.get("cpus"))
         elif isinstance(msg, WorkerFailed):
-            self.error = msg.message
+            self.error = msg.message if msg.during == "build" else f"its warm-up failed: {msg.message}"
             self.state = "failed"
-            log.error("%s: engine failed to start: %s", self.name, msg.message)
+            log.error("%s: engine failed to start: %s", self.name, self.error)
+            if self._on_failed is not None:
+                self._on_failed(self)
 
     def _report_kv(self, event, orphaned: bool) -> None:
         """Tell the ledger of a record written (and, when its request is gone, no longer wanted) or read."""
@@ -273,12 +300,17 @@ class WorkerHandle:
         if self._channel is not None:
             self._channel.drain()  # events it sent just before dying still count
         was_failed = self.state == "failed"
+        warming = self.state == "warming"
         self._detach()
         self.ready.clear()
         lost = list(self.streams.values())
         self.streams.clear()
         for stream in lost:
             self.ledger.prefix_release(stream.request_id)
+        verdict = ""  # how this death is answered: "" restart as it was, "fallback" or "failed"
+        if not self._stopping and not was_failed:
+            self.barren_deaths += 1
+            verdict = self._judge_death(code, warming)
         if self._hung_for:
             hung = f"stopped responding ({self._hung_for:.0f}s without a heartbeat) and was replaced"
             before, during = f"the engine worker {hung} before answering", f"the engine worker {hung} mid-stream"
@@ -286,22 +318,58 @@ class WorkerHandle:
             before, during = "the engine worker stopped before answering", "the engine worker died mid-stream"
         for stream in lost:
             if stream.tokens_sent == 0 and stream.queue.empty():
-                stream.queue.put_nowait(
-                    Rejected(stream.request_id, 503, f"{before}; retry the request", "engine_restarting")
-                )
+                if verdict == "failed":
+                    rejected = Rejected(stream.request_id, 503, f"the engine worker failed: {self.error}",
+                                        "engine_failed")
+                else:
+                    rejected = Rejected(stream.request_id, 503, f"{before}; retry the request", "engine_restarting")
+                stream.queue.put_nowait(rejected)
             else:
                 stream.queue.put_nowait(Delta(stream.request_id, "", 0, "error", during))
         if not self._stopping:
             self.ledger.worker_gone(self.name, pid)
-        if self._stopping:
-            return
-        if was_failed:
-            return  # the engine cannot be built; restarting would fail the same way
+        if self._stopping or was_failed or verdict == "failed":
+            return  # the engine cannot be built or keeps dying; restarting would fail the same way
         self.state = "restarting"
         self.restarts += 1
-        log.error("%s: worker exited (code %s%s) with %d requests in flight; restarting in %.1fs",
-                  self.name, code, ", killed as hung" if self._hung_for else "", len(lost), self.restart_delay)
+        if verdict != "fallback":
+            log.error("%s: worker exited (%s%s) with %d requests in flight; restarting in %.1fs", self.name,
+                      _exit_words(code), ", killed as hung" if self._hung_for else "", len(lost), self.restart_delay)
         self._restart_task = self._loop.create_task(self._restart_later())
+
+    def _judge_death(self, code: int | None, warming: bool) -> str:
+        """A death in the warm-up or the CRASH_LOOP-th in a row without a token served says the engine cannot
+        run as it is: restart it with its fallback (safer kernels) once, else give it up ("failed")."""
+        how = _exit_words(code)
+        kernels = self.info.get("kernels", "")
+        if warming:
+            cause = (f"failed its warm-up ({self._warmup_error})" if self._warmup_error
+                     else f"died ({how}) in its warm-up, running its {kernels} kernels on a prompt chunk and a decode batch")
+        elif self.barren_deaths >= self.CRASH_LOOP:
+            cause = (f"died {self.barren_deaths} times in a row without serving a token ({how} the last time): "
+                     "a crash loop")
+        else:
+            return ""
+        self._warmup_error = ""
+        if code == -signal.SIGILL:
+            cause += ("; SIGILL means its native code uses instructions this CPU lacks: it was built on another "
+                      "CPU (for llama.cpp, rebuild it here with make install, which runs mk/llama-wheel.sh)")
+        if self.fallback:
+            changes, loses = self.fallback, self.fallback_loses
+            self.spec = replace(self.spec, **changes)
+            self.fallback, self.barren_deaths = {}, 0
+            self.fell_back = f"{loses} turned off: the engine {cause}"
+            settings = ", ".join(f'{k} = "{v}"' for k, v in changes.items())
+            log.error("%s: the engine %s. Restarting it with %s turned off (as with %s in the config): it serves "
+                      "correctly, prompts run slower. Set that in the config to skip this on later starts.",
+                      self.name, cause, loses, settings)
+            return "fallback"
+        self.state = "failed"
+        self.error = f"the engine {cause}; not restarted (nothing safer to fall back to)"
+        log.error("%s: %s", self.name, self.error)
+        if self._on_failed is not None:
+            self._on_failed(self)
+        return "failed"
 
     async def _restart_later(self) -> None:
         await asyncio.sleep(self.restart_delay)
@@ -345,7 +413,22 @@ class WorkerHandle:
         return WorkerStatus(name=self.name, backend=self.spec.backend, role=self.spec.role, pool=self.spec.pool,
                             state=self.state, pid=self.pid, error=self.error, restarts=self.restarts,
                             hangs=self.hangs, in_flight=self.in_flight, cpus=list(self.info.get("cpus", [])),
-                            threads=self.spec.threads, stats=self.stats)
+                            threads=self.spec.threads, stats=self.stats,
+                            kernels=str(self.info.get("kernels", "")),
+                            kernels_why=self.fell_back or str(self.info.get("kernels_why", "")))
+
+
+def _exit_words(code: int | None) -> str:
+    """A process's exit status in words: "SIGSEGV (segmentation fault)", "exit code 1"."""
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            sig = signal.Signals(-code)
+        except ValueError:
+            return f"signal {-code}"
+        return f"{sig.name} ({signal.strsignal(sig).lower()})"
+    return f"exit code {code}"
 
 
 __all__ = ["Accepted", "EngineUnavailable", "WorkerStream", "WorkerHandle"]

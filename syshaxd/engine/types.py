@@ -80,6 +80,10 @@ class EngineSpec:
     cache_dir: str = ""
     gpu: GpuSettings = GpuSettings()  # read by the GPU engines (vLLM) only
     prefix_store: str = ""  # the prefix cache's block store instance (kv/block_store.py); empty: no cache
+    repack: str = "auto"  # the llama.cpp engine's weight repacking: auto, on or off (its kernels.py)
+    # Fault injection for tests (SYSHAX_FAULT in the daemon's environment; engine/faults.py): the worker
+    # kills itself with SIGSEGV at that point, as a CPU's bad kernels would. Empty in service.
+    fault: str = ""
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,20 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class WorkerWarming:
+    """The engine is built and now proves its kernels (a warm-up that runs what serving runs).
+
+    fallback: the spec changes (EngineSpec field -> value) that give safer kernels, and what they turn
+    off in words; the supervisor restarts with them if the worker dies before it is ready, or dies on
+    every request. Empty when nothing is safer.
+    """
+
+    info: dict
+    fallback: dict = field(default_factory=dict)
+    fallback_loses: str = ""
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     info: dict
 
@@ -287,9 +305,11 @@ class WorkerStats:
 
 @dataclass(frozen=True)
 class WorkerFailed:
-    """The engine could not be built; the supervisor reports this instead of restarting forever."""
+    """The engine could not be built (or, during="warm-up", failed its warm-up); the supervisor reports this
+    instead of restarting forever, after trying the engine's fallback for a failed warm-up."""
 
     message: str
+    during: str = "build"
 
 
 # --- daemon -> worker commands -----------------------------------------------------------
@@ -328,6 +348,13 @@ class Engine(Protocol):
         """Run one batched forward pass and return the Deltas it produced."""
 
     def stats(self) -> EngineStats: ...
+
+    def warm_up(self) -> None:
+        """Run once what serving runs (a full prompt chunk, a full decode batch, ...), before the worker says
+        ready: kernels that crash on this CPU crash here, not in a user's request. Raise if it went wrong."""
+
+    def fallback(self) -> tuple[dict, str]:
+        """The EngineSpec changes that give safer kernels, and what they turn off in words; ({}, "") if none."""
 
     def close(self) -> None: ...
 

@@ -9,6 +9,7 @@ import signal
 import time
 from multiprocessing.connection import Connection
 
+from syshaxd.engine import faults
 from syshaxd.engine.types import (
     Cancel,
     EngineSpec,
@@ -17,6 +18,7 @@ from syshaxd.engine.types import (
     WorkerFailed,
     WorkerReady,
     WorkerStats,
+    WorkerWarming,
 )
 
 log = logging.getLogger(__name__)
@@ -72,16 +74,32 @@ def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -
         "mempolicy": applied.mempolicy if applied else "default",
         "mem_nodes": list(applied.mem_nodes) if applied else [],
     }
+    # Prove the kernels before saying ready: if they crash on this CPU, the supervisor sees the death while
+    # warming and restarts with the fallback (safer kernels), or reports the worker failed.
+    fallback, loses = engine.fallback() if hasattr(engine, "fallback") else ({}, "")
+    conn.send(WorkerWarming(info, fallback, loses))
+    kernels = str(info.get("kernels", "plain"))
+    faults.crash_at(spec.fault, "warmup", kernels)
+    started = time.monotonic()
+    try:
+        if hasattr(engine, "warm_up"):
+            engine.warm_up()
+    except Exception as exc:
+        log.exception("the warm-up failed")
+        conn.send(WorkerFailed(f"{type(exc).__name__}: {exc}", during="warm-up"))
+        engine.close()
+        return
+    log.info("warm-up passed in %.2fs (kernels: %s)", time.monotonic() - started, kernels)
     conn.send(WorkerReady(info))
     try:
-        _loop(conn, engine)
+        _loop(conn, engine, spec.fault, kernels)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("daemon went away; exiting")
     finally:
         engine.close()
 
 
-def _loop(conn: Connection, engine) -> None:
+def _loop(conn: Connection, engine, fault: str = "", kernels: str = "plain") -> None:
     next_stats = 0.0
     while True:
         busy = engine.has_work()
@@ -98,6 +116,7 @@ def _loop(conn: Connection, engine) -> None:
                         conn.send(out)
                     return
         if engine.has_work():
+            faults.crash_at(fault, "decode", kernels)
             out += engine.step()
         if out:
             conn.send(out)

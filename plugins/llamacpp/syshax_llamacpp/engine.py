@@ -15,7 +15,7 @@ import numpy as np
 
 from syshaxd.gguf.quantize import ensure_quantized
 from syshaxd.gguf.vocab import Vocab, admit
-from syshax_llamacpp import logprobs, prefix
+from syshax_llamacpp import kernels, logprobs, prefix
 from syshax_llamacpp.sampling import GrammarError, accept, grammar_parses, make_sampler, sample_logits
 from syshax_llamacpp.streams import StreamRun
 from syshaxd.engine.output import SequenceOutput
@@ -84,7 +84,15 @@ class LlamaCppEngine:
         if spec.quantize:
             path = ensure_quantized(path, spec.quantize, Path(spec.cache_dir or path.parent))
         self.model_path = path
+        try:
+            extra = kernels.extra_buffer_types()
+        except (OSError, AttributeError) as exc:  # another llama-cpp-python layout: llama.cpp decides alone
+            log.warning("could not list llama.cpp's CPU buffer types (%s)", exc)
+            extra = None
+        self.kernels = kernels.choose(spec.repack, extra, kernels.read_cpu_flags())
+        log.info("CPU kernels: %s (%s)", self.kernels.kernels, self.kernels.why)
         mparams = llama_cpp.llama_model_default_params()
+        mparams.use_extra_bufts = self.kernels.use_extra_bufts
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         if self.model is None:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -162,8 +170,8 @@ class LlamaCppEngine:
                          "stream_moves": 0, "cached_tokens": 0}
         self._rate = TokenRate()
         log.info(
-            "llama.cpp engine ready: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d",
-            path.name, self.n_ctx, self.max_seqs, self.chunk, spec.threads,
+            "llama.cpp engine built: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d, kernels %s",
+            path.name, self.n_ctx, self.max_seqs, self.chunk, spec.threads, self.kernels.kernels,
         )
 
     # --- Engine protocol ------------------------------------------------------------------
@@ -182,7 +190,48 @@ class LlamaCppEngine:
             "threads": self.spec.threads,
             "chat_template": self.vocab.template.source,
             "prefix_cache": self.store is not None,
+            "repack": self.spec.repack,
+            "kernels": self.kernels.kernels,
+            "kernels_why": self.kernels.why,
         }
+
+    def fallback(self) -> tuple[dict, str]:
+        if not self.kernels.fallback:
+            return {}, ""
+        return {"repack": self.kernels.fallback}, f"weight repacking ({self.kernels.kernels} kernels)"
+
+    def warm_up(self) -> None:
+        """One full prompt chunk, a state export and import into every batch stream, and one full decode batch:
+        what serving runs, so that kernels which crash on this CPU crash here, before the worker says ready."""
+        n = min(self.chunk, self.seq_ctx - 1)  # room for the decode step's token after it
+        # token ids spread over the vocabulary: a prompt's rows as any text gives them
+        tokens = [(7 + 31 * i) % self.n_vocab for i in range(n)]
+        b = self.prefill_batch
+        b.n_tokens = 0
+        for pos, token in enumerate(tokens):
+            self._add(b, token, pos, 0, pos == n - 1)
+        try:
+            if llama_cpp.llama_decode(self.prefill_ctx, b) != 0:
+                raise RuntimeError(f"warm-up: llama_decode of a {n}-token prompt chunk failed")
+            size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
+            buf = self._state.ensure(size + 4 * self.max_seqs)
+            export_seq(self.prefill_ctx, 0, self._state)
+            if not self.decodes:
+                return
+            size = widen_streams(buf, size, self.max_seqs)
+            self.batch.n_tokens = 0
+            for stream in range(self.max_seqs):
+                got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, stream)
+                if got != size:
+                    raise RuntimeError(f"warm-up: the prompt's state did not import into stream {stream}")
+                self._add(self.batch, tokens[stream % n], n, stream, True)
+            if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
+                raise RuntimeError(f"warm-up: llama_decode of a {self.max_seqs}-row decode batch failed")
+        finally:
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+            if self.decodes:
+                for stream in range(self.max_seqs):
+                    llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
 
     def submit(self, request: GenerateRequest) -> list:
         rid = request.request_id

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Build llama-cpp-python for the CPU this runs on, once, and print the wheel's path.
+#
+#   mk/llama-wheel.sh [PYTHON]     -> prints .../llama_cpp_python-0.3.36-*.whl (builds it first if needed)
+#
+# Why not a plain `pip install llama-cpp-python`: it compiles llama.cpp with GGML_NATIVE, so the wheel
+# holds this CPU's instructions, and pip's cache hands that wheel to any later install whatever CPU it
+# runs on (a wheel built on an AVX-512 host dies with SIGILL on an AVX2 one). Here the wheel is kept
+# under a key made of the CPU's feature flags, the compiler and the build flags: a host with other
+# features builds its own.
+#
+# On x86-64 the build leaves out llama.cpp's AMX kernels (-mno-amx-*): on AMX Xeons (amx_int8 in
+# /proc/cpuinfo) this llama.cpp places q4_0 weights in its AMX buffer and segfaults in the first
+# decode (ggml-org/llama.cpp#20824). Weight repacking (AVX2/AVX-512 kernels) stays in; the engine
+# chooses it at run time (config key `repack`).
+#
+# Cache: $SYSHAX_WHEEL_CACHE (default ~/.cache/syshax/wheels). About 5 minutes on 2 cores.
+set -euo pipefail
+VERSION=0.3.36
+PYTHON=${1:-python3}
+CACHE=${SYSHAX_WHEEL_CACHE:-$HOME/.cache/syshax/wheels}
+
+arch=$(uname -m)
+cmake_args="-DGGML_NATIVE=ON"
+if [ "$arch" = x86_64 ]; then
+  noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  cmake_args="$cmake_args -DCMAKE_C_FLAGS='$noamx' -DCMAKE_CXX_FLAGS='$noamx'"
+fi
+# x86 lists its features on "flags", ARM on "Features"; one line is enough (all cores alike)
+features=$(grep -m1 -E '^(flags|Features)[[:space:]]*:' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | tr ' ' '\n' | sort | tr '\n' ' ')
+compiler=$( (${CC:-cc} --version 2>/dev/null || true) | head -1)
+pyver=$("$PYTHON" -c 'import sys; print("%d%d" % sys.version_info[:2])')
+key=$(printf '%s\n' "$VERSION" "$arch" "$features" "$compiler" "$cmake_args" "$pyver" | sha256sum | cut -c1-16)
+dir=$CACHE/llama-cpp-python-$VERSION-$arch-$key
+
+wheel() { ls "$dir"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -1; }
+if [ -n "$(wheel)" ]; then wheel; exit 0; fi
+
+mkdir -p "$CACHE"
+work=$(mktemp -d "$CACHE/build.XXXX")
+trap 'rm -rf "$work"' EXIT
+echo "mk/llama-wheel.sh: building llama-cpp-python $VERSION for this CPU ($arch, key $key); about 5 minutes" >&2
+# --no-cache-dir: neither take a wheel built for another CPU from pip's cache nor put this one there
+CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python \
+  -w "$work" "llama-cpp-python==$VERSION" >&2
+mkdir -p "$dir"
+mv "$work"/llama_cpp_python-"$VERSION"-*.whl "$dir"/
+printf 'key inputs:\n  arch %s\n  cmake %s\n  compiler %s\n  python %s\n  features %s\n' \
+  "$arch" "$cmake_args" "$compiler" "$pyver" "$features" > "$dir/BUILD-INFO"
+wheel

@@ -1,0 +1,47 @@
+"""Fault injection for tests: an engine worker that dies as a CPU's bad kernels make it die.
+
+The daemon reads SYSHAX_FAULT from its environment when it plans its workers (plan.py) and hands it to
+each in its EngineSpec; the worker then kills itself with SIGSEGV at that point:
+
+  warmup            in the warm-up, before it says ready (every start)
+  decode            at its first engine step with work (every start: a crash loop)
+  POINT:repacked    only while the engine runs other kernels than plain ones, so that the supervisor's
+                    fallback to plain kernels is what makes it serve
+
+This is how the tests prove the fallback and crash-loop paths on CPUs whose kernels do not crash.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+
+POINTS = ("warmup", "decode")
+CONDITIONS = ("", "repacked")
+
+
+class FaultError(ValueError):
+    """SYSHAX_FAULT is not one this module knows; the message says which are."""
+
+
+def parse(text: str) -> str:
+    """The fault as given, checked: "" or POINT or POINT:repacked."""
+    if not text:
+        return ""
+    point, _, condition = text.partition(":")
+    if point not in POINTS or condition not in CONDITIONS:
+        raise FaultError(f"SYSHAX_FAULT={text!r}: expected one of {', '.join(POINTS)}, optionally followed by "
+                         "':repacked'")
+    return text
+
+
+def crash_at(fault: str, point: str, kernels: str) -> None:
+    """Die with SIGSEGV if `fault` names this point (and its condition holds for these kernels)."""
+    if not fault:
+        return
+    want, _, condition = fault.partition(":")
+    if want != point or (condition == "repacked" and kernels == "plain"):
+        return
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file for a death we asked for
+    os.kill(os.getpid(), signal.SIGSEGV)
