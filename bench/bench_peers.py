@@ -21,6 +21,7 @@ tokens (syshaxd/bench/prompts.py), the same on both servers; outputs are forced 
 
     .venv/bin/python bench/bench_peers.py            # the issue's loads, about 10 minutes on 2 quiet cores
     .venv/bin/python bench/bench_peers.py --quick    # fewer and shorter requests: a smoke test
+    .venv/bin/python bench/bench_peers.py --repack off   # both servers with plain kernels (weight repacking off)
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the llama-server binary (default: what ../shared/tools/llama-server.sh prints, built there"
                    " the first time)")
     p.add_argument("--only", choices=(PEER, OURS), help="run one server only (the ratios are then missing)")
+    p.add_argument("--repack", choices=("auto", "on", "off"), default="auto",
+                   help="weight repacking on both servers: syshaxd's repack key; llama-server's --repack / --no-repack"
+                   " (auto: its default, on) (default: auto)")
     p.add_argument("--json", type=Path, help="where the figures go (default: bench/results/bench_peers.json,"
                    " bench_peers-quick.json with --quick)")
     args = p.parse_args(argv)
@@ -175,7 +179,7 @@ async def start_peer(args: argparse.Namespace, binary: str, log_dir: Path) -> Se
     # commit 0c1e570); flash attention on, as syshaxd's engine uses it.
     argv = [binary, "-m", str(args.model), "-t", str(args.threads), "-tb", str(args.threads),
             "-c", str(args.n_ctx * PARALLEL), "-np", str(PARALLEL), "-fa", "on",
-            "--host", "127.0.0.1", "--port", str(port)]
+            "--host", "127.0.0.1", "--port", str(port), "--no-repack" if args.repack == "off" else "--repack"]
     log = log_dir / "llama-server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -195,6 +199,7 @@ async def start_ours(args: argparse.Namespace, log_dir: Path) -> Server:
         f"threads = {args.threads}\n"
         f"cpu_max_batch_size = {PARALLEL}\n"
         f"n_ctx = {args.n_ctx}\n"
+        f"repack = {json.dumps(args.repack)}\n"
         f"admin_socket = {json.dumps(str(log_dir / 'admin.sock'))}\n"  # not the default one another syshaxd may hold
         'log_level = "info"\n'
     )
@@ -393,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - t0,
         "argv": sys.argv,
         "settings": {"model": str(args.model), "threads": args.threads, "parallel": PARALLEL, "n_ctx": args.n_ctx,
-                     "quick": args.quick, "seed": args.seed, "llama_server": binary,
+                     "repack": args.repack, "quick": args.quick, "seed": args.seed, "llama_server": binary,
                      "loads": [asdict(ld) for ld in work.loads]},
         "machine": describe_machine(),
         "servers": servers,

@@ -30,6 +30,17 @@ def default_model() -> Path:
     return ensure_quantized(prepare_default_model(MODEL_DIR), "q4_0", MODEL_DIR)
 
 
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition", every: float = 0.2):
+    """predicate()'s first truthy value, polled every `every` seconds; fails the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"timed out waiting for {what}")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from conftest import MODEL_NAME, http_json, start_daemon
+from conftest import MODEL_NAME, http_json, start_daemon, wait_for
 
 HEARTBEAT = 3.0  # worker_heartbeat_timeout in these daemons (the default is 30 s)
 FIGURES: Counter = Counter()
@@ -37,16 +37,6 @@ def figures():
 def hung_config(model, **extra) -> dict:
     return {"model": str(model), "worker_heartbeat_timeout": HEARTBEAT, "handoff_timeout": 0.5,
             "worker_restart_delay": 0.2} | extra
-
-
-def wait_for(predicate, timeout=60.0, what="condition", every=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def worker(d, name: str) -> dict:

@@ -8,12 +8,13 @@ run on every CPU, not only on the AMX Xeons whose kernels crash in this llama.cp
 
 from __future__ import annotations
 
+import socket
 import time
 
 import openai
 import pytest
 
-from conftest import MODEL_NAME, http_json, start_daemon
+from conftest import MODEL_NAME, http_json, start_daemon, wait_for
 from syshax_llamacpp.kernels import KernelChoice, choose, cpu_flags, read_cpu_flags
 from syshaxd.config import ConfigError, from_mapping
 from syshaxd.engine import faults
@@ -82,16 +83,6 @@ def test_fault_names_are_checked():
 
 def worker(d) -> dict:
     return d.status()["workers"][0]
-
-
-def wait_for(predicate, timeout=90.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def config(model, **extra) -> dict:
@@ -194,7 +185,11 @@ def test_a_worker_that_dies_on_every_request_falls_back_and_then_serves(default_
 
 
 def test_a_crash_loop_with_nothing_safer_is_failed_and_requests_get_the_reason(default_model, tmp_path):
-    d = start_daemon(tmp_path, config(default_model, repack="off"), env={"SYSHAX_FAULT": "decode"})
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # systemd's end of sd_notify
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(0.5)
+    d = start_daemon(tmp_path, config(default_model, repack="off"),
+                     env={"SYSHAX_FAULT": "decode", "NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
     try:
         client = openai.OpenAI(base_url=d.base_url, api_key="x", max_retries=0, timeout=120)
         errors = []
@@ -216,5 +211,13 @@ def test_a_crash_loop_with_nothing_safer_is_failed_and_requests_get_the_reason(d
         assert status == 503 and health["status"] == "failed"
         with pytest.raises(openai.APIStatusError, match="can serve"):
             client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4)
+        said = []
+        while True:
+            try:
+                said += notify.recv(4096).decode().split("\n")
+            except TimeoutError:
+                break
+        assert any(line.startswith("STATUS=degraded: cpu0 failed: the engine died 3 times in a row") for line in said), said
     finally:
         assert d.stop() == 0
+        notify.close()

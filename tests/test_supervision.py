@@ -12,17 +12,7 @@ import time
 import openai
 import pytest
 
-from conftest import MODEL_DIR, MODEL_NAME, http_json, start_daemon
-
-
-def wait_for(predicate, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
+from conftest import MODEL_DIR, MODEL_NAME, http_json, start_daemon, wait_for
 
 
 def test_killed_worker_is_restarted_and_serving_resumes(default_model, tmp_path):
