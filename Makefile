@@ -51,8 +51,12 @@ $(GPU_STAMP): $(CORE_STAMP) plugins/torch/pyproject.toml plugins/vllm/pyproject.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
+# instructor (tests/test_constraints.py drives it as its users do) pins jiter<0.15 and rich<15, which would
+# take the openai client back to 3.3; its code runs with the versions installed here, so it comes without
+# its pins (its one other need, tenacity, is in the test extra).
 $(STAMP): $(GPU_STAMP) pyproject.toml
 	$(PIP) install -e ".[test]"
+	$(PIP) install --no-deps "instructor==1.17.0"
 	touch $@
 
 llama-wheel: | $(VENV)/bin/python

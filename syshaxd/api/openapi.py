@@ -3,13 +3,14 @@
 Served at /openapi.json. It describes this running daemon: the served model's id,
 its context size, the routes it can take (``syshax.mode``), and whether API keys
 are required. Request schemas list the fields validate.py accepts with the ranges
-it checks (unknown fields are allowed, as OpenAI ignores them); responses give the
+it checks, and no others (api/fields.py: an unknown field is a 400); responses give the
 OpenAI shapes, the error shape for every 4xx/5xx, and SSE as ``text/event-stream``.
 """
 
 from __future__ import annotations
 
 from syshaxd import __version__
+from syshaxd.api.fields import DEFAULT_ONLY, HARMLESS
 from syshaxd.api.validate import CHAT_ROLES, INTEGER_RANGES, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP, NUMBER_RANGES
 
 ERROR_STATUSES = {
@@ -47,6 +48,7 @@ def _sampling_fields(model_name: str, routes: list[str]) -> dict:
                         "description": "Choices per prompt; with a seed, choice j samples with seed + j."}),
         "stream": _nullable({"type": "boolean", "description": "Answer as server-sent events (text/event-stream)."}),
         "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})},
+                                     "additionalProperties": False,
                                      "description": "Only together with `stream: true`; `include_usage` adds a "
                                                     "last chunk with the token counts."}),
         "stop": _nullable({"anyOf": [
@@ -59,14 +61,63 @@ def _sampling_fields(model_name: str, routes: list[str]) -> dict:
                                    "KV in the prefix cache (default true)."}),
         "syshax": _nullable({"type": "object", "properties": {
             "mode": _nullable({"type": "string", "enum": routes}),
-        }, "description": "syshax's extension: run this request alone in one mode "
-                          f"({', '.join(routes)} on this daemon)."}),
-    }
+        }, "additionalProperties": False, "description": "syshax's extension: run this request alone in one mode "
+                                                          f"({', '.join(routes)} on this daemon)."}),
+    } | _constraint_fields() | _accepted_fields()
     for name, (low, high) in NUMBER_RANGES.items():
         fields[name] = _nullable({"type": "number", "minimum": low, "maximum": high})
     for name, (low, high) in INTEGER_RANGES.items():
         fields[name] = _nullable({"type": "integer", "minimum": low, "maximum": high})
     fields["top_k"]["description"] = "0: off."
+    return fields
+
+
+def _constraint_fields() -> dict:
+    """Every way to constrain the output (api/constraints.py); a request may use one."""
+    schema = {"type": "object", "description": "A JSON Schema; keywords the grammar cannot enforce (minimum, not, "
+                                               "oneOf, ...) are a 400 naming them."}
+    regex = {"type": "string", "minLength": 1, "description": "The whole output matches this regular expression "
+             "(no lookarounds, backreferences or lazy quantifiers)."}
+    choice = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+              "description": "The output is exactly one of these strings."}
+    gbnf = {"type": "string", "minLength": 1, "description": "A GBNF grammar with a rule named root."}
+    return {
+        "response_format": _nullable({"anyOf": [
+            {"type": "object", "required": ["type"], "additionalProperties": False,
+             "properties": {"type": {"type": "string", "enum": ["text", "json_object"]},
+                            "schema": schema | {"description": "llama-server's: with json_object, the output "
+                                                               "validates against this JSON Schema."}}},
+            {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+             "properties": {"type": {"const": "json_schema"}, "json_schema": {
+                 "type": "object", "required": ["name"], "additionalProperties": False,
+                 "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                                "description": {"type": "string"}, "schema": schema,
+                                "strict": _nullable({"type": "boolean"})}}}}],
+            "description": "json_object and json_schema constrain sampling with a grammar: the output parses "
+                           "(and validates)."}),
+        "guided_json": _nullable({"anyOf": [schema, {"type": "string", "description": "The schema as JSON text."}],
+                                  "description": "vLLM's: the output validates against this JSON Schema."}),
+        "guided_regex": _nullable(regex | {"description": "vLLM's: " + regex["description"]}),
+        "guided_choice": _nullable(choice | {"description": "vLLM's: " + choice["description"]}),
+        "guided_grammar": _nullable(gbnf | {"description": "vLLM's: " + gbnf["description"]}),
+        "structured_outputs": _nullable({
+            "type": "object", "properties": {"json": schema, "regex": regex, "choice": choice, "grammar": gbnf,
+                                             "json_object": {"type": "boolean"}},
+            "additionalProperties": False, "minProperties": 1, "maxProperties": 1,
+            "description": "vLLM's newer form: exactly one of json, regex, choice, grammar, json_object."}),
+        "grammar": _nullable(gbnf | {"description": "llama-server's: " + gbnf["description"]}),
+        "json_schema": _nullable(schema | {"description": "llama-server's: the output validates against this "
+                                                          "JSON Schema."}),
+    }
+
+
+def _accepted_fields() -> dict:
+    """Fields clients send that change nothing here (HARMLESS), and the peers' switches taken at the value that
+    asks for what this server does anyway (DEFAULT_ONLY)."""
+    fields = {name: {"description": f"Accepted and not used: {why}."} for name, why in HARMLESS.items()}
+    for name, values in DEFAULT_ONLY.items():
+        fields[name] = _nullable({"enum": list(values), "description": "Only the value that asks for what this "
+                                                                       "server does anyway."})
     return fields
 
 
@@ -102,12 +153,12 @@ def _completion_request(common: dict, n_ctx: int) -> dict:
                                                   "the model's raw distribution, before temperature and "
                                                   "penalties. A torch or vLLM prefill engine (hetero) answers 400."}),
         },
-        "additionalProperties": True,
+        "additionalProperties": False,
     }
 
 
 def _chat_request(common: dict, n_ctx: int) -> dict:
-    text_part = {"type": "object", "required": ["type", "text"],
+    text_part = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
                  "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
     message = {
         "type": "object",
@@ -119,8 +170,9 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
             "tool_calls": {"type": "array", "description": "An assistant message's earlier calls (OpenAI's shape).",
                            "items": {"type": "object", "required": ["id", "type", "function"]}},
             "tool_call_id": {"type": "string", "description": "Required in a `tool` message: the call it answers."},
+            "name": {"type": "string"}, "refusal": {}, "annotations": {},
         },
-        "additionalProperties": True,
+        "additionalProperties": False,
     }
     return {
         "type": "object",
@@ -145,21 +197,8 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
                                 "function": {"type": "object", "required": ["name"],
                                              "properties": {"name": {"type": "string"}}}}}]}),
             "parallel_tool_calls": _nullable({"type": "boolean"}),
-            "response_format": _nullable({"anyOf": [
-                {"type": "object", "required": ["type"],
-                 "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}}},
-                {"type": "object", "required": ["type", "json_schema"],
-                 "properties": {"type": {"const": "json_schema"}, "json_schema": {
-                     "type": "object", "required": ["name"],
-                     "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
-                                    "schema": {"type": "object", "description": "A JSON Schema; keywords the "
-                                               "grammar cannot enforce (minimum, not, oneOf, ...) are a 400 naming "
-                                               "them."},
-                                    "strict": _nullable({"type": "boolean"})}}}}],
-                "description": "json_object and json_schema constrain sampling with a grammar: the output parses "
-                               "(and validates)."}),
         },
-        "additionalProperties": True,
+        "additionalProperties": False,
     }
 
 
@@ -167,7 +206,7 @@ def _token_schemas(model_name: str) -> dict:
     """/tokenize and /detokenize: llama-server's fields, and vLLM's names for the same things."""
     model = _nullable({"type": "string", "enum": [model_name], "description": "Optional; another gets 404."})
     flag = _nullable({"type": "boolean"})
-    text_part = {"type": "object", "required": ["type", "text"],
+    text_part = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
                  "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
     message = {"type": "object", "required": ["role", "content"],
                "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)},
@@ -257,9 +296,9 @@ def _schemas() -> dict:
                             "moved_to": {"type": "string"}}}
     return {
         "Route": route,
-        "Tool": {"type": "object", "required": ["type", "function"],
+        "Tool": {"type": "object", "required": ["type", "function"], "additionalProperties": False,
                  "properties": {"type": {"const": "function"}, "function": {
-                     "type": "object", "required": ["name"],
+                     "type": "object", "required": ["name"], "additionalProperties": False,
                      "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
                                     "description": {"type": "string"},
                                     "parameters": {"type": "object", "description": "A JSON Schema of the "

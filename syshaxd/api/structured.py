@@ -131,7 +131,7 @@ def json_object_grammar() -> str:
     return schema_to_grammar({"type": "object"}, "response_format")
 
 
-def _schema_error(exc: SchemaError, param: str):
+def schema_error(exc: SchemaError, param: str):
     return invalid(f"Invalid '{exc.where}': {exc}. This server constrains output with a grammar built from the "
                    "schema and refuses what it cannot enforce.", param=param, code="unsupported_schema")
 
@@ -166,4 +166,4 @@ def parse_response_format(fmt) -> str:
     try:
         return schema_to_grammar(schema, "response_format.json_schema.schema")
     except SchemaError as exc:
-        raise _schema_error(exc, "response_format.json_schema.schema") from None
+        raise schema_error(exc, "response_format.json_schema.schema") from None

@@ -9,7 +9,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from syshaxd.api.errors import APIError, invalid
-from syshaxd.api.structured import parse_response_format
+from syshaxd.api import fields
+from syshaxd.api.constraints import Constraint, parse_constraint
+from syshaxd.api.fields import check_fields
 from syshaxd.api.tools import Tools, call_grammar, parse_tools
 from syshaxd.config import MODES
 from syshaxd.engine.types import GenerateRequest, SamplingParams
@@ -255,6 +257,7 @@ def _logprobs_k(body: dict, name: str) -> int | None:
 
 
 def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> ParsedRequest:
+    check_fields(body, fields.COMPLETIONS)
     model, sampling, stream, include_usage, stop, ignore_eos, n = _common(body, served_model)
     prompts = _prompts(body)
     echo = _boolean(body, "echo", False)
@@ -279,6 +282,9 @@ def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> 
         logprobs=k,
         prompt_logprobs=k if echo else None,
     )
+    constraint = parse_constraint(body)  # vLLM's and llama-server's forms hold for completions too
+    if constraint is not None:
+        base = replace(base, grammar=constraint.grammar, grammar_field=constraint.field)
     generates = [replace(c, prompt=text, prompt_tokens=tokens) for text, tokens in prompts for c in _choices(base, n)]
     if len(generates) > 1:
         generates = [replace(g, request_id=f"{rid}-{i}") for i, g in enumerate(generates)]
@@ -344,6 +350,7 @@ def _tool_calls(where: str, calls: Any) -> list[dict]:
 
 
 def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messages: int = 2048) -> ParsedRequest:
+    check_fields(body, fields.CHAT)
     model, sampling, stream, include_usage, stop, ignore_eos, n = _common(body, served_model)
     messages = body.get("messages")
     if messages is None:
@@ -363,13 +370,12 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
     if top is not None and not logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     tools = parse_tools(body)
-    grammar = parse_response_format(body.get("response_format"))
+    constraint = parse_constraint(body)
     if tools is not None and tools.forced:
-        if grammar:
-            raise invalid("'response_format' json_object/json_schema cannot be combined with a forced tool call "
-                          "(tool_choice 'required' or a named function): the call's arguments follow its schema.",
-                          param="response_format")
-        grammar = call_grammar(tools)
+        if constraint is not None:
+            raise invalid(f"'{constraint.field}' cannot be combined with a forced tool call (tool_choice 'required' "
+                          "or a named function): the call's arguments follow its schema.", param=constraint.field)
+        constraint = Constraint(call_grammar(tools), "tool_choice")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     req = GenerateRequest(
         request_id=rid,
@@ -382,7 +388,8 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         route=_route(body),
         cache_prompt=_boolean(body, "cache_prompt", True),  # llama-server's opt-out of the prefix cache
         logprobs=(top or 0) if logprobs else None,
-        grammar=grammar,
+        grammar=constraint.grammar if constraint else "",
+        grammar_field=constraint.field if constraint else "response_format",
         tools=tools.tools if tools else (),
     )
     generates = _choices(req, n)

@@ -116,7 +116,8 @@ def _loop(conn: Connection, engine, fault: str = "", kernels: str = "plain") -> 
                         conn.send(out)
                     return
         if engine.has_work():
-            faults.crash_at(fault, "decode", kernels)
+            if fault:
+                faults.crash_at(fault, "decode", kernels)
             out += engine.step()
         if out:
             conn.send(out)

@@ -16,7 +16,8 @@ import numpy as np
 from syshaxd.gguf.quantize import ensure_quantized
 from syshaxd.gguf.vocab import Vocab, admit
 from syshax_llamacpp import kernels, logprobs, prefix
-from syshax_llamacpp.sampling import GrammarError, accept, grammar_parses, make_sampler, sample_logits
+from syshax_llamacpp.sampling import (GrammarDeadEnd, GrammarError, accept, grammar_parses, make_sampler,
+                                     sample_logits)
 from syshax_llamacpp.streams import StreamRun
 from syshaxd.engine.output import SequenceOutput
 from syshaxd.engine.rate import TokenRate
@@ -238,9 +239,9 @@ class LlamaCppEngine:
         if request.handoff and self.port is None:
             return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
         if request.grammar and not grammar_parses(self.vocab.vocab, request.grammar):
-            return [Rejected(rid, 400, "llama.cpp could not parse the grammar built from the request's schema; "
-                             "simplify the schema (a 'pattern', most likely).", "unsupported_schema",
-                             "response_format")]
+            return [Rejected(rid, 400, f"llama.cpp could not parse the grammar built from '{request.grammar_field}'; "
+                             "check a grammar's syntax, or simplify a schema (a 'pattern', most likely).",
+                             "unsupported_schema", request.grammar_field)]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]
@@ -296,7 +297,11 @@ class LlamaCppEngine:
             self.counters["steps"] += 1
             if rc != 0:
                 return self._fail(rc, [seq for seq, _ in rows])
-            deltas += [self._emit(seq, *self._sample(seq, self.ctx, i)) for seq, i in rows]
+            for seq, i in rows:
+                try:
+                    deltas.append(self._emit(seq, *self._sample(seq, self.ctx, i)))
+                except GrammarDeadEnd:
+                    deltas += self._dead_end(seq)
         seq = next((s for s in self.active.values() if s.pending), None)
         if seq is not None:
             deltas += self._prefill_chunk(seq)
@@ -307,7 +312,10 @@ class LlamaCppEngine:
         """Feed the next chunk of seq's prompt to the prefill context; at its end, hand it over."""
         logits = self._import_hits(seq) if seq.cached and seq.n_past == 0 else None
         if logits is not None:  # the whole prompt came from the cache: nothing to evaluate
-            token = sample_logits(seq.sampler, logits)
+            try:
+                token = sample_logits(seq.sampler, logits, grammar=bool(seq.request.grammar))
+            except GrammarDeadEnd:
+                return self._dead_end(seq)
             k = seq.request.logprobs
             lp = logprobs.of_logits(logits, token, k) if k is not None else None
         else:
@@ -333,7 +341,11 @@ class LlamaCppEngine:
             if seq.request.prefix is not None and seq.request.prefix.final_store >= 0:  # kept with the prompt
                 logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.prefill_ctx, b.n_tokens - 1),
                                                (self.n_vocab,)).copy()
-            token, lp = self._sample(seq, self.prefill_ctx, b.n_tokens - 1)
+            try:
+                token, lp = self._sample(seq, self.prefill_ctx, b.n_tokens - 1)
+            except GrammarDeadEnd:
+                llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+                return self._dead_end(seq)
         if not self.decodes or seq.request.handoff:
             cached = self._keep_blocks(seq, None, logits)
             return [*cached, self._hand_on(seq, token, lp)]
@@ -517,8 +529,13 @@ class LlamaCppEngine:
         return i
 
     def _sample(self, seq: _Sequence, ctx, i: int) -> tuple[int, TokenLogprob | None]:
-        """The next token from batch row i, and its logprob when the request asked for them."""
-        token = llama_cpp.llama_sampler_sample(seq.sampler, ctx, i)
+        """The next token from batch row i, and its logprob when the request asked for them. GrammarDeadEnd when
+        the request's grammar allows no token: sampled by hand then, as llama.cpp would abort the process."""
+        if seq.request.grammar:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), (self.n_vocab,))
+            token = sample_logits(seq.sampler, logits, grammar=True)
+        else:
+            token = llama_cpp.llama_sampler_sample(seq.sampler, ctx, i)
         k = seq.request.logprobs
         return token, (logprobs.at(ctx, i, self.n_vocab, token, k) if k is not None else None)
 
@@ -576,6 +593,12 @@ class LlamaCppEngine:
         seq.seq_id = target
         self.counters["stream_moves"] += 1
         return True
+
+    def _dead_end(self, seq: _Sequence) -> list:
+        """The request's grammar allows no token at this point: end it with an error that says so."""
+        done = seq.out.n_generated if seq.out is not None else 0
+        return self._fail(-1, [seq], f"the output constraint ('{seq.request.grammar_field}') allows no token after "
+                                     f"{done} tokens: it has no way on here; check the grammar or pattern")
 
     def _fail(self, rc: int, seqs: list, why: str = "") -> list:
         """llama.cpp refused a pass: end those sequences with an error rather than guess."""

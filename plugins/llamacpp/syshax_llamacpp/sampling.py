@@ -17,6 +17,10 @@ class GrammarError(ValueError):
     """llama.cpp would not parse the request's grammar."""
 
 
+class GrammarDeadEnd(RuntimeError):
+    """The grammar allows no token at this point (a client's grammar or regex with no way on)."""
+
+
 def make_sampler(params: SamplingParams, n_vocab: int, grammar: str = "", vocab=None,
                  history=()) -> llama_cpp.llama_sampler_p:
     """A native sampler chain; the caller frees it with llama_sampler_free.
@@ -63,9 +67,12 @@ def make_sampler(params: SamplingParams, n_vocab: int, grammar: str = "", vocab=
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
 
 
-def sample_logits(sampler, logits: np.ndarray) -> int:
+def sample_logits(sampler, logits: np.ndarray, grammar: bool = False) -> int:
     """Sample a token from saved logits, as llama_sampler_sample does from a context's: every token's
-    logit in id order, unsorted, through the chain, which then accepts the token."""
+    logit in id order, unsorted, through the chain, which then accepts the token.
+
+    grammar: the chain starts with a grammar; a choice it forbade (every token was) raises GrammarDeadEnd
+    before the chain accepts it -- llama.cpp would throw inside the accept and abort the process."""
     assert ctypes.sizeof(llama_cpp.llama_token_data) == _TOKEN_DATA.itemsize
     cur = np.zeros(len(logits), _TOKEN_DATA)
     cur["id"] = np.arange(len(logits), dtype=np.int32)
@@ -76,7 +83,10 @@ def sample_logits(sampler, logits: np.ndarray) -> int:
     llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
     if not 0 <= array.selected < array.size:
         raise RuntimeError(f"the sampler chain selected no token ({array.selected})")
-    token = int(array.data[array.selected].id)  # a sampler may point `data` elsewhere, as in llama_sampler_sample
+    chosen = array.data[array.selected]  # a sampler may point `data` elsewhere, as in llama_sampler_sample
+    if grammar and math.isinf(chosen.logit) and chosen.logit < 0:
+        raise GrammarDeadEnd("the grammar allows no token here")
+    token = int(chosen.id)
     llama_cpp.llama_sampler_accept(sampler, token)
     return token
 

@@ -110,10 +110,11 @@ class TorchPrefillEngine:
         if refused is not None:
             return [refused]
         if request.grammar:  # its first token is sampled here, and this engine has no grammar sampler
-            return [Rejected(request.request_id, 400, "Structured output (response_format json_object/json_schema, "
-                             "or a forced tool call) is not supported with prefill_engine = \"torch\": it samples "
-                             "the first token without a grammar. Use prefill_engine \"llamacpp\", or "
-                             "syshax.mode \"cpu\".", "unsupported_parameter", "response_format")]
+            return [Rejected(request.request_id, 400, f"Structured output ('{request.grammar_field}': a schema, "
+                             "regex, choice or grammar, or a forced tool call) is not supported with prefill_engine "
+                             "= \"torch\": it samples the first token without a grammar. Use prefill_engine "
+                             "\"llamacpp\", or syshax.mode \"cpu\".", "unsupported_parameter",
+                             request.grammar_field)]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]

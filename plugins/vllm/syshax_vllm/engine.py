@@ -161,8 +161,8 @@ class VllmEngine:
                 xgrammar.Grammar.from_ebnf(request.grammar)
             except Exception as exc:  # noqa: BLE001  (xgrammar raises RuntimeError and others)
                 return [Rejected(request.request_id, 400, f"vLLM's grammar engine (xgrammar) could not compile the "
-                                 f"grammar built from the request's schema ({exc}); simplify the schema.",
-                                 "unsupported_schema", "response_format")]
+                                 f"grammar built from '{request.grammar_field}' ({exc}); check a grammar's syntax, "
+                                 "or simplify a schema.", "unsupported_schema", request.grammar_field)]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]
