@@ -206,10 +206,17 @@ def test_unknown_paths_and_methods_answer_in_openai_shape(daemon):
     assert exc.value.code == 405 and "error" in json.loads(exc.value.read())
 
 
-def test_unknown_fields_are_ignored(client):
+def test_unknown_fields_are_refused_naming_them(client):
+    """An unknown field is a 400 naming it, never silently ignored (api/fields.py; tests/test_constraints.py goes
+    deeper); null is an absent field, and the benchmark clients' min_tokens holds with ignore_eos."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body={"frobnicate": True})
+    assert err.value.body["param"] == "frobnicate" and err.value.body["code"] == "unknown_parameter"
     r = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2,
-                                  extra_body={"frobnicate": True, "ignore_eos": True})
+                                  extra_body={"frobnicate": None, "ignore_eos": True, "min_tokens": 2})
     assert r.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="ignore_eos"):
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body={"min_tokens": 2})
 
 
 def test_daemon_still_serves_after_bad_input(client):

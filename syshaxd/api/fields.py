@@ -67,7 +67,6 @@ DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
     "echo": (False,),  # vLLM chat's: the last message before the answer
-    "min_tokens": (0,),
     "stop_token_ids": ([],),
     "modalities": (["text"],),
     "logit_bias": ({},),
@@ -91,7 +90,7 @@ _COMMON: dict[str, Spec] = {
     "model": None, "n": None, "temperature": None, "top_p": None, "min_p": None, "top_k": None, "seed": None,
     "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None, "stop": None,
     "stream": None, "stream_options": Obj({"include_usage": None}), "max_tokens": None, "ignore_eos": None,
-    "cache_prompt": None, "syshax": Obj({"mode": None}),
+    "cache_prompt": None, "syshax": Obj({"mode": None}), "min_tokens": None,
     # constraints (constraints.py): OpenAI's, vLLM's and llama-server's forms
     "response_format": _RESPONSE_FORMAT, "guided_json": _SCHEMA, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None, "structured_outputs": _STRUCTURED_OUTPUTS, "grammar": None, "json_schema": _SCHEMA,

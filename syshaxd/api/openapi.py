@@ -57,6 +57,9 @@ def _sampling_fields(model_name: str, routes: list[str]) -> dict:
         ], "description": f"Up to {MAX_STOP} strings; the text ends before the first one that appears."}),
         "logit_bias": _nullable({"type": "object", "maxProperties": 0, "description": "Not supported: only {}."}),
         "ignore_eos": _nullable({"type": "boolean", "description": "Keep generating past the end-of-text token."}),
+        "min_tokens": _nullable({"type": "integer", "minimum": 0, "description": "vLLM's: above 0 only with "
+                                 "ignore_eos and no stop (the answer then runs to max_tokens, which it may not "
+                                 "exceed)."}),
         "cache_prompt": _nullable({"type": "boolean", "description": "false: neither reuse nor keep this prompt's "
                                    "KV in the prefix cache (default true)."}),
         "syshax": _nullable({"type": "object", "properties": {

@@ -181,7 +181,25 @@ def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, b
         include_usage = _boolean(options, "include_usage", False)
     _unsupported(body, "logit_bias", (None, {}))
     ignore_eos = _boolean(body, "ignore_eos", False)
-    return model, sampling, stream, include_usage, _stop(body), ignore_eos, n
+    stop = _stop(body)
+    _min_tokens(body, ignore_eos, stop)
+    return model, sampling, stream, include_usage, stop, ignore_eos, n
+
+
+def _min_tokens(body: dict, ignore_eos: bool, stop: tuple[str, ...]) -> None:
+    """vLLM's min_tokens (benchmark clients send it beside ignore_eos): taken where it holds anyway -- with
+    ignore_eos and no stop string every answer runs to max_tokens, which it may not exceed."""
+    n = _integer(body, "min_tokens", 0, 0)
+    if not n:
+        return
+    if not ignore_eos or stop:
+        raise invalid("'min_tokens' is supported only with 'ignore_eos': true and no 'stop' (then the answer runs to "
+                      "max_tokens); this server does not hold back the end of text for a number of tokens.",
+                      param="min_tokens", code="unsupported_parameter")
+    for name in ("max_completion_tokens", "max_tokens"):
+        limit = body.get(name)
+        if isinstance(limit, int) and not isinstance(limit, bool) and n > limit:
+            raise invalid(f"Invalid 'min_tokens': {n} is more than {name} ({limit}).", param="min_tokens")
 
 
 def _route(body: dict) -> str:
