@@ -101,7 +101,7 @@ def test_a_worker_proves_its_kernels_and_the_status_says_which(default_model, tm
         expected = "repack" if "avx2" in read_cpu_flags() or "asimd" in read_cpu_flags() else w["kernels"]
         assert w["kernels"] == expected and w["kernels_why"], w
         assert w["restarts"] == 0
-        log = d.log()
+        log = wait_for(lambda: "syshaxd ready" in (text := d.log()) and text, what="the ready line")
         assert "warming up" in log and "warm-up passed" in log
         assert log.index("warm-up passed") < log.index("syshaxd ready")
         status, body = complete(d)

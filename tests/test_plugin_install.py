@@ -30,8 +30,13 @@ def test_core_and_the_llamacpp_plugin_alone_serve_cpu_mode(tmp_path, default_mod
     # nothing from the test's own tree or venv
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     env |= {"PYTHONPATH": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    # dependencies come from pip's cache (llama-cpp-python's wheel, built once) or the registry
-    installed = subprocess.run([venv / "bin" / "pip", "install", "-q", str(src), str(src / "plugins" / "llamacpp")],
+    # llama-cpp-python as `make install` takes it: the wheel mk/llama-wheel.sh built for this CPU (kept by it, not
+    # in pip's cache); the other dependencies from pip's cache or the registry
+    wheel = subprocess.run(["bash", str(REPO / "mk" / "llama-wheel.sh"), str(venv / "bin" / "python")],
+                           capture_output=True, text=True, timeout=900, env=env)
+    assert wheel.returncode == 0, wheel.stderr[-3000:]
+    installed = subprocess.run([venv / "bin" / "pip", "install", "-q", wheel.stdout.strip().splitlines()[-1],
+                                str(src), str(src / "plugins" / "llamacpp")],
                                capture_output=True, text=True, timeout=240, env=env)
     assert installed.returncode == 0, installed.stderr[-3000:]
 

@@ -237,6 +237,9 @@ def _one_prompt(p: Any) -> tuple[str | None, tuple[int, ...] | None] | None:
             raise invalid("Invalid 'prompt': the prompt must not be empty.", param="prompt")
         if any(t < 0 for t in p):
             raise invalid("Invalid 'prompt': token ids must not be negative.", param="prompt")
+        if any(t >= 2**31 for t in p):  # llama.cpp's token ids are int32 (the prefix cache packs them so too)
+            raise invalid("Invalid 'prompt': a token id must be below 2^31; the model's vocabulary is far smaller.",
+                          param="prompt")
         return None, tuple(p)
     return None
 
