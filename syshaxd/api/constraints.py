@@ -69,7 +69,7 @@ def _is_text(fmt: Any) -> bool:
 
 def _response_format(fmt: Any) -> str:
     """OpenAI's response_format, and llama-server's {"type": "json_object", "schema": {...}} (its schema holds)."""
-    if isinstance(fmt, dict) and fmt.get("type") == "json_object" and fmt.get("schema") is not None:
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object" and fmt.get("schema") not in (None, {}):
         return _schema(fmt["schema"], "response_format.schema")
     return parse_response_format(fmt)
 
@@ -84,8 +84,6 @@ def _schema(schema: Any, where: str) -> str:
     if not isinstance(schema, (dict, bool)):
         raise invalid(f"Invalid type for '{where}': expected a JSON Schema (an object).", param=where,
                       code="invalid_type")
-    if schema == {}:
-        return json_object_grammar() if where == "response_format.schema" else schema_to_grammar({}, where)
     try:
         return schema_to_grammar(schema, where)
     except SchemaError as exc:

@@ -70,6 +70,7 @@ DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "stop_token_ids": ([],),
     "modalities": (["text"],),
     "logit_bias": ({},),
+    "suffix": ("",),  # completions' text after the insertion point
     "length_penalty": (1, 1.0),
 }
 
@@ -101,7 +102,7 @@ CHAT = Obj(_COMMON | {
     "tools": Each(_TOOL), "tool_choice": OneOf(Obj({"type": None, "function": Obj({"name": None})})),
     "parallel_tool_calls": None,
 })
-COMPLETIONS = Obj(_COMMON | {"prompt": None, "echo": None, "logprobs": None, "suffix": None, "best_of": None})
+COMPLETIONS = Obj(_COMMON | {"prompt": None, "echo": None, "logprobs": None, "best_of": None})
 
 
 def check_fields(body: dict, spec: Obj) -> None:

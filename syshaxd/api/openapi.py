@@ -55,7 +55,6 @@ def _sampling_fields(model_name: str, routes: list[str]) -> dict:
             {"type": "string", "minLength": 1},
             {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
         ], "description": f"Up to {MAX_STOP} strings; the text ends before the first one that appears."}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0, "description": "Not supported: only {}."}),
         "ignore_eos": _nullable({"type": "boolean", "description": "Keep generating past the end-of-text token."}),
         "min_tokens": _nullable({"type": "integer", "minimum": 0, "description": "vLLM's: above 0 only with "
                                  "ignore_eos and no stop (the answer then runs to max_tokens, which it may not "
@@ -148,7 +147,6 @@ def _completion_request(common: dict, n_ctx: int) -> dict:
             "max_tokens": _max_tokens(n_ctx, "16; 0 only with echo: the prompt alone", low=0),
             "echo": _nullable({"type": "boolean", "description": "The prompt's text before each completion (with "
                                                                  "logprobs, the prompt tokens' too)."}),
-            "suffix": _nullable({"type": "string", "maxLength": 0}),
             "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N,
                                   "description": "Only equal to n (no extra candidates are ranked)."}),
             "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,

@@ -147,12 +147,6 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(_text("stop", s) for s in value)
 
 
-def _unsupported(body: dict, name: str, allowed: tuple = (None,), why: str = "") -> None:
-    if name in body and body[name] not in allowed:
-        raise invalid(f"'{name}' is not supported by this server{': ' + why if why else ''}.", param=name,
-                      code="unsupported_parameter")
-
-
 def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, bool, tuple[str, ...], bool, int]:
     model = body.get("model")
     if model is None:
@@ -179,7 +173,6 @@ def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, b
         if not stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
         include_usage = _boolean(options, "include_usage", False)
-    _unsupported(body, "logit_bias", (None, {}))
     ignore_eos = _boolean(body, "ignore_eos", False)
     stop = _stop(body)
     _min_tokens(body, ignore_eos, stop)
@@ -282,7 +275,6 @@ def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> 
     model, sampling, stream, include_usage, stop, ignore_eos, n = _common(body, served_model)
     prompts = _prompts(body)
     echo = _boolean(body, "echo", False)
-    _unsupported(body, "suffix", (None, ""))
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise invalid(f"'best_of' other than n is not supported by this server (got {best_of!r}); send n alone.",

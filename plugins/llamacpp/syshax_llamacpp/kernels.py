@@ -15,7 +15,8 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
-REPACK_SETTINGS = ("auto", "on", "off")
+from syshaxd.config import REPACK_SETTINGS
+
 _AMX_ISSUE = "ggml-org/llama.cpp#20824"
 
 
