@@ -595,10 +595,18 @@ class LlamaCppEngine:
         return True
 
     def _dead_end(self, seq: _Sequence) -> list:
-        """The request's grammar allows no token at this point: end it with an error that says so."""
+        """The request's grammar allows no token at this point: end it with an error that says so -- a 400 naming
+        the field while nothing was generated (no token of the vocabulary can start the output), else an error
+        after the text so far."""
         done = seq.out.n_generated if seq.out is not None else 0
-        return self._fail(-1, [seq], f"the output constraint ('{seq.request.grammar_field}') allows no token after "
-                                     f"{done} tokens: it has no way on here; check the grammar or pattern")
+        field = seq.request.grammar_field
+        if done == 0:
+            self._release(seq)
+            return [Rejected(seq.request.request_id, 400, f"The output constraint '{field}' allows no first token: "
+                             "no token of this model's vocabulary can start it. Check the grammar or pattern.",
+                             "unsupported_schema", field)]
+        return self._fail(-1, [seq], f"the output constraint ('{field}') allows no token after {done} tokens: it "
+                                     "has no way on here; check the grammar or pattern")
 
     def _fail(self, rc: int, seqs: list, why: str = "") -> list:
         """llama.cpp refused a pass: end those sequences with an error rather than guess."""
