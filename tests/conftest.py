@@ -57,6 +57,31 @@ def http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> tupl
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def disconnect_mid_stream(daemon: "Daemon", path: str, body: dict, events: int = 5) -> None:
+    """Stream `body` to `path`, read `events` events, close the socket: the daemon must free the sequence soon,
+    long before it would have generated body's max_tokens."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", daemon.port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    got = b""
+    while got.count(b"data: ") < events:
+        got += sock.recv(4096)
+    running = daemon.status()["workers"][0]["stats"]
+    sock.close()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        status = daemon.status()
+        stats = status["workers"][0]["stats"]
+        if status["in_flight"] == 0 and stats["running"] == 0 and stats["free_slots"] == stats["max_batch_size"]:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"slot not freed after disconnect: {status}")
+    max_tokens = body.get("max_tokens") or body.get("max_output_tokens")
+    assert stats["generated_tokens"] < max_tokens + running["generated_tokens"]
+
+
 @dataclass
 class Daemon:
     proc: subprocess.Popen

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
-import time
 import urllib.request
 
 import openai
 import pytest
 
-from conftest import MODEL_NAME, http_json
+from conftest import MODEL_NAME, disconnect_mid_stream, http_json
 
 
 def test_models_lists_the_served_model(client):
@@ -225,26 +223,8 @@ def test_daemon_still_serves_after_bad_input(client):
 
 
 def test_disconnect_mid_stream_frees_the_slot(daemon):
-    body = json.dumps({"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 3000,
-                       "stream": True, "ignore_eos": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", daemon.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    got = b""
-    while got.count(b"data: ") < 5:
-        got += sock.recv(4096)
-    running = daemon.status()["workers"][0]["stats"]
-    sock.close()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        status = daemon.status()
-        stats = status["workers"][0]["stats"]
-        if status["in_flight"] == 0 and stats["running"] == 0 and stats["free_slots"] == stats["max_batch_size"]:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"slot not freed after disconnect: {status}")
-    assert stats["generated_tokens"] < 3000 + running["generated_tokens"]
+    disconnect_mid_stream(daemon, "/v1/completions", {"model": MODEL_NAME, "prompt": "Tell me a very long story.",
+                                                      "max_tokens": 3000, "stream": True, "ignore_eos": True})
 
 
 def test_concurrent_requests_all_complete(client):

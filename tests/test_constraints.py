@@ -219,7 +219,8 @@ def test_the_openapi_document_declares_exactly_the_fields_taken():
     from syshaxd.api.openapi import build_document
 
     schemas = build_document(MODEL_NAME, 4096, ["cpu"], False, False)["components"]["schemas"]
-    for name, spec in (("ChatCompletionRequest", fields.CHAT), ("CompletionRequest", fields.COMPLETIONS)):
+    for name, spec in (("ChatCompletionRequest", fields.CHAT), ("CompletionRequest", fields.COMPLETIONS),
+                       ("ResponseRequest", fields.RESPONSES), ("MessagesRequest", fields.MESSAGES)):
         assert schemas[name]["additionalProperties"] is False
         assert set(schemas[name]["properties"]) == set(spec.keys) | set(fields.HARMLESS) | set(fields.DEFAULT_ONLY)
 
@@ -252,7 +253,7 @@ def test_instructor_json_schema_and_tools_modes(cpu):
 # --- hetero: the prefill engine samples the first token under the same grammar ---------------------------------
 
 
-def test_constraint_forms_hold_in_hetero_mode(default_model, tmp_path):
+def test_constraint_forms_and_the_other_apis_hold_in_hetero_mode(default_model, tmp_path):
     d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, "mode": "hetero",
                                 "prefill_cpu_affinity": "0"})
     try:
@@ -261,6 +262,29 @@ def test_constraint_forms_hold_in_hetero_mode(default_model, tmp_path):
                      "JSON_SCHEMA)"):
             extra, check = FORMS[form]
             run_form(d, extra, check, PROMPTS[:20] if form == "guided_json (vLLM)" else PROMPTS[:6])
-        assert d.status()["routes"].get("hetero", 0) > 0
+        routed = d.status()["routes"].get("hetero", 0)
+        assert routed > 0
+        the_other_apis_hold_their_constraints(d)
+        assert d.status()["routes"].get("hetero", 0) > routed
     finally:
         assert d.stop() == 0
+
+
+def the_other_apis_hold_their_constraints(d) -> None:
+    """/v1/responses' text.format and /v1/messages' forced tool, through the official clients, on d."""
+    anthropic = pytest.importorskip("anthropic", reason="anthropic is in the test extras: pip install -e .[test]")
+    client = client_of(d)
+    for prompt in PROMPTS[:4]:
+        r = client.responses.create(model=MODEL_NAME, input=prompt, max_output_tokens=200, temperature=0,
+                                    text={"format": {"type": "json_schema", "name": "item", "schema": SCHEMA}})
+        assert r.status == "completed", r
+        jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    tool = {"name": "record_item", "description": "Record an inventory item", "input_schema": SCHEMA}
+    messages = anthropic.Anthropic(base_url=d.url, api_key="unused", max_retries=0, timeout=120)
+    for prompt in PROMPTS[4:8]:
+        m = messages.messages.create(model=MODEL_NAME, max_tokens=200, tools=[tool],
+                                     tool_choice={"type": "tool", "name": "record_item"},
+                                     messages=[{"role": "user", "content": prompt}])
+        (use,) = [block for block in m.content if block.type == "tool_use"]
+        assert m.stop_reason == "tool_use" and use.name == "record_item"
+        jsonschema.validate(use.input, SCHEMA)

@@ -138,6 +138,13 @@ def _short_generations(doc: dict) -> dict:
             variant["maxItems"] = 3
     for name in ("CompletionRequest", "ChatCompletionRequest"):  # choices per prompt
         _inner(schemas[name]["properties"]["n"])["maximum"] = 2
+    responses, anthropic = schemas["ResponseRequest"], schemas["MessagesRequest"]
+    _inner(responses["properties"]["max_output_tokens"])["maximum"] = RUN_MAX_TOKENS
+    responses["required"].append("max_output_tokens")
+    responses["properties"]["input"]["anyOf"][0]["maxLength"] = MAX_PROMPT
+    responses["properties"]["input"]["anyOf"][1]["maxItems"] = 3
+    anthropic["properties"]["max_tokens"]["maximum"] = RUN_MAX_TOKENS
+    anthropic["properties"]["messages"]["maxItems"] = 3
     messages = schemas["ChatCompletionRequest"]["properties"]["messages"]
     messages["maxItems"] = 3
     content = messages["items"]["properties"]["content"]["anyOf"]
@@ -158,7 +165,7 @@ def _keep_short(body) -> None:
     """A negative case may carry a max_tokens above the run's cap that the daemon still accepts (up to
     its n_ctx): cap it too, so that the run stays quick. What makes the case invalid is left alone."""
     if isinstance(body, dict):
-        for field in ("max_tokens", "max_completion_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(field)
             if isinstance(value, int) and not isinstance(value, bool) and RUN_MAX_TOKENS < value <= FUZZ_N_CTX:
                 body[field] = RUN_MAX_TOKENS
@@ -169,7 +176,8 @@ def _keep_short(body) -> None:
 
 # Bodies are fuzzed valid and invalid; the GET operations take no body, and any string is a valid
 # path segment, so they have valid cases only.
-RUNS = [(path, "POST", mode) for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+RUNS = [(path, "POST", mode) for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                                         "/tokenize", "/detokenize")
         for mode in ("positive", "negative")]
 RUNS += [(path, "GET", "positive") for path in ("/v1/models", "/v1/models/{model}", "/v1/syshax/status", "/health",
                                                 "/metrics", "/openapi.json", "/tokenizer_info")]

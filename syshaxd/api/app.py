@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from syshaxd.api import openai_routes, token_routes
+from syshaxd.api import messages, openai_routes, responses, token_routes
 from syshaxd.api.auth import KeyCheck
 from syshaxd.api.errors import APIError, error_type_for
 from syshaxd.api.keys import (CONFIG, CONNECTIONS, KEY_CHECK, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED,
@@ -41,26 +41,29 @@ async def count_requests(request: web.Request, handler):
 
 @web.middleware
 async def openai_errors(request: web.Request, handler):
-    """Every error leaves as {"error": {...}}; nothing a client sends takes the daemon down."""
+    """Every error leaves as {"error": {...}} (Anthropic's shape under /v1/messages); nothing a client sends takes
+    the daemon down."""
+    anthropic = request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
     try:
         return await handler(request)
     except APIError as exc:
-        return exc.response()
+        return exc.response(anthropic)
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[CONFIG].max_body_bytes
         return APIError(413, f"The request body is too large; the limit is {limit} bytes (max_body_bytes).",
-                        code="request_too_large").response()
+                        code="request_too_large").response(anthropic)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        msg = {404: f"Unknown path {request.path}; see /v1/models, /v1/completions, /v1/chat/completions.",
+        msg = {404: f"Unknown path {request.path}; see /v1/models, /v1/chat/completions, /v1/completions, "
+                    "/v1/responses, /v1/messages.",
                405: f"Method {request.method} is not allowed on {request.path}."}.get(exc.status, exc.reason)
         return APIError(exc.status, msg, type=error_type_for(exc.status), code=exc.reason.lower().replace(" ", "_"),
-                        headers={k: v for k, v in exc.headers.items() if k == "Allow"}).response()
+                        headers={k: v for k, v in exc.headers.items() if k == "Allow"}).response(anthropic)
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
         return APIError(500, "The server had an error while processing your request; it has been logged.",
-                        type="server_error", code="internal_error").response()
+                        type="server_error", code="internal_error").response(anthropic)
 
 
 @web.middleware
@@ -95,4 +98,6 @@ def make_app(config: Config, scheduler: Scheduler, model_name: str, state: Servi
     app[VOCAB] = scheduler.vocab
     app.add_routes(openai_routes.routes)
     app.add_routes(token_routes.routes)
+    app.add_routes(responses.routes)
+    app.add_routes(messages.routes)
     return app

@@ -1,7 +1,8 @@
 """API keys: who may call /v1/*; keys from api_keys and api_key_file, checked in constant time.
 
 When at least one key is configured, every request under /v1/ (and /metrics when
-metrics_require_key is true) must carry ``Authorization: Bearer <key>``; anything
+metrics_require_key is true) must carry ``Authorization: Bearer <key>`` (or ``X-Api-Key: <key>``,
+which Anthropic's SDK sends); anything
 else gets 401 in OpenAI's shape with ``WWW-Authenticate: Bearer``. /health stays
 open for systemd and Kubernetes probes, and /openapi.json for API tooling.
 
@@ -95,8 +96,14 @@ class KeyCheck:
         return ok
 
     def check(self, request: "web.Request") -> None:
-        """Raise the 401 APIError unless the request carries a valid Bearer key."""
+        """Raise the 401 APIError unless the request carries a valid Bearer key (or, as Anthropic's clients send
+        it, an X-Api-Key header)."""
         header = request.headers.get("Authorization", "")
+        if not header and "X-Api-Key" in request.headers:
+            if not self.accepts(request.headers["X-Api-Key"].strip()):
+                raise _unauthorized("Incorrect API key provided in X-Api-Key (keys are set by api_keys / api_key_file "
+                                    "in the daemon's config).", 'Bearer realm="syshaxd", error="invalid_token"')
+            return
         scheme, _, token = header.partition(" ")
         token = token.strip()
         if not header:

@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors: one exception type that knows its HTTP status and body."""
+"""API errors: one exception type that knows its HTTP status and its body, in OpenAI's shape or Anthropic's."""
 
 from __future__ import annotations
 
@@ -28,8 +28,23 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape (/v1/messages): no `param`, so the message names the field ("field: ..." as
+        Anthropic writes it, unless the message already quotes it)."""
+        kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        message = self.message
+        if self.param and f"'{self.param}'" not in message:
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def response(self, anthropic: bool = False) -> web.Response:
+        body = self.anthropic_body() if anthropic else self.body()
+        return web.json_response(body, status=self.status, headers=self.headers)
+
+
+# Anthropic's error types by status (docs.anthropic.com, "Errors")
+ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 
 
 def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:

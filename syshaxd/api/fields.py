@@ -43,9 +43,20 @@ class OneOf:
     obj: Obj
 
 
-Spec = Obj | Each | OneOf | None
+@dataclass(frozen=True)
+class Tagged:
+    """An object whose keys depend on the value of its `tag` key (a Responses input item, a Messages content
+    block); `untagged` is the kind of one without the tag. An unknown kind is the endpoint's to refuse, by its
+    type."""
 
-# Accepted at the top level of chat and completions, and not used: nothing in an answer here depends on them.
+    kinds: dict[str, Obj]
+    tag: str = "type"
+    untagged: str | None = None
+
+
+Spec = Obj | Each | OneOf | Tagged | None
+
+# Accepted at the top level of every endpoint, and not used: nothing in an answer here depends on them.
 HARMLESS = {
     "user": "an end-user id for the provider's abuse monitoring",
     "safety_identifier": "the newer name of user",
@@ -56,6 +67,7 @@ HARMLESS = {
     "reasoning_effort": "for reasoning models; the served model does not reason apart from its answer",
     "verbosity": "for reasoning models",
     "guided_decoding_backend": "vLLM's choice of grammar library; one grammar path serves all here",
+    "cache_control": "Anthropic's prompt-cache marks (here and on content blocks); the prefix cache needs none",
 }
 
 # Taken only at these values (what this server does anyway); None, as everywhere, is absent.
@@ -105,6 +117,54 @@ CHAT = Obj(_COMMON | {
 COMPLETIONS = Obj(_COMMON | {"prompt": None, "echo": None, "logprobs": None, "best_of": None})
 
 
+# /v1/responses (responses.py): OpenAI's Responses API
+_TEXT = Obj({"type": None, "text": None, "annotations": None, "logprobs": None})
+_RESPONSE_TEXT = Tagged({"input_text": _TEXT, "output_text": _TEXT})  # other parts are refused by their type
+_ITEM_STATE = {"type": None, "id": None, "status": None}  # an earlier answer's own keys, sent back
+RESPONSES = Obj({
+    "model": None, "instructions": None, "max_output_tokens": None, "temperature": None, "top_p": None,
+    "top_k": None, "seed": None, "stream": None, "stream_options": Obj({"include_obfuscation": None}),
+    "input": Each(Tagged({
+        "message": Obj(_ITEM_STATE | {"role": None, "content": Each(_RESPONSE_TEXT), "phase": None}),
+        "function_call": Obj(_ITEM_STATE | {"call_id": None, "name": None, "arguments": None}),
+        "function_call_output": Obj(_ITEM_STATE | {"call_id": None, "output": Each(_RESPONSE_TEXT)}),
+    }, untagged="message")),
+    "tools": Each(Obj({"type": None, "name": None, "description": None, "parameters": _SCHEMA, "strict": None})),
+    "tool_choice": OneOf(Obj({"type": None, "name": None})), "parallel_tool_calls": None,
+    "text": Obj({"format": Obj({"type": None, "name": None, "schema": _SCHEMA, "strict": None,
+                                "description": None})}),
+    # read to be refused with what to send instead (stateless) or taken at their default
+    "previous_response_id": None, "conversation": None, "include": None, "truncation": None, "reasoning": None,
+    "background": None,
+    "syshax": Obj({"mode": None}),
+})
+
+# /v1/messages (messages.py): Anthropic's Messages API
+_TEXT_BLOCK = Obj({"type": None, "text": None, "cache_control": None, "citations": None})
+_TEXT_BLOCKS = Each(Tagged({"text": _TEXT_BLOCK}))  # other blocks are refused by their type
+MESSAGES = Obj({
+    "model": None, "max_tokens": None, "system": _TEXT_BLOCKS, "stop_sequences": None, "temperature": None,
+    "top_p": None, "top_k": None, "stream": None,
+    "messages": Each(Obj({"role": None, "content": Each(Tagged({
+        "text": _TEXT_BLOCK,
+        "tool_use": Obj({"type": None, "id": None, "name": None, "input": None, "cache_control": None}),
+        "tool_result": Obj({"type": None, "tool_use_id": None, "content": _TEXT_BLOCKS, "is_error": None,
+                            "cache_control": None}),
+    }))})),
+    "tools": Each(Obj({"type": None, "name": None, "description": None, "input_schema": _SCHEMA,
+                       "cache_control": None, "strict": None})),
+    "tool_choice": Obj({"type": None, "name": None, "disable_parallel_tool_use": None}),
+    "thinking": Obj({"type": None, "budget_tokens": None}),  # read to be refused unless disabled
+    "output_config": Obj({"format": Obj({"type": None, "schema": _SCHEMA})}),
+    "metadata": Obj({"user_id": None}),
+    "syshax": Obj({"mode": None}),
+})
+# /v1/messages/count_tokens: the prompt's fields only
+MESSAGES_COUNT = Obj({k: v for k, v in MESSAGES.keys.items()
+                      if k not in ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
+                                   "metadata")})
+
+
 def check_fields(body: dict, spec: Obj) -> None:
     """Raise a 400 naming the first field of body that spec does not declare (HARMLESS and DEFAULT_ONLY at the
     top level are declared too)."""
@@ -128,6 +188,12 @@ def _check_value(value: Any, spec: Spec, where: str) -> None:
         return
     if isinstance(spec, OneOf):
         spec = spec.obj
+    if isinstance(spec, Tagged):
+        if not isinstance(value, dict):
+            return
+        spec = spec.kinds.get(value.get(spec.tag, spec.untagged))
+        if spec is None:
+            return  # an unknown kind: the endpoint refuses it by its type
     if isinstance(spec, Each):
         if isinstance(value, list):
             for i, item in enumerate(value):
@@ -139,11 +205,14 @@ def _check_value(value: Any, spec: Spec, where: str) -> None:
             if sub is None:
                 continue
             if key not in spec.keys:
-                raise _unknown(path)
+                raise _unknown(path, spec.keys)
             _check_value(sub, spec.keys[key], path)
 
 
-def _unknown(path: str):
+def _unknown(path: str, known: dict | None = None):
+    """The 400 for an undeclared field; inside an object it lists the keys that object takes."""
+    where = f"{path.rsplit('.', 1)[0]} takes {', '.join(sorted(known))}" if known else "see the README for the " \
+        "fields each endpoint takes"
     return invalid(f"Unrecognized request argument supplied: {path}. This server refuses a field it does not read "
-                   "rather than ignore it (an ignored constraint would break the answer without a word); see the "
-                   "README for the fields it takes.", param=path, code="unknown_parameter")
+                   f"rather than ignore it (an ignored constraint would break the answer without a word); {where}.",
+                   param=path, code="unknown_parameter")

@@ -13,26 +13,19 @@ from syshaxd import __version__
 from syshaxd.api.errors import APIError
 from syshaxd.api import logprob_shapes
 from syshaxd.api.fanout import Fanout
+from syshaxd.api.generation import (ClientGone, admitted, engine_failed, next_event, read_body, rejected, route_of,
+                                    run)
 from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE, VOCAB
-from syshaxd.api.long_strings import check_strings
-from syshaxd.api.state import Draining
 from syshaxd.api.tools import ToolStream, parse_output
 from syshaxd.engine.prompts import Pieces
-from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion, parse_json_body
-from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
-from syshaxd.engine.supervisor import EngineUnavailable
-from syshaxd.engine.types import Accepted, Delta, GenerateRequest, Rejected, RequestStream
+from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion
+from syshaxd.engine.types import Accepted, Delta, Rejected
 from syshaxd.metrics import RequestTimer
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 
 SYSTEM_FINGERPRINT = f"syshax-{__version__}"
-_DISCONNECT_POLL = 1.0  # seconds between checks that a waiting client is still there
-
-
-class _ClientGone(Exception):
-    """The client closed the connection while we waited; nobody is left to answer."""
 
 
 class _Choice:
@@ -175,100 +168,6 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
-
-
-async def _next_event(request: web.Request, stream, deadline: float | None):
-    """The stream's next event; None if the client left. Raises APIError past the deadline."""
-    while True:
-        timeout = _DISCONNECT_POLL
-        if deadline is not None:
-            timeout = min(timeout, max(deadline - time.monotonic(), 0.0))
-        try:
-            return await asyncio.wait_for(stream.next_event(), timeout)
-        except asyncio.TimeoutError:
-            if _client_gone(request):
-                return None
-            if deadline is not None and time.monotonic() >= deadline:
-                raise APIError(503, "The request waited too long for the engine (request_timeout); retry later.",
-                               type="server_error", code="timeout") from None
-
-
-def _route_of(stream: RequestStream) -> dict:
-    """Where the request ran: "cpu", "gpu" or "hetero"; in auto mode why, and whether its decode moved back."""
-    route = {"route": stream.route}
-    if stream.reason:
-        route["reason"] = stream.reason
-    if stream.moved_to:
-        route["moved_to"] = stream.moved_to
-    return route
-
-
-def _rejected(event: Rejected) -> APIError:
-    kind = "invalid_request_error" if event.status < 500 else "server_error"
-    # the worker is being replaced; one given up on (engine_failed) will not be back by retrying
-    headers = {"Retry-After": "1"} if event.status == 503 and event.code != "engine_failed" else None
-    return APIError(event.status, event.message, type=kind, param=event.param, code=event.code, headers=headers)
-
-
-def _submit(request: web.Request, generate: GenerateRequest) -> RequestStream:
-    scheduler = request.app[SCHEDULER]
-    try:
-        return scheduler.submit(generate)
-    except Overloaded as exc:
-        raise APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(exc.retry_after)}) from None
-    except RouteUnavailable as exc:
-        raise APIError(400, str(exc), param="syshax.mode", code="unsupported_route") from None
-    except EngineUnavailable as exc:
-        raise APIError(503, str(exc), type="server_error", code="engine_unavailable",
-                       headers=None if exc.final else {"Retry-After": "5"}) from None
-
-
-async def _accepted(request: web.Request, stream: RequestStream) -> Accepted:
-    event = await _next_event(request, stream, time.monotonic() + 30.0)
-    if event is None:
-        raise _ClientGone()
-    if isinstance(event, Rejected):
-        raise _rejected(event)
-    if isinstance(event, Delta):  # the worker died before it could accept
-        raise APIError(503, event.error or "the engine failed", type="server_error", code="engine_error")
-    return event
-
-
-async def _start(request: web.Request, parsed: ParsedRequest) -> tuple[Fanout, list[Accepted]]:
-    """Every choice submitted and accepted, or none left running."""
-    streams: list[RequestStream] = []
-    prepared = []
-    for generate in parsed.generates:  # tokenized here when the prefix cache may serve them
-        generate = await request.app[SCHEDULER].prepare(generate)
-        if isinstance(generate, Rejected):
-            raise _rejected(generate)
-        prepared.append(generate)
-    try:
-        for generate in prepared:
-            streams.append(_submit(request, generate))
-        accepted = [await _accepted(request, s) for s in streams]
-    except BaseException:
-        for s in streams:
-            s.cancel()
-        raise
-    return Fanout(streams), accepted
-
-
-async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
-    timer = request.app[METRICS].request()
-    try:
-        with request.app[STATE].admitted():  # a drain waits for the requests admitted here
-            return await _generate_admitted(request, chat, timer)
-    except Draining as exc:
-        raise APIError(503, f"syshaxd is draining ({exc}) and takes no new requests; retry shortly or send the "
-                       "request to another instance.", type="server_error", code="draining",
-                       headers={"Retry-After": "5"}) from None
-
-
 async def _prompt_views(request: web.Request, parsed: ParsedRequest) -> tuple[Pieces | None, list[str], list | None]:
     """What echo and logprobs show of the prompts: the token pieces, each prompt's text, and its token ids."""
     if not (parsed.echo or parsed.logprobs):
@@ -288,34 +187,24 @@ async def _prompt_views(request: web.Request, parsed: ParsedRequest) -> tuple[Pi
     return holder.pieces, texts, ids
 
 
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    return await admitted(request, lambda timer: _generate_admitted(request, chat, timer))
+
+
 async def _generate_admitted(request: web.Request, chat: bool, timer: RequestTimer) -> web.StreamResponse:
     cfg = request.app[STATE].config
-    try:
-        raw = await asyncio.wait_for(request.read(), cfg.client_timeout)
-    except asyncio.TimeoutError:
-        raise APIError(408, f"The request body did not arrive within {cfg.client_timeout:g}s (client_timeout); "
-                       "send the whole body at once.", code="request_timeout",
-                       headers={"Connection": "close"}) from None
-    body = parse_json_body(raw)
-    check_strings(body, len(raw), cfg.max_string_bytes)
+    body = await read_body(request)
     parsed = (parse_chat(body, request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages) if chat
               else parse_completion(body, request.app[MODEL_NAME], cfg.default_max_tokens))
     views = await _prompt_views(request, parsed)
-    try:
-        fan, accepted = await _start(request, parsed)
-    except _ClientGone:
-        return web.Response(status=499, text="client closed the request")
-    timer.accepted(sum(a.prompt_tokens for a in accepted[:: parsed.n]))
-    exchange = _Exchange(chat, parsed, request.app[MODEL_NAME], *views)
-    try:
+
+    async def answer(fan: Fanout, accepted: list[Accepted]) -> web.StreamResponse:
+        exchange = _Exchange(chat, parsed, request.app[MODEL_NAME], *views)
         if parsed.stream:
             return await _respond_stream(request, fan, accepted, exchange, parsed.include_usage, timer)
         return await _respond_json(request, fan, accepted, exchange, timer)
-    except _ClientGone:
-        log.info("%s: client left before the answer was ready", parsed.generate.request_id)
-        return web.Response(status=499, text="client closed the request")
-    finally:
-        fan.cancel()  # no-op once finished; frees the sequences if the client left
+
+    return await run(request, parsed, timer, answer)
 
 
 async def _respond_json(request, fan: Fanout, accepted: list[Accepted], ex: _Exchange,
@@ -324,23 +213,23 @@ async def _respond_json(request, fan: Fanout, accepted: list[Accepted], ex: _Exc
     left = len(ex.choices)
     n = 0
     while left:
-        got = await _next_event(request, fan, deadline if n == 0 else None)
+        got = await next_event(request, fan, deadline if n == 0 else None)
         if got is None:
-            raise _ClientGone()
+            raise ClientGone()
         index, event = got
         if isinstance(event, Rejected):
-            raise _rejected(event)
+            raise rejected(event)
         ch = ex.choices[index]
         ex.add(ch, event)
         n += event.n_tokens
         timer.tokens(event.n_tokens)
         if event.finish_reason == "error":
-            raise APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
+            raise engine_failed(event)
         if event.finish_reason:
             ch.finish = event.finish_reason
             left -= 1
     timer.finished(ex.choices[-1].finish)
-    route = _route_of(fan.route_stream)
+    route = route_of(fan.route_stream)
     return web.json_response(ex.body(ex.usage(accepted), route), headers={"X-Syshax-Route": route["route"]})
 
 
@@ -352,16 +241,16 @@ async def _respond_stream(request, fan: Fanout, accepted: list[Accepted], ex: _E
                           include_usage: bool, timer: RequestTimer) -> web.StreamResponse:
     # Hold the headers until the first token: an error before it is still a proper HTTP error.
     deadline = time.monotonic() + request.app[STATE].config.request_timeout
-    first = await _next_event(request, fan, deadline)
+    first = await next_event(request, fan, deadline)
     if first is None:
-        raise _ClientGone()
+        raise ClientGone()
     if isinstance(first[1], Rejected):
-        raise _rejected(first[1])
+        raise rejected(first[1])
     if first[1].finish_reason == "error":
-        raise APIError(500, f"generation failed: {first[1].error}", type="server_error", code="engine_error")
+        raise engine_failed(first[1])
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no",
-                                       "X-Syshax-Route": _route_of(fan.route_stream)["route"]})
+                                       "X-Syshax-Route": route_of(fan.route_stream)["route"]})
     await resp.prepare(request)
     timeout = request.app[STATE].config.client_timeout
 
@@ -379,14 +268,14 @@ async def _respond_stream(request, fan: Fanout, accepted: list[Accepted], ex: _E
                 await send(_sse(ex.chunk(ch.index, "", None, role=True)))
         while True:
             if isinstance(event, Rejected):  # a later choice refused after the headers went out
-                await send(_sse(_rejected(event).body()))
+                await send(_sse(rejected(event).body()))
                 break
             ch = ex.choices[index]
             n += event.n_tokens
             ch.n += event.n_tokens
             timer.tokens(event.n_tokens)
             if event.finish_reason == "error":
-                err = APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
+                err = engine_failed(event)
                 await send(_sse(err.body()))
                 break
             text, lp = ex.shown(ch, event)
@@ -406,13 +295,13 @@ async def _respond_stream(request, fan: Fanout, accepted: list[Accepted], ex: _E
                         await send(_sse(chunk))
                     finish = "tool_calls" if calls else finish
                 left -= 1
-                await send(_sse(ex.final_chunk(ch.index, finish, _route_of(fan.route_stream))))
+                await send(_sse(ex.final_chunk(ch.index, finish, route_of(fan.route_stream))))
                 if not left:
                     timer.finished(event.finish_reason)
                     if include_usage:
                         await send(_sse(ex.usage_chunk(ex.usage(accepted))))
                     break
-            got = await _next_event(request, fan, None)
+            got = await next_event(request, fan, None)
             if got is None:
                 return resp
             index, event = got

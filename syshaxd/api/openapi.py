@@ -10,7 +10,8 @@ OpenAI shapes, the error shape for every 4xx/5xx, and SSE as ``text/event-stream
 from __future__ import annotations
 
 from syshaxd import __version__
-from syshaxd.api.fields import DEFAULT_ONLY, HARMLESS
+from syshaxd.api import messages, responses
+from syshaxd.api.fields import DEFAULT_ONLY, HARMLESS, MESSAGES, RESPONSES, Obj
 from syshaxd.api.validate import CHAT_ROLES, INTEGER_RANGES, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP, NUMBER_RANGES
 
 ERROR_STATUSES = {
@@ -201,6 +202,73 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
         },
         "additionalProperties": False,
     }
+
+
+def _declared(spec: Obj, typed: dict) -> dict:
+    """Every field api/fields.py declares for the endpoint and the ones every endpoint accepts (typed where given
+    here); any other is a 400."""
+    declared = _accepted_fields() | {name: {} for name in sorted(spec.keys)}
+    return declared | {name: schema for name, schema in typed.items() if name in declared}
+
+
+def _other_api_schemas(model_name: str, n_ctx: int) -> dict:
+    """/v1/responses and /v1/messages: the fields their modules declare; their own shapes answer."""
+    model = {"type": "string", "enum": [model_name]}
+    tokens = {"type": "integer", "minimum": 1, "maximum": n_ctx}
+    return {
+        "ResponseRequest": {
+            "type": "object", "required": ["model", "input"], "additionalProperties": False,
+            "description": "OpenAI's Responses API, stateless: previous_response_id and conversation are a 400.",
+            "properties": _declared(RESPONSES, {
+                "model": model, "max_output_tokens": _nullable(tokens), "stream": _nullable({"type": "boolean"}),
+                "input": {"anyOf": [{"type": "string", "minLength": 1},
+                                    {"type": "array", "minItems": 1, "items": {"type": "object"}}],
+                          "description": f"Text, or items of type {', '.join(responses.ITEM_TYPES)}."},
+                "instructions": _nullable({"type": "string"}),
+                "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+                "store": _nullable({"type": "boolean", "description": "Accepted; the answer says false."})})},
+        "Response": {"type": "object", "required": ["id", "object", "status", "output"],
+                     "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                                    "status": {"type": "string"}, "output": {"type": "array"},
+                                    "usage": {"type": ["object", "null"]}}},
+        "MessagesRequest": {
+            "type": "object", "required": ["model", "messages", "max_tokens"], "additionalProperties": False,
+            "description": "Anthropic's Messages API.",
+            "properties": _declared(MESSAGES, {
+                "model": model, "max_tokens": tokens, "stream": _nullable({"type": "boolean"}),
+                "messages": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["role", "content"],
+                    "properties": {"role": {"enum": list(messages.ROLES)},
+                                   "content": {"anyOf": [{"type": "string"}, {"type": "array"}]}}}},
+                "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 1})})},
+        "Message": {"type": "object", "required": ["id", "type", "role", "content", "stop_reason", "usage"],
+                    "properties": {"id": {"type": "string"}, "type": {"const": "message"},
+                                   "role": {"const": "assistant"}, "content": {"type": "array"},
+                                   "stop_reason": {"type": ["string", "null"]}, "usage": {"type": "object"}}},
+        "AnthropicError": {"type": "object", "required": ["type", "error"],
+                           "properties": {"type": {"const": "error"}, "error": {
+                               "type": "object", "required": ["type", "message"],
+                               "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}},
+    }
+
+
+def _other_api_op(summary: str, request: str, answer: str, error: str, secured: list) -> dict:
+    errors = {s: {"description": ERROR_STATUSES[s], "content": {"application/json": {"schema": _ref(error)}}}
+              for s in ("400", "401", "404", "413", "429", "500", "503")}
+    return {"post": {
+        "summary": summary, "security": secured,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "The answer, or with `stream: true` its typed server-sent events.",
+                              "content": {"application/json": {"schema": _ref(answer)},
+                                          "text/event-stream": {"schema": _typed_event()}}}} | errors}}
+
+
+def _typed_event() -> dict:
+    """One server-sent event of the Responses or Messages API: `event: <type>`, and the event as JSON data."""
+    return {"type": "object", "required": ["data"],
+            "properties": {"event": {"type": "string"}, "id": {"type": "string"},
+                           "data": {"type": "string", "contentMediaType": "application/json",
+                                    "contentSchema": {"type": "object", "required": ["type"]}}}}
 
 
 def _token_schemas(model_name: str) -> dict:
@@ -422,7 +490,8 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
     secured = [{"bearerAuth": []}] if keys_required else []
     common = _sampling_fields(model_name, routes)
     schemas = _schemas() | {"CompletionRequest": _completion_request(common, n_ctx),
-                            "ChatCompletionRequest": _chat_request(common, n_ctx)} | _token_schemas(model_name)
+                            "ChatCompletionRequest": _chat_request(common, n_ctx)} | _token_schemas(model_name) \
+        | _other_api_schemas(model_name, n_ctx)
     json_200 = lambda ref, what: {"200": {"description": what,  # noqa: E731
                                           "content": {"application/json": {"schema": _ref(ref)}}}}
     return {
@@ -434,6 +503,10 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
                                                     "CompletionChunk", secured)},
             "/v1/chat/completions": {"post": _generation("Chat completion", "ChatCompletionRequest",
                                                          "ChatCompletion", "ChatCompletionChunk", secured)},
+            "/v1/responses": _other_api_op("OpenAI's Responses API (stateless)", "ResponseRequest", "Response",
+                                           "Error", secured),
+            "/v1/messages": _other_api_op("Anthropic's Messages API", "MessagesRequest", "Message", "AnthropicError",
+                                          secured),
             "/tokenize": _token_op("Text or chat messages to the model's token ids", "TokenizeRequest", "Tokenized",
                                    secured),
             "/detokenize": _token_op("Token ids to text", "DetokenizeRequest", "Detokenized", secured),

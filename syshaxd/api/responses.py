@@ -1,0 +1,307 @@
+"""POST /v1/responses: OpenAI's Responses API (the Agents SDK's default), stateless, over the chat pipeline.
+
+The body becomes a chat body (instructions -> a system message, input items -> messages,
+function tools, text.format -> response_format) that parse_chat checks; the output is read
+as text and tool calls (generation.turn) and written as the Responses API's typed events.
+A JSON answer is the `response` of the last event a stream would send.
+
+Stateless: syshaxd keeps no store of responses or conversations, so `previous_response_id`,
+`conversation` and `item_reference` items are a 400 that says to send the whole conversation
+in `input` (the prefix cache still reuses the earlier turns' KV). `store` is accepted and the
+answer says `"store": false`, as vLLM does without its response store.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from syshaxd.api.chat_form import (TOOL_RULES, Renames, chat_tool, chat_tools, expect, refuse, required,
+                                   text_parts, translated)
+from syshaxd.api import fields
+from syshaxd.api.errors import APIError, invalid
+from syshaxd.api.fields import check_fields
+from syshaxd.api.fanout import Fanout
+from syshaxd.api.generation import Finish, admitted, route_of, stream_sse, turn, typed_sse
+from syshaxd.api.validate import ParsedRequest
+from syshaxd.engine.types import Accepted
+from syshaxd.metrics import RequestTimer
+
+routes = web.RouteTableDef()
+
+ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text")
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+
+# chat's names for what this endpoint calls otherwise (error params and messages)
+_RULES = [
+    (r"(?<![\w.\[])messages(?![\w\[])", "input"),
+    (r"(?<![\w.])max_completion_tokens\b|(?<![\w.])max_tokens\b", "max_output_tokens"),
+    (r"response_format\.json_schema\.(schema|name|strict)", r"text.format.\1"),
+    (r"response_format(\.json_schema)?", "text.format"),
+    *TOOL_RULES,
+]
+
+
+def _text_of(content: Any, where: str) -> str:
+    return text_parts(content, where, TEXT_PARTS)
+
+
+def _messages(body: dict) -> tuple[list[dict], list[str]]:
+    """The chat messages of instructions + input, and for each the field of the body it came from."""
+    messages: list[dict] = []
+    origins: list[str] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        messages.append({"role": "system", "content": expect(instructions, str, "instructions", "a string")})
+        origins.append("instructions")
+    items = required(body, "input")
+    if isinstance(items, str):
+        if not items:
+            raise invalid("Invalid 'input': empty string. Send the user's text, or input items.", param="input")
+        items = [{"role": "user", "content": items}]
+    expect(items, list, "input", "a string or an array of input items")
+    if not items:
+        raise invalid("Invalid 'input': empty array. Send a string or at least one input item.", param="input",
+                      code="empty_array")
+    for i, item in enumerate(items):
+        at = f"input[{i}]"
+        expect(item, dict, at, "an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise invalid(f"Invalid '{at}.role': {role!r}; it must be one of {', '.join(ROLES)}.",
+                              param=f"{at}.role")
+            messages.append({"role": role, "content": _text_of(required(item, "content", at), f"{at}.content")})
+        elif kind == "function_call":
+            call = {"id": expect(required(item, "call_id", at), str, f"{at}.call_id", "a string"), "type": "function",
+                    "function": {"name": expect(required(item, "name", at), str, f"{at}.name", "a string"),
+                                 "arguments": expect(required(item, "arguments", at), str, f"{at}.arguments",
+                                                     "a string of JSON")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # text then calls: one assistant turn
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool",
+                             "tool_call_id": expect(required(item, "call_id", at), str, f"{at}.call_id", "a string"),
+                             "content": _text_of(required(item, "output", at), f"{at}.output")})
+        elif kind == "item_reference":
+            raise refuse(f"{at}.type", "item_reference needs stored items, and syshaxd keeps none; send the item "
+                                       "itself.")
+        else:
+            raise invalid(f"Invalid '{at}.type': {kind!r}; this server reads {', '.join(ITEM_TYPES)} items "
+                          "(reasoning, hosted tool calls and files are not supported).", param=f"{at}.type")
+        origins.append(at)
+    return messages, origins
+
+
+def _tool(at: str, tool: dict) -> dict:
+    if tool.get("type") != "function":
+        raise invalid(f"Invalid '{at}.type': {tool.get('type')!r}; only 'function' tools are supported "
+                      "(this server runs no hosted tools: web search, file search, code interpreter, ...).",
+                      param=f"{at}.type")
+    return chat_tool(tool.get("name"), tool.get("description"), tool.get("parameters"))
+
+
+def _tool_choice(body: dict) -> Any:
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise invalid(f"Invalid 'tool_choice.type': {choice.get('type')!r}; expected 'function' (or tool_choice "
+                          "'none', 'auto', 'required').", param="tool_choice.type")
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _response_format(body: dict) -> dict | None:
+    text = body.get("text")
+    if text is None:
+        return None
+    expect(text, dict, "text", "an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    expect(fmt, dict, "text.format", "an object")
+    if fmt.get("type") != "json_schema":
+        return {"type": fmt.get("type")}
+    spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def _stateless(body: dict) -> None:
+    """What a stateful server would answer from its store: here a 400 that says what to send instead."""
+    for name in ("previous_response_id", "conversation"):
+        if body.get(name) is not None:
+            raise refuse(name, "syshaxd keeps no store of responses or conversations. Send the whole conversation "
+                               "in 'input' (earlier outputs and function_call_output items); the prefix cache "
+                               "reuses the earlier turns' KV.")
+    if body.get("background"):
+        raise refuse("background", "responses run while the request is open; stream them instead.")
+    if body.get("include"):
+        items = expect(body["include"], list, "include", "an array")
+        raise refuse("include[0]", f"{items[0]!r} is not served; send include: [] or leave it out.")
+    if body.get("truncation") not in (None, "disabled"):
+        raise refuse("truncation", "only 'disabled': an input that does not fit the context is a 400, never cut.")
+    if body.get("reasoning") not in (None, {}):
+        raise refuse("reasoning", "the served model has no reasoning settings.")
+    if body.get("metadata") is not None:
+        expect(body["metadata"], dict, "metadata", "an object")
+    options = body.get("stream_options")
+    if options is not None:
+        expect(options, dict, "stream_options", "an object")
+
+
+def to_chat(body: dict) -> tuple[dict, Renames]:
+    """The chat body that means what the Responses body means, and how to name chat's errors back."""
+    check_fields(body, fields.RESPONSES)
+    _stateless(body)
+    messages, origins = _messages(body)
+    chat = {"messages": messages}
+    for name in ("model", "temperature", "top_p", "top_k", "seed", "stream", "parallel_tool_calls", "syshax"):
+        if name in body:
+            chat[name] = body[name]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    tools = chat_tools(body, _tool)
+    if tools is not None:
+        chat["tools"] = tools
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body)
+    fmt = _response_format(body)
+    if fmt is not None:
+        chat["response_format"] = fmt
+    return chat, Renames(_RULES, origins)
+
+
+class _Shape:
+    """The Response object of one request: what it echoes of the body, and its ids."""
+
+    def __init__(self, body: dict, model: str) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.body = body
+        self.model = model
+
+    def tools(self) -> list[dict]:
+        return [{"type": "function", "name": t.get("name"), "description": t.get("description"),
+                 "parameters": t.get("parameters"), "strict": t.get("strict", True)}
+                for t in self.body.get("tools") or ()]
+
+    def response(self, status: str, output: list[dict], finish: Finish | None = None, route: dict | None = None
+                 ) -> dict:
+        b = self.body
+        out = {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+            "model": self.model, "output": output,
+            "parallel_tool_calls": b.get("parallel_tool_calls", True) is not False,
+            "previous_response_id": None, "reasoning": None, "store": False,  # stateless: nothing is stored
+            "temperature": b.get("temperature", 1.0), "top_p": b.get("top_p", 1.0),
+            "text": {"format": (b.get("text") or {}).get("format") or {"type": "text"}},
+            "tool_choice": b.get("tool_choice") or "auto", "tools": self.tools(), "truncation": "disabled",
+            "metadata": b.get("metadata") or {}, "user": b.get("user"), "service_tier": "default",
+            "background": False, "usage": None,
+        }
+        if finish is not None:
+            out["completed_at"] = int(time.time())
+            out["usage"] = {"input_tokens": finish.prompt_tokens,
+                            # prompt tokens whose KV came from the prefix cache
+                            "input_tokens_details": {"cached_tokens": finish.cached_tokens, "cache_write_tokens": 0},
+                            "output_tokens": finish.completion_tokens,
+                            "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": finish.prompt_tokens + finish.completion_tokens}
+        if route is not None:
+            out["syshax"] = route
+        return out
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message(item_id: str, text: str | None, status: str) -> dict:
+    content = [] if text is None else [_text_part(text)]
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def _call(item_id: str, call, arguments: str, status: str) -> dict:
+    return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name, "arguments": arguments,
+            "status": status}
+
+
+async def _events(shape: _Shape, pieces: AsyncIterator, fan: Fanout) -> AsyncIterator[dict]:
+    """The Responses API's events for one output, in order; the first comes with the engine's first token."""
+    await anext(pieces)
+    seq = itertools.count()
+
+    def event(kind: str, **fields) -> dict:
+        return {"type": kind, "sequence_number": next(seq)} | fields
+
+    yield event("response.created", response=shape.response("in_progress", []))
+    yield event("response.in_progress", response=shape.response("in_progress", []))
+    msg_id = f"msg_{uuid.uuid4().hex}"
+    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+    text: list[str] | None = None  # the message's text, once it has begun
+    async for piece in pieces:
+        if isinstance(piece, Finish):
+            finish = piece
+            break
+        if text is None:
+            text = []
+            yield event("response.output_item.added", output_index=0, item=_message(msg_id, None, "in_progress"))
+            yield event("response.content_part.added", **where, part=_text_part(""))
+        if piece:
+            text.append(piece)
+            yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
+    status = "incomplete" if finish.reason == "length" and not finish.calls else "completed"
+    output: list[dict] = []
+    if text is not None:
+        whole = "".join(text)
+        yield event("response.output_text.done", **where, text=whole, logprobs=[])
+        yield event("response.content_part.done", **where, part=_text_part(whole))
+        output.append(_message(msg_id, whole, status))
+        yield event("response.output_item.done", output_index=0, item=output[-1])
+    for call in finish.calls:
+        index, item_id = len(output), f"fc_{uuid.uuid4().hex}"
+        yield event("response.output_item.added", output_index=index, item=_call(item_id, call, "", "in_progress"))
+        yield event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                    delta=call.arguments)
+        yield event("response.function_call_arguments.done", item_id=item_id, output_index=index, name=call.name,
+                    arguments=call.arguments)
+        output.append(_call(item_id, call, call.arguments, "completed"))
+        yield event("response.output_item.done", output_index=index, item=output[-1])
+    yield event(f"response.{status}", response=shape.response(status, output, finish, route_of(fan.route_stream)))
+
+
+def _failed(shape: _Shape) -> Callable[[APIError, int], dict]:
+    def failed(exc: APIError, sent: int) -> dict:
+        response = shape.response("failed", [])
+        response["error"] = {"code": exc.code or "server_error", "message": exc.message}
+        return {"type": "response.failed", "sequence_number": sent, "response": response}
+    return failed
+
+
+async def _respond(request: web.Request, timer: RequestTimer, body: dict, parsed: ParsedRequest, fan: Fanout,
+                   accepted: list[Accepted]) -> web.StreamResponse:
+    shape = _Shape(body, parsed.model)
+    events = _events(shape, turn(request, parsed, fan, accepted, timer), fan)
+    if parsed.stream:
+        return await stream_sse(request, fan, shape.id, typed_sse(events, _failed(shape)))
+    last = None
+    async for last in events:  # the JSON answer is the response the stream's last event carries
+        pass
+    return web.json_response(last["response"], headers={"X-Syshax-Route": last["response"]["syshax"]["route"]})
+
+
+@routes.post("/v1/responses")
+async def create_response(request: web.Request) -> web.StreamResponse:
+    return await admitted(request, lambda timer: translated(request, timer, to_chat, _respond))
