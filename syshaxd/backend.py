@@ -5,19 +5,9 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:
-    from syshaxd.engine.types import Engine, EngineSpec
-
-
-
-class Role(StrEnum):
-    """What an engine does with a request."""
-
-    GENERATE = "generate"  # prefill and decode
-    PREFILL = "prefill"  # the prompt alone, its KV handed on through the ring
-    DECODE = "decode"  # continues from KV computed elsewhere
+from syshaxd.engine.types import Engine, EngineSpec, Role
 
 
 class Device(StrEnum):
@@ -45,7 +35,7 @@ class Backend:
     roles: frozenset[str]
     description: str
     check: Callable[[], Availability]
-    factory: Callable[["EngineSpec"], "Engine"]
+    factory: Callable[[EngineSpec], Engine]
 
     def __post_init__(self) -> None:
         bad = set(self.roles) - set(ROLES)
@@ -58,7 +48,7 @@ class Backend:
         except Exception as exc:  # a plugin's probe must not take the daemon down
             return Availability(False, f"availability check failed: {exc}")
 
-    def create_engine(self, spec: "EngineSpec") -> "Engine":
+    def create_engine(self, spec: EngineSpec) -> Engine:
         return self.factory(spec)
 
 

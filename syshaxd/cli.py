@@ -200,7 +200,8 @@ def _print_status(st: dict) -> None:
             print(f"{'':<10} kernels: {w.kernels} ({w.kernels_why})")
         if w.error:
             print(f"{'':<10} error: {w.error}")
-    for key, counts in (("routes", sched.routes), ("refused", sched.refused)):
+    rescued = {k: v for k, v in sched.rescued.items() if v}  # requests whose worker died under them
+    for key, counts in (("routes", sched.routes), ("refused", sched.refused), ("worker deaths", rescued)):
         if counts:
             print(f"{key}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     auto = sched.auto

@@ -18,6 +18,7 @@ from syshaxd import __version__
 from syshaxd.api.admin import AdminServer, default_path
 from syshaxd.api.app import make_app
 from syshaxd.api.auth import KeyCheck, configured_keys
+from syshaxd.api.keys import CONNECTIONS
 from syshaxd.api.limits import CappedTCPSite
 from syshaxd.api.state import ServiceState
 from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, load
@@ -139,7 +140,7 @@ class Service:
         # shutdown_timeout: our drain already waited for the requests; what is left after it is cut off
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await runner.setup()
-        site = CappedTCPSite(runner, self.cfg.host, self.cfg.port)  # at most max_connections open
+        site = CappedTCPSite(runner, self.cfg.host, self.cfg.port, self.app[CONNECTIONS])  # max_connections at most
         try:
             await site.start()
         except OSError as exc:

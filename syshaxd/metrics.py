@@ -18,7 +18,7 @@ work unchanged (label ``model_name``, as vLLM's):
 
 and syshax's own (``syshax_`` prefix): HTTP requests by route/method/status,
 batch occupancy and slots per worker, worker readiness and restarts, requests
-in flight, capacity, refusals and routes, draining, and the KV handoff of
+in flight, capacity, refusals and routes, requests that outlived (or lost) their worker, draining, and the KV handoff of
 hetero mode — ring capacity/used bytes/occupancy, records written/read/failed,
 bytes moved, fallbacks by reason, handoff latency quantiles — and the prefix
 cache: prompt tokens looked up and found (vLLM's prefix_cache_queries and
@@ -222,6 +222,9 @@ class _EngineCollector:
                     service.get("active", 0))
         yield _labelled(CounterMetricFamily, "syshax_requests_refused", "Requests refused by the scheduler, by reason.",
                         "reason", status.refused)
+        yield _labelled(CounterMetricFamily, "syshax_requests_rescued",
+                        "Requests whose worker died under them: resent (before their first token), resumed (after, "
+                        "with the tokens so far) or lost (ended with the error).", "outcome", status.rescued)
         yield _labelled(CounterMetricFamily, "syshax_requests_routed", "Requests routed, by route (cpu, hetero, ...).",
                         "route", status.routes)
         info = GaugeMetricFamily("syshax_info", "The daemon's version and mode (value 1).", labels=["version", "mode"])

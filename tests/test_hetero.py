@@ -115,6 +115,56 @@ def test_chat_in_hetero_mode(hetero):
     assert het.choices[0].message.content == cpu.choices[0].message.content
 
 
+def test_requests_outlive_a_decoder_killed_twice_mid_stream(hetero):
+    """Each request on the decoder when it is SIGKILLed resumes, once it is back, with its prompt and the tokens it
+    had (engine/journey.py): every request is answered, and greedy, with the text of an undisturbed run."""
+    client = openai.OpenAI(base_url=hetero.base_url, api_key="x", max_retries=0, timeout=300)
+    prompts = [f"{PROMPTS[i % 19]} ({i})" for i in range(64)]  # unique, short and long, arriving 8 at a time
+
+    def ask(prompt):
+        return complete(client, prompt, "hetero", 48).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        expected = list(pool.map(ask, prompts))
+    before = hetero.status()["rescued"]
+    killed: list[int] = []
+
+    def decoder():
+        return next(w for w in hetero.status()["workers"] if w["name"] == "decode0")
+
+    first_seen: dict[int, int] = {}  # a decoder's pid -> its generated tokens when it was first seen busy
+
+    def decoding():
+        """The decoder, once it runs 2 sequences or more and has generated 16 tokens since: mid-stream."""
+        w = decoder()
+        if w["state"] != "ready" or w["stats"]["running"] < 2:
+            return None
+        generated = w["stats"]["generated_tokens"]  # (a restarted one's first report may still be its predecessor's)
+        first = first_seen[w["pid"]] = min(first_seen.get(w["pid"], generated), generated)
+        return w if generated >= first + 16 else None
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(ask, p) for p in prompts]
+        for _ in range(2):
+            busy = wait_until(lambda: (w := decoding()) and w["pid"] not in killed and w,
+                              what=lambda: f"a busy decoder (killed {killed}, now {decoder()})")
+            os.kill(busy["pid"], signal.SIGKILL)
+            killed.append(busy["pid"])
+        got = [a.result() for a in answers]
+    assert got == expected
+    after = hetero.status()["rescued"]
+    assert after["resumed"] > before["resumed"] and after["lost"] == before["lost"], (before, after)
+    assert decoder()["restarts"] >= 2
+
+
+def wait_until(check, timeout=60.0, what=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what()}"
+        time.sleep(0.02)
+    return found
+
+
 def test_killed_prefill_worker_falls_back_and_nothing_is_lost(hetero):
     client = openai.OpenAI(base_url=hetero.base_url, api_key="x", max_retries=0, timeout=300)
     prompt = "word " * 900

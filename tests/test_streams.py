@@ -1,11 +1,12 @@
-"""The request streams' rescue paths, driven at the exact moment with real engine workers.
+"""A request's journey (engine/journey.py) through its rescue paths, driven at the exact moment with real workers.
 
 A request whose worker (in hetero mode: whose decoder) dies before its first token goes on on
-another; an offloaded decode whose move back to the GPU engine fails stays on the CPU, or, when the
-GPU engine dies after the move, ends with a clear error. Each test runs real llama.cpp worker
-processes under their supervisor handles, a real ring and the daemon's KV ledger, and kills a worker
-with a signal at the moment the path needs (a SIGSTOPped worker takes nothing from its pipe until it
-is killed).
+another; one whose worker dies after tokens went out resumes on another with the tokens so far,
+and its text is the text of an undisturbed run; an offloaded decode whose move back to the GPU
+engine fails stays on the CPU, and one whose GPU engine dies after the move goes on on the CPU.
+Each test runs real llama.cpp worker processes under their supervisor handles, a real ring and the
+daemon's KV ledger, and kills a worker with a signal at the moment the path needs (a SIGSTOPped
+worker takes nothing from its pipe until it is killed).
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from dataclasses import replace
 import pytest
 
 from syshaxd.engine.decider import Decision, Verdict
-from syshaxd.engine.handoff import HandoffStream
+from syshaxd.engine.journey import Engines, Journey, Stage
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.offload import OffloadCounts, OffloadStream
-from syshaxd.engine.retry import RetryStream
-from syshaxd.engine.supervisor import WorkerHandle
-from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, Pool, Rejected, SamplingParams
+from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
+from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, Pool, Rejected, Route, SamplingParams
 from syshaxd.kv.ring import KVRing
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
@@ -94,6 +93,20 @@ async def until(check, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def engines(cpu, gpu=None, decide=None) -> Engines:
+    """The scheduler's side for a journey: cpu() and gpu() pick a worker; none comes back within the test."""
+    async def never_ready(pool):
+        return False
+
+    def pick(pool):
+        worker = cpu() if pool == Pool.CPU else gpu() if gpu is not None else None
+        if worker is None or worker.state != "ready":
+            raise EngineUnavailable(f"no {pool} worker is ready")
+        return worker
+
+    return Engines(pick=pick, wait_ready=never_ready, decide=decide)
+
+
 def test_a_decoder_that_dies_before_its_first_token_hands_the_request_to_another(default_model):
     async def scenario(w: Workers):
         prefill = await w.start("prefill0", role="prefill", pool=Pool.PREFILL, max_batch_size=1)
@@ -106,19 +119,20 @@ def test_a_decoder_that_dies_before_its_first_token_hands_the_request_to_another
             picked.append((first if not picked else second).name)
             return first if len(picked) == 1 else second
 
-        stream = HandoffStream(request(), prefill, w.ledger, pick_decoder)
-        reading = asyncio.create_task(drain(stream))
+        journey = Journey(request(), Route.HETERO, engines(pick_decoder), w.ledger, prefill=prefill)
+        reading = asyncio.create_task(drain(journey))
         await until(lambda: picked)
-        assert w.ledger.held() == 1  # the record, lent to decode0
+        assert w.ledger.held() == 1 and journey.stage == Stage.HANDOFF  # the record, lent to decode0
         os.kill(first.pid, signal.SIGKILL)
         got = await reading
         await until(lambda: w.ring.stats().used_bytes == 0)
-        return alone, got, picked, w.ledger.status()
+        return alone, got, picked, w.ledger.status(), journey
 
-    alone, got, picked, kv = run(default_model, scenario)
+    alone, got, picked, kv, journey = run(default_model, scenario)
     assert picked == ["decode0", "decode1"]
     assert got == alone  # same text, same finish, same count: the client never saw the death
     assert kv.records_written == 1 and kv.fallbacks == {"decoder_died": 1} and kv.records_held == 0
+    assert journey.stage == Stage.DONE and journey._engines.counts.resent == 1
 
 
 def test_an_offloaded_decode_stays_on_the_cpu_when_the_gpu_engine_cannot_take_it(default_model):
@@ -126,37 +140,35 @@ def test_an_offloaded_decode_stays_on_the_cpu_when_the_gpu_engine_cannot_take_it
         cpu = await w.start("decode0")
         gpu = WorkerHandle("gpu0", replace(w.spec, pool=Pool.GPU), "warning", 600.0, 0.0, w.ledger)  # never started
         alone = await drain(cpu.submit(request()))
-        counts = OffloadCounts()
-        req = request()
-        stream = OffloadStream(req, cpu.submit(req), 4, lambda: Decision(Verdict.GPU, "the GPU has room"),
-                               lambda: gpu, counts)
-        got = await drain(stream)
-        return alone, got, counts, stream.moved_to, cpu.in_flight
+        gpu_has_room = engines(lambda: cpu, lambda: gpu, lambda: Decision(Verdict.GPU, "the GPU has room"))
+        journey = Journey(request(), Route.HETERO, gpu_has_room, w.ledger, token_limit=4)
+        got = await drain(journey)
+        return alone, got, gpu_has_room.counts, journey.moved_to, cpu.in_flight
 
     alone, got, counts, moved_to, in_flight = run(default_model, scenario)
     assert got == alone and moved_to == "" and in_flight == 0
     assert counts.reconsidered >= 5 and counts.move_failed == counts.reconsidered and counts.moved_to_gpu == 0
 
 
-def test_an_offloaded_decode_whose_gpu_engine_dies_after_the_move_ends_with_a_clear_error(default_model):
+def test_an_offloaded_decode_whose_gpu_engine_dies_after_the_move_goes_on_on_the_cpu(default_model):
     async def scenario(w: Workers):
         cpu = await w.start("decode0")
         gpu = await w.start("gpu0", pool=Pool.GPU)
+        alone = await drain(cpu.submit(request()))
         os.kill(gpu.pid, signal.SIGSTOP)
-        counts = OffloadCounts()
-        req = request()
-        stream = OffloadStream(req, cpu.submit(req), 4, lambda: Decision(Verdict.GPU, "the GPU has room"),
-                               lambda: gpu, counts)
-        reading = asyncio.create_task(drain(stream))
-        await until(lambda: stream.moved_to)
+        moves = iter([Verdict.GPU])  # the decider says "gpu" once, then "hetero" (stay)
+        decide = engines(lambda: cpu, lambda: gpu, lambda: Decision(next(moves, Verdict.HETERO), "decided"))
+        journey = Journey(request(), Route.HETERO, decide, w.ledger, token_limit=4)
+        reading = asyncio.create_task(drain(journey))
+        await until(lambda: journey.moved_to)
+        assert journey.stage == Stage.MOVED and cpu.in_flight == 0  # the CPU sequence was freed at the move
         os.kill(gpu.pid, signal.SIGKILL)
         got = await reading
-        return got, counts, cpu.in_flight
+        return alone, got, decide.counts, cpu.in_flight
 
-    (text, finish, n), counts, in_flight = run(default_model, scenario)
-    assert counts.moved_to_gpu == 1 and in_flight == 0  # the CPU sequence was freed at the move
-    assert 4 <= n < 24 and text  # what the CPU generated reached the client...
-    assert finish.startswith("error:moving the decode to the GPU failed"), finish  # ...then a clear end
+    alone, got, counts, in_flight = run(default_model, scenario)
+    assert counts.moved_to_gpu == 1 and counts.resumed == 1 and in_flight == 0
+    assert got == alone  # the text the CPU generated, then the rest on the CPU again: as if nothing happened
 
 
 def test_a_cpu_request_whose_worker_dies_before_its_first_token_goes_on_on_another(default_model):
@@ -164,12 +176,51 @@ def test_a_cpu_request_whose_worker_dies_before_its_first_token_goes_on_on_anoth
         first, second = await w.start("cpu0"), await w.start("cpu1")
         alone = await drain(second.submit(request()))
         os.kill(first.pid, signal.SIGSTOP)  # it takes the request and never answers
-        req = request()
-        stream = RetryStream(req, first.submit(req), lambda: second)
-        reading = asyncio.create_task(drain(stream))
+        picked = iter([first, second])
+        journey = Journey(request(), Route.CPU, engines(lambda: next(picked)), w.ledger)
+        reading = asyncio.create_task(drain(journey))
         await asyncio.sleep(0.2)
         os.kill(first.pid, signal.SIGKILL)
         return alone, await reading
 
     alone, got = run(default_model, scenario)
     assert got == alone
+
+
+# a stop string that never comes holds text back whenever the text ends in its start (" t", " the", ...)
+@pytest.mark.parametrize("stop", [(), (" the end of it all",)])
+def test_a_request_whose_worker_dies_mid_stream_resumes_on_another_with_the_same_text(default_model, stop):
+    async def scenario(w: Workers):
+        first, second = await w.start("cpu0"), await w.start("cpu1")
+        req = replace(request(160), stop=stop)
+        alone = await drain(second.submit(replace(req, request_id=uuid.uuid4().hex)))
+        picked = iter([first, second])
+        journey = Journey(req, Route.CPU, engines(lambda: next(picked)), w.ledger)
+        text, n = "", 0
+        while n < 8:  # the first tokens, from cpu0
+            event = await asyncio.wait_for(journey.next_event(), 60)
+            if isinstance(event, Delta):
+                text, n = text + event.text, n + event.n_tokens
+        os.kill(first.pid, signal.SIGKILL)
+        rest_text, finish, rest_n = await drain(journey)
+        return alone, (text + rest_text, finish, n + rest_n), journey
+
+    alone, got, journey = run(default_model, scenario)
+    assert got == alone, (got, alone)  # greedy: the same text, finish and count as an undisturbed run
+    assert journey._engines.counts.resumed == 1 and journey._engines.counts.lost == 0
+
+
+def test_a_request_whose_worker_dies_mid_stream_with_nowhere_to_go_ends_with_the_error(default_model):
+    async def scenario(w: Workers):
+        only = await w.start("cpu0")
+        journey = Journey(request(160), Route.CPU, engines(lambda: only), w.ledger)
+        n = 0
+        while n < 4:
+            event = await asyncio.wait_for(journey.next_event(), 60)
+            n += event.n_tokens if isinstance(event, Delta) else 0
+        os.kill(only.pid, signal.SIGKILL)  # restarted in 600 s: not within request_timeout
+        return await drain(journey), journey
+
+    (text, finish, n), journey = run(default_model, scenario)
+    assert finish.startswith("error:the engine worker died mid-stream, and no cpu worker is ready"), finish
+    assert journey._engines.counts.lost == 1 and journey.stage == Stage.DONE

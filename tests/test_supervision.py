@@ -30,8 +30,33 @@ def test_killed_worker_is_restarted_and_serving_resumes(default_model, tmp_path)
         assert d.stop() == 0
 
 
-def test_request_in_flight_when_the_worker_dies_gets_a_clean_error(default_model, tmp_path):
+def test_a_request_in_flight_when_its_worker_dies_resumes_on_the_restarted_worker(default_model, tmp_path):
+    """The journey resumes it (engine/journey.py): the restarted worker gets the prompt and the tokens so far, and
+    the client's stream goes on; greedy, its text is the text of an undisturbed run."""
     d = start_daemon(tmp_path, {"model": str(default_model), "worker_restart_delay": 0.2})
+    try:
+        client = openai.OpenAI(base_url=d.base_url, api_key="x", max_retries=0, timeout=120)
+        ask = dict(model=MODEL_NAME, prompt="Tell a long story", max_tokens=120, temperature=0,
+                   extra_body={"ignore_eos": True})
+        undisturbed = client.completions.create(**ask).choices[0].text
+        it = iter(client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+        chunks = [next(it)]
+        pid = d.status()["workers"][0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        chunks += list(it)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert text == undisturbed and finish == ["length"] and chunks[-1].usage.completion_tokens == 120
+        status = d.status()
+        assert status["workers"][0]["restarts"] == 1 and status["workers"][0]["pid"] != pid
+        assert status["rescued"]["resumed"] == 1 and status["rescued"]["lost"] == 0, status["rescued"]
+        assert "resumed on cpu0" in d.log()
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_request_whose_worker_is_not_back_within_request_timeout_ends_with_a_clean_error(default_model, tmp_path):
+    d = start_daemon(tmp_path, {"model": str(default_model), "worker_restart_delay": 4.0, "request_timeout": 0.5})
     try:
         client = openai.OpenAI(base_url=d.base_url, api_key="x", max_retries=0)
         stream = client.completions.create(model=MODEL_NAME, prompt="Tell a long story", max_tokens=2000,
@@ -39,9 +64,10 @@ def test_request_in_flight_when_the_worker_dies_gets_a_clean_error(default_model
         it = iter(stream)
         next(it)
         os.kill(d.status()["workers"][0]["pid"], signal.SIGKILL)
-        with pytest.raises(openai.APIError, match="worker died"):
+        with pytest.raises(openai.APIError, match="worker died mid-stream, and no CPU worker is ready"):
             for _ in it:
                 pass
+        assert d.status()["rescued"]["lost"] == 1
         wait_for(lambda: d.status()["workers"][0]["state"] == "ready", what="restart")
         assert client.completions.create(model=MODEL_NAME, prompt="ok", max_tokens=2,
                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 2

