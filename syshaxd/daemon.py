@@ -124,9 +124,8 @@ class Service:
                           if prefix is not None else None)
         self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
                                      ledger, on_failed=self._worker_failed) for name, spec in engines.workers]
-        # the prefix cache is planned from token ids: the daemon tokenizes as the engines do
-        prompts = PromptTokenizer(DaemonVocab(str(model_path)), cfg.n_ctx) if prefix is not None else None
-        self.scheduler = Scheduler(cfg, self.workers, ledger, prompts)
+        # prompts are tokenized once, in the daemon, as the engines would (and the prefix cache planned from them)
+        self.scheduler = Scheduler(cfg, self.workers, ledger, PromptTokenizer(DaemonVocab(str(model_path)), cfg.n_ctx))
         self.state = ServiceState(self.scheduler, reload)
         self.app = make_app(cfg, self.scheduler, model_name, self.state, keys=keys)
         self.url = ""

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -106,17 +106,21 @@ async def _accepted(request: web.Request, stream: RequestStream) -> Accepted:
     return event
 
 
+async def prepared(request: web.Request, parsed: ParsedRequest) -> ParsedRequest:
+    """parsed with each prompt rendered and tokenized once, for every choice of it (the engines get token ids); a
+    400 when a prompt cannot run. Once is enough: a tokenized prompt is not tokenized again."""
+    choices = await request.app[SCHEDULER].prepare(parsed.generates, parsed.n)
+    if isinstance(choices, Rejected):
+        raise rejected(choices)
+    return replace(parsed, generates=tuple(choices))
+
+
 async def start(request: web.Request, parsed: ParsedRequest) -> tuple[Fanout, list[Accepted]]:
     """Every choice submitted and accepted, or none left running."""
     streams: list[RequestStream] = []
-    prepared = []
-    for generate in parsed.generates:  # tokenized here when the prefix cache may serve them
-        generate = await request.app[SCHEDULER].prepare(generate)
-        if isinstance(generate, Rejected):
-            raise rejected(generate)
-        prepared.append(generate)
+    parsed = await prepared(request, parsed)
     try:
-        for generate in prepared:
+        for generate in parsed.generates:
             streams.append(_submit(request, generate))
         accepted = [await _accepted(request, s) for s in streams]
     except BaseException:

@@ -13,8 +13,8 @@ from syshaxd import __version__
 from syshaxd.api.errors import APIError
 from syshaxd.api import logprob_shapes
 from syshaxd.api.fanout import Fanout
-from syshaxd.api.generation import (ClientGone, admitted, engine_failed, next_event, read_body, rejected, route_of,
-                                    run)
+from syshaxd.api.generation import (ClientGone, admitted, engine_failed, next_event, prepared, read_body, rejected,
+                                    route_of, run)
 from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE, VOCAB
 from syshaxd.api.tools import ToolStream, parse_output
 from syshaxd.engine.prompts import Pieces
@@ -174,10 +174,8 @@ async def _prompt_views(request: web.Request, parsed: ParsedRequest) -> tuple[Pi
         return None, [], None
     holder = request.app[VOCAB]
     vocab = await holder.get()
-    firsts = parsed.generates[:: parsed.n]  # one per prompt
-    ids = None
-    if parsed.echo and parsed.logprobs:
-        ids = await asyncio.to_thread(lambda: [vocab.prompt_tokens(g) for g in firsts])
+    firsts = parsed.generates[:: parsed.n]  # one per prompt, tokenized (generation.prepared)
+    ids = [list(g.prompt_tokens) for g in firsts] if parsed.echo and parsed.logprobs else None
     texts = []
     for g, text in zip(firsts, parsed.prompts):
         if text is None and g.prompt_tokens is not None:
@@ -196,6 +194,7 @@ async def _generate_admitted(request: web.Request, chat: bool, timer: RequestTim
     body = await read_body(request)
     parsed = (parse_chat(body, request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages) if chat
               else parse_completion(body, request.app[MODEL_NAME], cfg.default_max_tokens))
+    parsed = await prepared(request, parsed)  # each prompt tokenized once, for its choices and its echo
     views = await _prompt_views(request, parsed)
 
     async def answer(fan: Fanout, accepted: list[Accepted]) -> web.StreamResponse:

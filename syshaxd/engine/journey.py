@@ -261,7 +261,7 @@ class Journey:
         if refused is not None:
             return self._end(event, str(refused), final=refused.final)
         self._request = request
-        log.info("%s: its worker died %s; %s on %s", self.request_id,
+        log.info("%s: its worker %s %s; %s on %s", self.request_id, event.why,
                  f"after {len(self._generated)} tokens" if self._generated else "before its first token",
                  "resumed" if self._generated else "sent again", self._inner.worker.name)
         return True

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 
 from syshaxd.config import MODES, Config, Mode
@@ -49,11 +50,12 @@ class Scheduler:
     def __init__(self, config: Config, workers: list[WorkerHandle], ledger: KVLedger | None = None,
                  prompts: PromptTokenizer | None = None) -> None:
         self.config = config
-        self.prompts = prompts  # tokenizes in the daemon, for the prefix cache; None: the engines tokenize
         self.workers = workers
-        # the daemon's one copy of the vocabulary (the engines' GGUF: every worker serves the same model)
-        self.vocab = prompts.vocab if prompts is not None else DaemonVocab(workers[0].spec.model_path if workers
-                                                                            else "")
+        # the daemon's one copy of the vocabulary (the engines' GGUF: every worker serves the same model), which
+        # renders and tokenizes every prompt once, before any engine sees it
+        self.prompts = prompts or PromptTokenizer(DaemonVocab(workers[0].spec.model_path if workers else ""),
+                                                  config.n_ctx)
+        self.vocab = self.prompts.vocab
         self.pools = {pool: [w for w in workers if w.spec.pool == pool] for pool in Pool}
         self.decoders = self.pools[Pool.CPU]
         self.prefill = self.pools[Pool.PREFILL]
@@ -157,14 +159,18 @@ class Scheduler:
         """The least loaded ready worker of pool (CPU: the decoders; GPU: the GPU engine)."""
         return self._least_loaded(self.pools[pool], "GPU engine" if pool == Pool.GPU else "CPU worker")
 
-    async def prepare(self, request: GenerateRequest) -> GenerateRequest | Rejected:
-        """The request as it should be submitted: tokenized here when the prefix cache may serve it (cpu and
-        hetero routes), so its cached blocks can be planned; a Rejected when the prompt cannot run."""
-        if self.prompts is None or not request.cache_prompt or self.ledger.prefix is None:
-            return request
-        if (request.route or self.mode) not in (Mode.CPU, Mode.HETERO):
-            return request  # the GPU engine keeps its own prefix cache
-        return await self.prompts.tokenize(request)
+    async def prepare(self, choices: Sequence[GenerateRequest], n: int = 1) -> list[GenerateRequest] | Rejected:
+        """The choices as they should be submitted: each prompt rendered and tokenized once, here (choices come n
+        to a prompt, in order), so that the engines get token ids and the prefix cache can be planned; a Rejected
+        (an engine's own answer) when a prompt cannot run."""
+        prepared: list[GenerateRequest] = []
+        for first in range(0, len(choices), n):
+            tokenized = await self.prompts.tokenize(choices[first])
+            if isinstance(tokenized, Rejected):
+                return tokenized
+            prepared += [replace(choice, prompt_tokens=tokenized.prompt_tokens, prompt=None, messages=None)
+                         for choice in choices[first:first + n]]
+        return prepared
 
     def _with_prefix(self, request: GenerateRequest, worker: WorkerHandle) -> GenerateRequest:
         """The request with its prefix plan when `worker` reads the prefix cache; the plan's blocks are held

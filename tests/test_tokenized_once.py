@@ -1,0 +1,65 @@
+"""Each prompt is rendered and tokenized once, in the daemon, however many choices it has (Scheduler.prepare).
+
+The daemon's vocabulary is the real one (vocab-only, from the default model's GGUF); its tokenizer is counted by
+wrapping the real method. The engines then get token ids, which they take as they are (gguf/vocab.py admit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from conftest import MODEL_NAME
+from syshaxd.api.validate import parse_chat, parse_completion
+from syshaxd.config import Config
+from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
+from syshaxd.engine.scheduler import Scheduler
+from syshaxd.engine.types import Rejected
+from syshaxd.gguf.vocab import admit
+
+
+def prepared_counting(default_model, parsed):
+    """The scheduler's prepared choices, and how many times the tokenizer ran for them."""
+    async def go():
+        prompts = PromptTokenizer(DaemonVocab(str(default_model)), 4096)
+        vocab = await prompts.vocab.get()
+        calls = []
+        real = vocab.tokenize
+
+        def counted(*args, **kwargs):
+            calls.append(args[0])
+            return real(*args, **kwargs)
+
+        vocab.tokenize = counted
+        choices = await Scheduler(Config(), [], prompts=prompts).prepare(parsed.generates, parsed.n)
+        return choices, calls, vocab
+
+    return asyncio.run(go())
+
+
+def test_n_choices_of_a_chat_prompt_are_tokenized_once(default_model):
+    parsed = parse_chat({"model": MODEL_NAME, "n": 5, "messages": [{"role": "user", "content": "Name a colour."}]},
+                        MODEL_NAME, 64)
+    choices, calls, vocab = prepared_counting(default_model, parsed)
+    assert len(calls) == 1 and len(choices) == 5
+    expected = vocab.tokenize(vocab.template.render(list(parsed.generate.messages), None), add_special=False)
+    assert all(list(c.prompt_tokens) == expected and c.messages is None for c in choices)
+    assert len({c.request_id for c in choices}) == 5  # each choice is still its own request
+    # the engine takes the ids as they are: no second tokenization there
+    before = len(calls)
+    tokens, _ = admit(vocab, choices[0], 4096)
+    assert tokens == expected and len(calls) == before
+
+
+def test_each_of_several_prompts_is_tokenized_once_for_all_its_choices(default_model):
+    parsed = parse_completion({"model": MODEL_NAME, "n": 3, "prompt": ["One", "Two", "Three"], "max_tokens": 2},
+                              MODEL_NAME, 64)
+    choices, calls, vocab = prepared_counting(default_model, parsed)
+    assert calls == ["One", "Two", "Three"] and len(choices) == 9
+    for i, word in enumerate(["One", "Two", "Three"]):
+        assert {tuple(c.prompt_tokens) for c in choices[3 * i:3 * i + 3]} == {tuple(vocab.tokenize(word, True))}
+
+
+def test_a_prompt_that_cannot_run_is_refused_before_any_engine(default_model):
+    parsed = parse_completion({"model": MODEL_NAME, "prompt": "word " * 5000, "max_tokens": 2}, MODEL_NAME, 64)
+    refused, calls, _ = prepared_counting(default_model, parsed)
+    assert isinstance(refused, Rejected) and refused.code == "context_length_exceeded" and refused.param == "prompt"
