@@ -23,7 +23,8 @@ request_timeout, for one to be restarted; a decode moved back to the GPU engine 
 CPU, where it was, while that engine restarts): the worker gets the prompt followed by the tokens
 generated so far (GenerateRequest.resume_tokens), recomputes their KV, and generates the rest.
 The client's stream goes on where it was; a greedy request's text is the text of an undisturbed
-run (the engine primes its text stream, grammar and penalties with the resumed tokens). A seeded
+run (the engine primes its text stream, grammar and penalties with the resumed tokens), but for a
+near-tie flipped by the resumed tokens' KV being recomputed in one prompt pass. A seeded
 sampler draws from a fresh generator after a resume, so a seeded request at temperature > 0 is
 as valid a sample as any, not the same one; a grammar on the GPU engine (vLLM) cannot start
 mid-output, so such a request ends with the error instead.
