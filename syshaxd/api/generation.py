@@ -13,7 +13,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from aiohttp import web
@@ -81,10 +82,11 @@ def engine_failed(event: Delta) -> APIError:
     return APIError(500, f"generation failed: {event.error}", type="server_error", code="engine_error")
 
 
-def _submit(request: web.Request, generate: GenerateRequest) -> RequestStream:
-    scheduler = request.app[SCHEDULER]
+@contextmanager
+def _scheduler_refusals() -> Iterator[None]:
+    """The scheduler's refusals as the API's errors."""
     try:
-        return scheduler.submit(generate)
+        yield
     except Overloaded as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(exc.retry_after)}) from None
@@ -93,6 +95,11 @@ def _submit(request: web.Request, generate: GenerateRequest) -> RequestStream:
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="engine_unavailable",
                        headers=None if exc.final else {"Retry-After": "5"}) from None
+
+
+def _submit(request: web.Request, generate: GenerateRequest) -> RequestStream:
+    with _scheduler_refusals():
+        return request.app[SCHEDULER].submit(generate)
 
 
 async def _accepted(request: web.Request, stream: RequestStream) -> Accepted:
@@ -109,7 +116,11 @@ async def _accepted(request: web.Request, stream: RequestStream) -> Accepted:
 async def prepared(request: web.Request, parsed: ParsedRequest) -> ParsedRequest:
     """parsed with each prompt rendered and tokenized once, for every choice of it (the engines get token ids); a
     400 when a prompt cannot run. Once is enough: a tokenized prompt is not tokenized again."""
-    choices = await request.app[SCHEDULER].prepare(parsed.generates, parsed.n)
+    scheduler = request.app[SCHEDULER]
+    with _scheduler_refusals():
+        for choice in parsed.generates[:1]:  # no tokenizing for a request that no engine can take now
+            scheduler.servable(choice.route or scheduler.mode)
+    choices = await scheduler.prepare(parsed.generates, parsed.n)
     if isinstance(choices, Rejected):
         raise rejected(choices)
     return replace(parsed, generates=tuple(choices))

@@ -182,9 +182,9 @@ class Scheduler:
         plan = self.ledger.plan_prefix(request.request_id, request.prompt_tokens)
         return replace(request, prefix=plan) if plan is not None else request
 
-    def submit(self, request: GenerateRequest) -> RequestStream:
-        """A stream of the request's events; raises Overloaded, EngineUnavailable or RouteUnavailable."""
-        mode = request.route or self.mode
+    def servable(self, mode: str) -> None:
+        """Raises RouteUnavailable when this daemon cannot serve route `mode`, EngineUnavailable when no engine
+        of it is ready now."""
         if mode not in MODES:
             raise RouteUnavailable(f"route {mode!r} is not one of {', '.join(MODES)}")
         why = self._unservable[mode]
@@ -194,6 +194,11 @@ class Scheduler:
         if not any(w.state == "ready" for w in needed):
             self.refused["unavailable"] += 1
             raise self._unready(needed, "no engine")
+
+    def submit(self, request: GenerateRequest) -> RequestStream:
+        """A stream of the request's events; raises Overloaded, EngineUnavailable or RouteUnavailable."""
+        mode = request.route or self.mode
+        self.servable(mode)
         if self.in_flight() >= self.capacity():
             self.refused["overloaded"] += 1
             raise Overloaded(
