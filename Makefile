@@ -84,7 +84,7 @@ system-deps:
 
 test: install-test system-deps
 	$(VENV)/bin/syshax model prepare --model-dir $(MODEL_DIR) >/dev/null
-	$(PY) -m syshaxd.hf_model --model-dir $(MODEL_DIR) >/dev/null  # the torch/vLLM copy of the q4_0 GGUF, once
+	$(PY) -m syshaxd.sdk.hf_model --model-dir $(MODEL_DIR) >/dev/null  # the torch/vLLM copy of the q4_0 GGUF, once
 	$(PY) -m pytest -x -q $(PYTEST_ARGS)
 
 bench: install-test

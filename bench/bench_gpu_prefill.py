@@ -54,11 +54,12 @@ def hetero_comparison(repeats: int, threads: int) -> list[dict]:
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from syshax_llamacpp.engine import LlamaCppEngine
-    from syshaxd.gguf.quantize import ensure_quantized
-    from syshaxd.engine.types import Delta, EngineSpec, GenerateRequest, GpuSettings, Imported, Prefilled, SamplingParams
-    from syshaxd.hf_model import ensure_hf_folder
-    from syshaxd.kv.ring import KVRing
-    from syshaxd.model import prepare_default_model
+    from syshaxd.sdk.gguf.quantize import ensure_quantized
+    from syshaxd.sdk.types import (Delta, EngineSpec, GenerateRequest, GpuSettings, Handling, Imported, Prefilled,
+                                   SamplingParams)
+    from syshaxd.sdk.hf_model import ensure_hf_folder
+    from syshaxd.sdk.kv.ring import KVRing
+    from syshaxd.sdk.model import prepare_default_model
 
     model_dir = REPO / "models"
     gguf = ensure_quantized(prepare_default_model(model_dir), "q4_0", model_dir)
@@ -70,10 +71,10 @@ def hetero_comparison(repeats: int, threads: int) -> list[dict]:
                       quantize="q4_0", cache_dir=str(model_dir), gpu=GpuSettings(max_num_seqs=4))
     decoder = LlamaCppEngine(spec)
 
-    def run(engine, request) -> tuple[list, float, float]:
+    def run(engine, request, handling=Handling()) -> tuple[list, float, float]:
         """Events, and seconds to the first Delta (or Prefilled) and to the end."""
         t0 = time.perf_counter()
-        events, first = list(engine.submit(request)), None
+        events, first = list(engine.submit(request, handling)), None
         while engine.has_work():
             new = engine.step()
             if first is None and any(isinstance(e, (Delta, Prefilled)) for e in new):
@@ -81,9 +82,9 @@ def hetero_comparison(repeats: int, threads: int) -> list[dict]:
             events += new
         return events, first, time.perf_counter() - t0
 
-    def request(n: int, r: int, **kw) -> GenerateRequest:
+    def request(n: int, r: int) -> GenerateRequest:
         return GenerateRequest(request_id=uuid.uuid4().hex, max_tokens=1, sampling=SamplingParams(temperature=0),
-                               prompt_tokens=prompt_tokens(n, r), ignore_eos=True, **kw)
+                               prompt_tokens=prompt_tokens(n, r), ignore_eos=True)
 
     rows = []
     try:
@@ -106,7 +107,7 @@ def hetero_comparison(repeats: int, threads: int) -> list[dict]:
                         handed = next(e for e in events if isinstance(e, Prefilled))
                         assert handed.handle is not None, handed.reason
                         t1 = time.perf_counter()
-                        events, _, _ = run(decoder, request(n, r, kv=handed.handle))
+                        events, _, _ = run(decoder, request(n, r), Handling(kv=handed.handle))
                         to_token = time.perf_counter() - t1
                         imported = next(e for e in events if isinstance(e, Imported))
                         assert imported.ok, imported.reason

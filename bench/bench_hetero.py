@@ -39,8 +39,8 @@ def pct(values, q):
 
 def handoff_vs_prefill(lengths=(512, 2048), repeats=3) -> list[dict]:
     from syshax_llamacpp.engine import LlamaCppEngine
-    from syshaxd.engine.types import EngineSpec, GenerateRequest, Imported, Prefilled, SamplingParams
-    from syshaxd.kv.ring import KVRing
+    from syshaxd.sdk.types import EngineSpec, GenerateRequest, Handling, Imported, Prefilled, SamplingParams
+    from syshaxd.sdk.kv.ring import KVRing
 
     instance = f"bench-{uuid.uuid4().hex[:6]}"
     ring = KVRing.create(instance, 512 << 20)
@@ -74,7 +74,7 @@ def handoff_vs_prefill(lengths=(512, 2048), repeats=3) -> list[dict]:
                     events += pre.step()
                 total = time.perf_counter() - t0
                 handle = next(e for e in events if isinstance(e, Prefilled)).handle
-                events = list(dec.submit(GenerateRequest(**{**req.__dict__, "kv": handle})))
+                events = list(dec.submit(req, Handling(kv=handle)))
                 while dec.has_work():
                     events += dec.step()
                 assert next(e for e in events if isinstance(e, Imported)).ok

@@ -24,8 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from syshaxd.kv import record  # noqa: E402
-from syshaxd.kv.ring import KVRing  # noqa: E402
+from syshaxd.sdk.kv import record  # noqa: E402
+from syshaxd.sdk.kv.ring import KVRing  # noqa: E402
 
 FP = record.ModelFingerprint(arch="llama", n_layer=30, n_head_kv=3, head_dim=64, rope_type="norm",
                              rope_dim=64, rope_freq_base=100000.0, rope_freq_scale=1.0, tensor_table_hash=0)

@@ -116,8 +116,8 @@ async def main() -> int:
                "answered_200": statuses[200], "errors": {str(k): v for k, v in statuses.items() if k != 200},
                "text_as_undisturbed": same, "rescued": rescued, "undisturbed_s": round(quiet_s, 1),
                "disturbed_s": round(disturbed_s, 1), "wall_ratio": round(disturbed_s / quiet_s, 2)}
-    print(f"| requests | killed | answered 200 | errors | text as undisturbed | resent / resumed / lost | wall ratio |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| requests | killed | answered 200 | errors | text as undisturbed | resent / resumed / lost | wall ratio |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| {args.requests} at c={args.concurrency} | decode0 x{len(killed)} | {statuses[200]} | "
           f"{figures['errors'] or 0} | {same} | {rescued['resent']} / {rescued['resumed']} / {rescued['lost']} | "
           f"{figures['wall_ratio']} ({quiet_s:.1f} s undisturbed) |")

@@ -22,7 +22,7 @@ def _default_config_file() -> Path:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from syshaxd.plugins import list_plugins
+    from syshaxd.sdk.plugins import list_plugins
 
     rows = list_plugins()  # local: works with or without a running daemon
     if args.json:
@@ -178,7 +178,7 @@ def _print_status(st: dict) -> None:
     import dataclasses
 
     from syshaxd.engine.status import SchedulerStatus
-    from syshaxd.numa import format_cpulist
+    from syshaxd.sdk.numa import format_cpulist
 
     sched = SchedulerStatus.from_json(st)  # a key the daemon renamed fails here, not as a silent blank
     state = "draining" if st["draining"] else ("ready" if sched.ready else "not ready")
@@ -361,7 +361,7 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from syshaxd.model import ModelError, prepare_default_model
+    from syshaxd.sdk.model import ModelError, prepare_default_model
 
     try:
         path = prepare_default_model(Path(args.model_dir))

@@ -10,6 +10,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Mapping
 
+from syshaxd.sdk.types import REPACK_SETTINGS
+
 
 class Mode(StrEnum):
     """Where prefill and decode run (DESIGN.md's table of modes)."""
@@ -24,7 +26,6 @@ MODES = tuple(Mode)
 QUANTIZE_TYPES = ("", "q4_0")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PREEMPTION_MODES = ("recompute",)
-REPACK_SETTINGS = ("auto", "on", "off")
 
 SYSTEM_CONFIG = Path("/etc/syshax/syshax.toml")
 
@@ -228,7 +229,7 @@ def _validate(cfg: Config) -> None:
     at_least("request_timeout", 0.001)
     at_least("worker_start_timeout", 1)
     at_least("worker_restart_delay", 0)
-    from syshaxd.numa import parse_cpulist
+    from syshaxd.sdk.numa import parse_cpulist
 
     for key, several in (("cpu_affinity", True), ("prefill_cpu_affinity", False)):
         value = getattr(cfg, key)

@@ -28,10 +28,10 @@ from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.plan import Engines, PlanError, PrefixStorePlan, RingPlan, plan_engines
 from syshaxd.engine.prefix_cache import PrefixCache
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
-from syshaxd.kv import block_store
-from syshaxd.kv.block_store import BlockStore
-from syshaxd.kv.ring import KVRing, sweep_stale
-from syshaxd.model import ModelError, resolve_model, served_name
+from syshaxd.sdk.kv import block_store
+from syshaxd.sdk.kv.block_store import BlockStore
+from syshaxd.sdk.kv.ring import KVRing, sweep_stale
+from syshaxd.sdk.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
 
 log = logging.getLogger("syshaxd")

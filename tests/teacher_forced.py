@@ -34,7 +34,7 @@ N_SEQ = 4  # the decode context's sequences (non-unified: one KV stream each), a
 def hf_folder(default_model):
     """The HF folder made from the q4_0 GGUF (`make test` makes it first; made here if missing)."""
     pytest.importorskip("transformers")
-    from syshaxd.hf_model import ensure_hf_folder
+    from syshaxd.sdk.hf_model import ensure_hf_folder
 
     return ensure_hf_folder(default_model)
 
@@ -81,7 +81,7 @@ class Decoder:
         import llama_cpp
 
         from syshax_llamacpp.codec import StateBuffer
-        from syshaxd.gguf.header import fingerprint_from_gguf
+        from syshaxd.sdk.gguf.header import fingerprint_from_gguf
 
         self.ll = llama_cpp
         llama_cpp.llama_backend_init()
@@ -149,8 +149,8 @@ class Decoder:
 
 def without_permutation(data: bytes):
     """The record with K put back in HF order: the control, which must decode badly."""
-    from syshaxd.kv.hf_codec import k_from_llama
-    from syshaxd.kv.record import decode, seal
+    from syshaxd.sdk.kv.hf_codec import k_from_llama
+    from syshaxd.sdk.kv.record import decode, seal
 
     buf = bytearray(data)
     rec = decode(buf)
@@ -165,7 +165,7 @@ def judge(decoder: Decoder, record_bytes_for, prompts=PROMPTS) -> tuple[Verdict,
 
     record_bytes_for(tokens) -> the bytes of the record the engine under test made for the prompt.
     """
-    from syshaxd.kv.record import decode
+    from syshaxd.sdk.kv.record import decode
 
     good, bad = Verdict(), Verdict()
     for text in prompts:

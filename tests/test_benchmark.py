@@ -25,7 +25,7 @@ from syshaxd.bench.report import MODE_RATIOS, level_summary
 from syshaxd.bench.scenarios import parse_concurrency, scenario_named
 from syshaxd.bench.stats import percentile, summarize
 from syshaxd.bench.stub import InstantServer
-from syshaxd.model import DEFAULT_QUANTIZED_NAME
+from syshaxd.sdk.model import DEFAULT_QUANTIZED_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -264,9 +264,12 @@ def test_short_benchmark_against_a_real_syshaxd(daemon, tmp_path: Path):
 
 def test_client_calibration_against_the_instant_stub_reports_its_ceiling():
     calibration = asyncio.run(calibrate_client(concurrency=4, output_len=64, requests=8))
-    assert calibration["max_output_tok_s"] > 1000  # even a loaded 2-core machine reads this much
-    assert 0 < calibration["per_chunk_us"] < 10_000
-    assert 0 < calibration["per_request_ms"] < 1_000
+    # figures, not a speed bar (a loaded machine reads less): each positive, and all from the one run, in which
+    # the stub streamed one token per chunk
+    assert calibration["max_output_tok_s"] > 0 and calibration["per_request_ms"] > 0
+    tokens_per_chunk = calibration["max_output_tok_s"] * calibration["per_chunk_us"] / 1e6
+    assert abs(tokens_per_chunk - 1.0) < 1e-6, calibration
+    assert calibration["chunks_per_s"] == pytest.approx(calibration["max_output_tok_s"])
 
 
 def test_self_test_benchmarks_the_stub_and_states_the_client_ceiling(tmp_path: Path):

@@ -25,7 +25,7 @@ FAST_CPU = EngineState(running=3, waiting=0, kv_usage=0.1, tokens_per_second=120
 )
 def test_decisions(gpu, cpu, route, why):
     d = decide(gpu, cpu, T)
-    assert d.route == route and why in d.reason, d
+    assert d.verdict == route and why in d.reason, d
 
 
 def test_token_limit_is_throughput_times_multiplier_rounded_and_clamped():
@@ -39,7 +39,7 @@ def test_token_limit_is_throughput_times_multiplier_rounded_and_clamped():
 def test_token_rate_counts_a_window_of_recent_steps():
     import time
 
-    from syshaxd.engine.rate import TokenRate
+    from syshaxd.sdk.rate import TokenRate
 
     rate = TokenRate(window=5.0)
     assert rate.per_second() == 0.0

@@ -119,7 +119,7 @@ def test_a_silent_worker_is_hung_only_when_it_makes_no_progress():
     import sys
 
     from syshaxd.engine.supervisor import WorkerHandle
-    from syshaxd.engine.types import EngineSpec
+    from syshaxd.sdk.types import EngineSpec
 
     async def looks() -> dict:
         handle = WorkerHandle("w", EngineSpec("llamacpp", "generate", "m.gguf", "m"), "info", 0.1, 1.0)

@@ -13,8 +13,9 @@ import pytest
 
 from conftest import MODEL_DIR
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.types import Delta, EngineSpec, Fallback, GenerateRequest, Imported, Prefilled, SamplingParams
-from syshaxd.kv.ring import KVRing
+from syshaxd.sdk.types import (Delta, EngineSpec, Fallback, GenerateRequest, Handling, Imported, Prefilled,
+                               SamplingParams)
+from syshaxd.sdk.kv.ring import KVRing
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
@@ -40,8 +41,8 @@ def _instance(ring) -> str:
     return ring.path.name[len("syshax-"):-len("-kv")]
 
 
-def run(eng, request, ledger=None):
-    events = list(eng.submit(request))
+def run(eng, request, ledger=None, handling=Handling()):
+    events = list(eng.submit(request, handling))
     while eng.has_work():
         events += eng.step()
     for event in events if ledger is not None else ():  # what the worker's handle reports in the daemon
@@ -83,7 +84,7 @@ def test_record_moves_through_the_ring_and_decodes_the_same_text(default_model, 
     first = request()
     handed = prefill(pre, ledger, first)
     assert handed.handle is not None and ring.stats().used_bytes > 0
-    events = run(dec, dataclasses.replace(first, kv=handed.handle), ledger)
+    events = run(dec, first, ledger, Handling(kv=handed.handle))
     imported = [e for e in events if isinstance(e, Imported)]
     assert imported[0].ok and imported[0].nbytes == handed.handle.length
     assert text_of(events) == reference
@@ -100,7 +101,7 @@ def test_corrupted_byte_is_caught_and_the_prompt_recomputed(default_model, ring,
     view = ring._view  # the owner's writable map of the segment
     spot = 4096 + handed.handle.offset + handed.handle.length // 2
     view[spot] ^= 0xFF
-    events = run(dec, dataclasses.replace(first, kv=handed.handle), ledger)
+    events = run(dec, first, ledger, Handling(kv=handed.handle))
     imported = [e for e in events if isinstance(e, Imported)][0]
     assert not imported.ok and imported.reason == Fallback.CHECKSUM
     assert text_of(events) == reference  # slower, never wrong
@@ -118,7 +119,7 @@ def test_a_queued_request_cancelled_before_its_import_gives_its_record_back(defa
         dec.step()  # the decoder's one slot is taken
         waiting = request()
         handed = prefill(pre, ledger, waiting)
-        dec.submit(dataclasses.replace(waiting, kv=handed.handle))
+        dec.submit(waiting, Handling(kv=handed.handle))
         ledger.lend(waiting.request_id, "decode0")
         ledger.drop(waiting.request_id)  # the client left; the decoder may still read the record
         assert ring.stats().used_bytes > 0
@@ -143,7 +144,7 @@ def test_record_from_another_model_is_refused(default_model, ring, reference):
     q4_1 = MODEL_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"  # same architecture, other weights
     pre, dec = engine(q4_1, ring, "prefill"), engine(default_model, ring, "generate")
     handed = prefill(pre)
-    events = run(dec, request(kv=handed.handle))
+    events = run(dec, request(), handling=Handling(kv=handed.handle))
     imported = [e for e in events if isinstance(e, Imported)][0]
     assert not imported.ok and imported.reason == Fallback.FINGERPRINT
     assert text_of(events) == reference
@@ -152,8 +153,8 @@ def test_record_from_another_model_is_refused(default_model, ring, reference):
 def test_record_for_other_tokens_is_refused(default_model, ring, reference):
     pre, dec = engine(default_model, ring, "prefill"), engine(default_model, ring, "generate")
     handed = prefill(pre)
-    other = dataclasses.replace(request(kv=handed.handle), prompt=PROMPT + " and")
-    events = run(dec, other)
+    other = dataclasses.replace(request(), prompt=PROMPT + " and")
+    events = run(dec, other, handling=Handling(kv=handed.handle))
     assert [e for e in events if isinstance(e, Imported)][0].reason == Fallback.TOKEN_MISMATCH
 
 
@@ -166,15 +167,16 @@ def test_a_generating_engine_hands_a_prompt_on_without_waiting_for_a_batch_slot(
         long = dataclasses.replace(request(), max_tokens=200, ignore_eos=True)
         gpu.submit(long)
         gpu.step()  # the long one holds the only slot
-        offloaded = request(handoff=True)
-        gpu.submit(offloaded)
+        offloaded = request()
+        gpu.submit(offloaded, Handling(handoff=True))
         steps, handed = 0, None
         while handed is None:
             steps += 1
             handed = next((e for e in gpu.step() if isinstance(e, Prefilled)), None)
         assert steps <= 3, f"the offloaded prompt waited {steps} steps"
         assert gpu.stats().running == 1 and handed.handle is not None
-        taken = run(dec, dataclasses.replace(request(), request_id=handed.request_id, kv=handed.handle))
+        taken = run(dec, dataclasses.replace(request(), request_id=handed.request_id),
+                    handling=Handling(kv=handed.handle))
         assert [e.ok for e in taken if isinstance(e, Imported)] == [True]
         assert text_of(taken) == reference
     finally:

@@ -15,7 +15,7 @@ import pytest
 from conftest import MODEL_NAME, start_daemon
 from syshaxd.config import Config
 from syshaxd.engine.plan import RingPlan, plan_engines
-from syshaxd.kv.ring import ring_path
+from syshaxd.sdk.kv.ring import ring_path
 
 N_CTX = 1024
 

@@ -13,8 +13,8 @@ from teacher_forced import hf_folder  # noqa: F401  (a fixture)
 
 torch = pytest.importorskip("torch")
 
-from syshaxd.kv import hf_codec  # noqa: E402
-from syshaxd.kv.record import DType, FingerprintMismatch, ModelFingerprint, decode, record_size  # noqa: E402
+from syshaxd.sdk.kv import hf_codec  # noqa: E402
+from syshaxd.sdk.kv.record import DType, FingerprintMismatch, ModelFingerprint, decode, record_size  # noqa: E402
 
 LLAMA = ModelFingerprint("llama", n_layer=2, n_head_kv=3, head_dim=8, rope_type="norm", rope_dim=8,
                          rope_freq_base=1e4, rope_freq_scale=1.0, tensor_table_hash=7)
@@ -114,8 +114,8 @@ def test_unknown_paged_layouts_are_refused_not_guessed():
 
 
 def test_hf_folder_is_the_q4_0_ggufs_and_vllm_ready(default_model, hf_folder):
-    from syshaxd.hf_model import folder_fingerprint
-    from syshaxd.gguf.header import fingerprint_from_gguf
+    from syshaxd.sdk.hf_model import folder_fingerprint
+    from syshaxd.sdk.gguf.header import fingerprint_from_gguf
 
     fp = folder_fingerprint(hf_folder)
     assert fp == fingerprint_from_gguf(default_model)
@@ -126,8 +126,8 @@ def test_hf_folder_is_the_q4_0_ggufs_and_vllm_ready(default_model, hf_folder):
 
 
 def test_a_torch_record_is_refused_by_a_decoder_of_other_weights(default_model, hf_folder):
-    from syshaxd.hf_model import folder_fingerprint
-    from syshaxd.gguf.header import fingerprint_from_gguf
+    from syshaxd.sdk.hf_model import folder_fingerprint
+    from syshaxd.sdk.gguf.header import fingerprint_from_gguf
 
     fp = folder_fingerprint(hf_folder)
     n = 3
@@ -143,7 +143,7 @@ def test_hf_k_rows_match_llamacpps_only_through_the_map(default_model, hf_folder
     import llama_cpp
     from transformers import AutoModelForCausalLM
 
-    from syshaxd.hf_model import folder_fingerprint
+    from syshaxd.sdk.hf_model import folder_fingerprint
     from syshax_llamacpp.codec import export_seq, parse_seq_state
     from teacher_forced import Decoder
 

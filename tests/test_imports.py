@@ -13,6 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = "syshaxd"
+SDK = "syshaxd.sdk"  # all that plugins may import of the core
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class Import:
     imported: str  # module name, resolved to the longest known module
     line: int
     at_import_time: bool  # False inside a function body or under `if TYPE_CHECKING:`
+    type_checking: bool = False  # under `if TYPE_CHECKING:`: never runs
 
 
 def modules_under(root: Path, package_dirs: list[Path]) -> dict[str, Path]:
@@ -58,23 +60,23 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
             name = name.rpartition(".")[0]
         return None
 
-    def add(name: str, line: int, at_import_time: bool) -> None:
+    def add(name: str, line: int, at_import_time: bool, type_checking: bool) -> None:
         target = resolve(name)
         if target is not None and target != module:
-            found.append(Import(module, target, line, at_import_time))
+            found.append(Import(module, target, line, at_import_time, type_checking))
 
-    def visit(node: ast.AST, at_import_time: bool) -> None:
+    def visit(node: ast.AST, at_import_time: bool, type_checking: bool = False) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             at_import_time = False
         if isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.body:
-                visit(child, False)
+                visit(child, False, True)
             for child in node.orelse:
-                visit(child, at_import_time)
+                visit(child, at_import_time, type_checking)
             return
         if isinstance(node, ast.Import):
             for alias in node.names:
-                add(alias.name, node.lineno, at_import_time)
+                add(alias.name, node.lineno, at_import_time, type_checking)
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: from the module's own package upwards
                 base = module.split(".") if is_package else module.split(".")[:-1]
@@ -83,9 +85,9 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
             else:
                 prefix = node.module or ""
             for alias in node.names:
-                add(f"{prefix}.{alias.name}", node.lineno, at_import_time)  # a submodule, else falls back to prefix
+                add(f"{prefix}.{alias.name}", node.lineno, at_import_time, type_checking)  # a submodule, or its prefix
         for child in ast.iter_child_nodes(node):
-            visit(child, at_import_time)
+            visit(child, at_import_time, type_checking)
 
     visit(ast.parse(path.read_text(), str(path)), True)
     return found
@@ -95,8 +97,13 @@ def top(module: str) -> str:
     return module.split(".")[0]
 
 
+def in_sdk(module: str) -> bool:
+    return module == SDK or module.startswith(SDK + ".")
+
+
 def layering_errors(imports: list[Import], plugins: set[str]) -> list[str]:
-    """The core importing a plugin, or a plugin importing another plugin."""
+    """The core importing a plugin, a plugin importing another plugin or the core outside its SDK, or the SDK
+    importing the serving side."""
     errors = []
     for i in imports:
         src, dst = top(i.importer), top(i.imported)
@@ -104,14 +111,19 @@ def layering_errors(imports: list[Import], plugins: set[str]) -> list[str]:
             errors.append(f"{i.importer}:{i.line}: the core imports plugin {i.imported}")
         elif src in plugins and dst in plugins and src != dst:
             errors.append(f"{i.importer}:{i.line}: plugin {src} imports plugin {i.imported}")
+        elif src in plugins and dst == CORE and not in_sdk(i.imported):
+            errors.append(f"{i.importer}:{i.line}: plugin {src} imports {i.imported}, outside the SDK ({SDK})")
+        elif in_sdk(i.importer) and dst == CORE and not in_sdk(i.imported) and i.imported != CORE:
+            errors.append(f"{i.importer}:{i.line}: the SDK imports the serving side's {i.imported}")
     return errors
 
 
-def import_cycles(imports: list[Import]) -> list[list[str]]:
-    """Cycles among the imports that run at import time (each found once, as the modules along it)."""
+def import_cycles(imports: list[Import], deferred: bool = False) -> list[list[str]]:
+    """Cycles among the imports that run at import time, or with deferred, among those and the imports inside
+    functions too (each found once, as the modules along it)."""
     graph: dict[str, set[str]] = {}
     for i in imports:
-        if i.at_import_time:
+        if i.at_import_time or (deferred and not i.type_checking):
             graph.setdefault(i.importer, set()).add(i.imported)
     cycles: list[list[str]] = []
     done: set[tuple[str, ...]] = set()
@@ -140,12 +152,12 @@ def import_cycles(imports: list[Import]) -> list[list[str]]:
     return cycles
 
 
-def analyse(root: Path) -> tuple[list[str], list[list[str]]]:
+def analyse(root: Path, deferred: bool = False) -> tuple[list[str], list[list[str]]]:
     core, plugin_dirs = project_packages(root)
     modules = modules_under(root, [core, *plugin_dirs])
     known = set(modules)
     imports = [i for name, path in modules.items() for i in imports_of(name, path, known)]
-    return layering_errors(imports, {p.name for p in plugin_dirs}), import_cycles(imports)
+    return layering_errors(imports, {p.name for p in plugin_dirs}), import_cycles(imports, deferred)
 
 
 def test_the_tree_has_plugins_and_a_core():
@@ -159,8 +171,8 @@ def test_plugins_depend_on_the_core_only():
     assert not errors, "\n".join(errors)
 
 
-def test_no_import_cycles():
-    _, cycles = analyse(REPO)
+def test_no_import_cycles_not_even_a_deferred_one():
+    _, cycles = analyse(REPO, deferred=True)
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
@@ -179,12 +191,20 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
         "syshaxd/c.py": "def late():\n    import syshax_one.engine\n",  # the core reaching into a plugin
         "syshaxd/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from syshaxd import e\n",
         "syshaxd/e.py": "import syshaxd.d\n",  # not a cycle: d imports e for type checking only
+        "syshaxd/f.py": "def late():\n    import syshaxd.g\n",  # a deferred cycle
+        "syshaxd/g.py": "import syshaxd.f\n",
+        "syshaxd/sdk/__init__.py": "",
+        "syshaxd/sdk/types.py": "def late():\n    from syshaxd.a import x\n",  # the SDK reaching into the serving side
         "plugins/one/syshax_one/__init__.py": "",
-        "plugins/one/syshax_one/engine.py": "from syshaxd.a import x\nfrom syshax_two.plugin import y\n",
+        "plugins/one/syshax_one/engine.py": "from syshaxd.sdk.types import x\nfrom syshax_two.plugin import y\n",
         "plugins/two/syshax_two/__init__.py": "",
-        "plugins/two/syshax_two/plugin.py": "import syshaxd.b\n",
+        "plugins/two/syshax_two/plugin.py": "import syshaxd.b\n",  # a plugin importing the core outside the SDK
     })
     errors, cycles = analyse(tmp_path)
     assert errors == ["syshaxd.c:2: the core imports plugin syshax_one.engine",
-                      "syshax_one.engine:2: plugin syshax_one imports plugin syshax_two.plugin"]
+                      "syshaxd.sdk.types:2: the SDK imports the serving side's syshaxd.a",
+                      "syshax_one.engine:2: plugin syshax_one imports plugin syshax_two.plugin",
+                      "syshax_two.plugin:1: plugin syshax_two imports syshaxd.b, outside the SDK (syshaxd.sdk)"]
     assert cycles == [["syshaxd.a", "syshaxd.b", "syshaxd.a"]]
+    _, all_cycles = analyse(tmp_path, deferred=True)
+    assert all_cycles == [["syshaxd.a", "syshaxd.b", "syshaxd.a"], ["syshaxd.f", "syshaxd.g", "syshaxd.f"]]

@@ -2,7 +2,7 @@
 ready, and a worker whose kernels crash (in the warm-up, or on every request) falls back to safe kernels or is
 reported failed with the reason -- never restarted forever while requests are lost.
 
-The crashes are injected (SYSHAX_FAULT, syshaxd/engine/faults.py: a real SIGSEGV at that point), so these paths
+The crashes are injected (SYSHAX_FAULT, syshaxd/sdk/faults.py: a real SIGSEGV at that point), so these paths
 run on every CPU, not only on the AMX Xeons whose kernels crash in this llama.cpp.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from conftest import MODEL_NAME, http_json, start_daemon, wait_for
 from syshax_llamacpp.kernels import KernelChoice, choose, cpu_flags, extra_buffer_types, read_cpu_flags
 from syshaxd.config import ConfigError, from_mapping
-from syshaxd.engine import faults
+from syshaxd.sdk import faults
 
 SAPPHIRE_RAPIDS = frozenset("avx2 avx512f avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16".split())
 ZEN4 = frozenset("avx2 avx512f avx512_vnni avx512_bf16".split())

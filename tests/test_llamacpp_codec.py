@@ -9,12 +9,12 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from syshaxd.kv import record as rec  # noqa: E402
+from syshaxd.sdk.kv import record as rec  # noqa: E402
 from syshax_llamacpp.codec import (StateBuffer, StateFormatError, StateImportError,  # noqa: E402
                                    encode_state_into, export_seq, import_record, parse_seq_state, seq_state_size,
                                    v_trans_for, write_seq_state)
-from syshaxd.gguf.header import fingerprint_from_gguf  # noqa: E402
-from syshaxd.kv.ring import KVRing, ring_path  # noqa: E402
+from syshaxd.sdk.gguf.header import fingerprint_from_gguf  # noqa: E402
+from syshaxd.sdk.kv.ring import KVRing, ring_path  # noqa: E402
 
 FA_DISABLED, FA_AUTO = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
 PROMPT = b"The capital of France is Paris. The capital of Italy is"

@@ -1,4 +1,4 @@
-"""Tests for syshaxd.numa: a fake Kunpeng 920 sysfs tree for planning, this host's real /sys for applying."""
+"""Tests for syshaxd.sdk.numa: a fake Kunpeng 920 sysfs tree for planning, this host's real /sys for applying."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from syshaxd import numa
-from syshaxd.numa import NumaNode, PlacementError, Topology
+from syshaxd.sdk import numa
+from syshaxd.sdk.numa import NumaNode, PlacementError, Topology
 
 KUNPENG = Path(__file__).parent / "data" / "sysfs-kunpeng920" / "devices" / "system" / "node"
 

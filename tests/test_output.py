@@ -1,7 +1,7 @@
 """TextStream: stop strings that span tokens, and UTF-8 characters split across tokens; SequenceOutput: why a
 sequence ends (end of generation, stop string, max_tokens), as every engine decides it."""
 
-from syshaxd.engine.output import SequenceOutput, TextStream
+from syshaxd.sdk.output import SequenceOutput, TextStream
 
 
 def feed_all(stream, pieces):

@@ -18,9 +18,9 @@ import pytest
 
 from conftest import MODEL_NAME, http_json, start_daemon
 from syshaxd.engine.prefix_cache import PrefixCache, block_keys
-from syshaxd.engine.types import Cached
-from syshaxd.kv import block_store
-from syshaxd.kv.block_store import BlockStore, StoreError, store_path
+from syshaxd.sdk.types import Cached
+from syshaxd.sdk.kv import block_store
+from syshaxd.sdk.kv.block_store import BlockStore, StoreError, store_path
 
 BLOCK = 16
 
@@ -120,7 +120,7 @@ def test_the_block_store_is_private_shared_and_swept_when_its_daemon_is_gone(tmp
     finally:
         store.close()
     # a store whose owner died (a daemon killed with -9) goes at the next start
-    code = ("import sys; from syshaxd.kv.block_store import BlockStore; "
+    code = ("import sys; from syshaxd.sdk.kv.block_store import BlockStore; "
             f"BlockStore.create('t2', 1, 4096, directory={str(tmp_path)!r})")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert block_store.sweep_stale(tmp_path) == [store_path("t2", tmp_path)]
@@ -298,8 +298,8 @@ def test_a_seeded_sample_from_the_cached_logits_is_the_sample_a_miss_draws(cache
 
 def test_a_cached_block_whose_bytes_changed_is_refused_and_the_prompt_recomputed(default_model, tmp_path):
     """The engine checks every record it is planned to read: a flipped byte makes it evaluate instead."""
-    from syshaxd.kv.block_store import HEADER_SIZE
-    from syshaxd.kv.record import MAGIC
+    from syshaxd.sdk.kv.block_store import HEADER_SIZE
+    from syshaxd.sdk.kv.record import MAGIC
 
     d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, "prefill_chunk_size": BLOCK,
                                 "n_ctx": 512, "prefix_cache_mb": 16})

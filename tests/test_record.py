@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from syshaxd.kv import record as rec
-from syshaxd.kv.record import DType, FingerprintMismatch, ModelFingerprint, RecordCorrupt
-from syshaxd.kv.ring import HEADER_SIZE, RECORD_HEADER, KVRing, ring_path
+from syshaxd.sdk.kv import record as rec
+from syshaxd.sdk.kv.record import DType, FingerprintMismatch, ModelFingerprint, RecordCorrupt
+from syshaxd.sdk.kv.ring import HEADER_SIZE, RECORD_HEADER, KVRing, ring_path
 
 FP = ModelFingerprint(arch="llama", n_layer=3, n_head_kv=2, head_dim=8, rope_type="norm", rope_dim=8,
                       rope_freq_base=100000.0, rope_freq_scale=1.0, tensor_table_hash=0x1234_5678_9ABC_DEF0)

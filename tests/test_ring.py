@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from syshaxd.kv.ring import (KVRing, RingBusy, RingError, RingFull, StaleRecord, ring_path,
+from syshaxd.sdk.kv.ring import (KVRing, RingBusy, RingError, RingFull, StaleRecord, ring_path,
                              sweep_stale)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,7 +144,7 @@ def test_a_producer_killed_mid_write_does_not_wedge_the_ring(instance):
     with KVRing.create(instance, capacity) as ring:
         producer = spawn(f"""
             import time
-            from syshaxd.kv.ring import KVRing
+            from syshaxd.sdk.kv.ring import KVRing
             ring = KVRing.attach({instance!r})
             print(ring.write(b"before" * 100), flush=True)
             res = ring.reserve(10_000)
@@ -186,7 +186,7 @@ def test_the_owner_can_reset_a_ring_whose_producer_died(instance):
     with KVRing.create(instance, 8192) as ring:
         producer = spawn(f"""
             import os
-            from syshaxd.kv.ring import KVRing
+            from syshaxd.sdk.kv.ring import KVRing
             ring = KVRing.attach({instance!r})
             print(ring.write(b"z" * 3000), flush=True)   # committed, but never reported to anyone
             ring.reserve(3000)
@@ -221,7 +221,7 @@ def test_sweep_stale_removes_a_dead_owners_segment_and_keeps_a_live_one(instance
     live_name, dead_name = f"{instance}-live", f"{instance}-dead"
     dead = spawn(f"""
         import os
-        from syshaxd.kv.ring import KVRing
+        from syshaxd.sdk.kv.ring import KVRing
         KVRing.create({dead_name!r}, 8192)
         os.kill(os.getpid(), 9)   # like a daemon killed with -9: the segment stays behind
     """)
@@ -275,11 +275,11 @@ def test_records_a_dead_producer_committed_but_never_handed_on_are_freed(instanc
     # The daemon's side: a KV producer commits two records, reports one (a hetero request holds it) and dies
     # before reporting the other. The ledger frees the unreported one so the ring's tail does not stick.
     from syshaxd.engine.kv_ledger import KVLedger
-    from syshaxd.engine.types import Imported, KVHandle
+    from syshaxd.sdk.types import Imported, KVHandle
 
     with KVRing.create(instance, 64 * 1024) as ring:
         producer = spawn(f"""
-            from syshaxd.kv.ring import KVRing
+            from syshaxd.sdk.kv.ring import KVRing
             ring = KVRing.attach({instance!r})
             print(ring.write(b"told" * 1000), ring.write(b"lost" * 1000), flush=True)
         """)

@@ -242,7 +242,7 @@ HOSTILE = ("{{ 7*7 }} {% for x in range(3) %}X{% endfor %} {{ ''.__class__.__mro
 
 
 def test_chat_messages_are_text_not_template(default_model):
-    from syshaxd.gguf.chat import ChatTemplate
+    from syshaxd.sdk.gguf.chat import ChatTemplate
 
     template = ChatTemplate(_chat_template(default_model), "", "<|im_end|>")
     prompt = template.render([{"role": "system", "content": HOSTILE}, {"role": "user", "content": HOSTILE}])
@@ -251,7 +251,7 @@ def test_chat_messages_are_text_not_template(default_model):
 
 
 def test_the_daemon_renders_jinja_in_messages_literally(keyed, default_model):
-    from syshaxd.gguf.chat import ChatTemplate
+    from syshaxd.sdk.gguf.chat import ChatTemplate
 
     client = openai.OpenAI(base_url=keyed.base_url, api_key=KEY, max_retries=0, timeout=120)
     messages = [{"role": "user", "content": HOSTILE}]

@@ -19,12 +19,12 @@ from dataclasses import replace
 
 import pytest
 
-from syshaxd.engine.decider import Decision, Verdict
+from syshaxd.engine.decider import Decision
 from syshaxd.engine.journey import Engines, Journey, Stage
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
-from syshaxd.engine.types import Accepted, Delta, EngineSpec, GenerateRequest, Pool, Rejected, Route, SamplingParams
-from syshaxd.kv.ring import KVRing
+from syshaxd.sdk.types import Accepted, Delta, EngineSpec, GenerateRequest, Pool, Rejected, Route, SamplingParams
+from syshaxd.sdk.kv.ring import KVRing
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
@@ -140,7 +140,7 @@ def test_an_offloaded_decode_stays_on_the_cpu_when_the_gpu_engine_cannot_take_it
         cpu = await w.start("decode0")
         gpu = WorkerHandle("gpu0", replace(w.spec, pool=Pool.GPU), "warning", 600.0, 0.0, w.ledger)  # never started
         alone = await drain(cpu.submit(request()))
-        gpu_has_room = engines(lambda: cpu, lambda: gpu, lambda: Decision(Verdict.GPU, "the GPU has room"))
+        gpu_has_room = engines(lambda: cpu, lambda: gpu, lambda: Decision(Route.GPU, "the GPU has room"))
         journey = Journey(request(), Route.HETERO, gpu_has_room, w.ledger, token_limit=4)
         got = await drain(journey)
         return alone, got, gpu_has_room.counts, journey.moved_to, cpu.in_flight
@@ -156,8 +156,8 @@ def test_an_offloaded_decode_whose_gpu_engine_dies_after_the_move_goes_on_on_the
         gpu = await w.start("gpu0", pool=Pool.GPU)
         alone = await drain(cpu.submit(request()))
         os.kill(gpu.pid, signal.SIGSTOP)
-        moves = iter([Verdict.GPU])  # the decider says "gpu" once, then "hetero" (stay)
-        decide = engines(lambda: cpu, lambda: gpu, lambda: Decision(next(moves, Verdict.HETERO), "decided"))
+        moves = iter([Route.GPU])  # the decider says "gpu" once, then "hetero" (stay)
+        decide = engines(lambda: cpu, lambda: gpu, lambda: Decision(next(moves, Route.HETERO), "decided"))
         journey = Journey(request(), Route.HETERO, decide, w.ledger, token_limit=4)
         reading = asyncio.create_task(drain(journey))
         await until(lambda: journey.moved_to)

@@ -329,7 +329,7 @@ HERMES = (
 
 
 def test_template_with_a_tool_format_gets_tools_and_calls_as_hf_passes_them():
-    from syshaxd.gguf.chat import ChatTemplate
+    from syshaxd.sdk.gguf.chat import ChatTemplate
 
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
     messages = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -341,7 +341,7 @@ def test_template_with_a_tool_format_gets_tools_and_calls_as_hf_passes_them():
 
 
 def test_template_without_a_tool_format_gets_a_note_and_text_blocks():
-    from syshaxd.gguf.chat import CHATML, ChatTemplate
+    from syshaxd.sdk.gguf.chat import CHATML, ChatTemplate
 
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
     messages = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "", "tool_calls": [call]},

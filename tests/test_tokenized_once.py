@@ -13,8 +13,8 @@ from syshaxd.api.validate import parse_chat, parse_completion
 from syshaxd.config import Config
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.engine.scheduler import Scheduler
-from syshaxd.engine.types import Rejected
-from syshaxd.gguf.vocab import admit
+from syshaxd.sdk.types import Rejected
+from syshaxd.sdk.admission import admit
 
 
 def prepared_counting(default_model, parsed):

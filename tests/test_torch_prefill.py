@@ -13,8 +13,8 @@ from teacher_forced import Decoder, hf_folder, judge  # noqa: F401  (hf_folder i
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from syshaxd.engine.types import Accepted, EngineSpec, GenerateRequest, Prefilled, SamplingParams  # noqa: E402
-from syshaxd.kv.ring import KVRing  # noqa: E402
+from syshaxd.sdk.types import Accepted, EngineSpec, GenerateRequest, Prefilled, Refusal, SamplingParams  # noqa: E402
+from syshaxd.sdk.kv.ring import KVRing  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_torch_prefill_decodes_like_llamacpp_teacher_forced(torch_engine, decode
 
 
 def test_torch_record_carries_the_decoders_fingerprint_and_first_token(torch_engine, decoder, ring):
-    from syshaxd.kv.record import decode
+    from syshaxd.sdk.kv.record import decode
 
     tokens = decoder.tokenize("The capital of France is")
     done = prefill(torch_engine, tokens)
@@ -97,7 +97,7 @@ def test_torch_record_carries_the_decoders_fingerprint_and_first_token(torch_eng
 def test_torch_engine_rejects_what_llamacpp_rejects(torch_engine):
     too_long = GenerateRequest(request_id="x", max_tokens=8, prompt_tokens=tuple([42] * 1020))
     (event,) = torch_engine.submit(too_long)
-    assert event.status == 400 and event.code == "context_length_exceeded"
+    assert event.kind == Refusal.INVALID and event.code == "context_length_exceeded"
     (event,) = torch_engine.submit(GenerateRequest(request_id="y", max_tokens=8, prompt_tokens=(10**6,)))
     assert event.code == "invalid_prompt"
 
@@ -136,6 +136,26 @@ def test_hetero_daemon_with_torch_prefill_answers_the_openai_api(torch_hetero):
     assert kv["records_read"] - before["records_read"] == n
     assert kv["fallbacks"] == before["fallbacks"] == {}
     assert kv["ring"]["used_bytes"] == 0
+
+
+def test_hetero_with_torch_prefill_refuses_logprobs_and_schemas_before_any_engine(torch_hetero):
+    """torch's plugin declares neither logprobs nor grammars: the front door refuses both with a 400 that names the
+    field, no record is written, and the same requests run on a CPU worker."""
+    client = openai.OpenAI(base_url=torch_hetero.base_url, api_key="x", max_retries=0, timeout=300)
+    before = torch_hetero.status()["kv"]["records_written"]
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+    asks = [("logprobs", lambda **kw: client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2,
+                                                                 logprobs=1, **kw)),
+            ("response_format", lambda **kw: client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                response_format=schema, **kw))]
+    for field, ask in asks:
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask()
+        assert refused.value.body["param"] == field and refused.value.body["code"] == "unsupported_parameter"
+        assert "torch" in refused.value.body["message"]
+        ask(extra_body={"syshax": {"mode": "cpu"}})
+    assert torch_hetero.status()["kv"]["records_written"] == before
 
 
 def test_gpu_mode_refuses_a_backend_that_cannot_generate(default_model, tmp_path):

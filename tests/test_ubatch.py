@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 
-from syshaxd.engine.types import Delta, EngineSpec, GenerateRequest, SamplingParams
+from syshaxd.sdk.types import Delta, EngineSpec, GenerateRequest, SamplingParams
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def quicksort(arr):", "The best way to learn is",
            "In 1969, astronauts", "Water boils at", "My favourite colour is", "The recipe needs",

@@ -11,9 +11,9 @@ from teacher_forced import Decoder, hf_folder, judge  # noqa: F401  (hf_folder i
 
 pytest.importorskip("vllm")
 
-from syshaxd.engine.types import (  # noqa: E402
+from syshaxd.sdk.types import (  # noqa: E402
     Accepted, EngineSpec, GenerateRequest, GpuSettings, Prefilled, SamplingParams)
-from syshaxd.kv.ring import KVRing  # noqa: E402
+from syshaxd.sdk.kv.ring import KVRing  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_prompts_batched_chunked_and_spanning_blocks_all_hand_off(vllm_prefill, 
 
 
 def test_full_ring_is_reported_and_the_engine_keeps_going(vllm_prefill, decoder, ring):
-    from syshaxd.kv.ring import RingFull
+    from syshaxd.sdk.kv.ring import RingFull
 
     hogs = []  # fill the ring with reservations nobody commits: no room for a record
     try:
@@ -159,6 +159,12 @@ def test_hetero_daemon_with_vllm_prefill_hands_every_prompt_to_the_decoder(defau
                                             extra_body={"ignore_eos": True})
             assert het.choices[0].text
             assert het.usage.prompt_tokens == cpu.usage.prompt_tokens and het.usage.completion_tokens == 12
+        # a prompt handed on carries no logprobs: a 400 naming the param and the modes that have them, as before
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, logprobs=1)
+        error = refused.value.body
+        assert error["param"] == "logprobs" and error["code"] == "unsupported_parameter"
+        assert "hetero mode" in error["message"] and "cpu mode" in error["message"]
         kv = d.status()["kv"]
         assert kv["records_written"] == kv["records_read"] == len(prompts) and kv["fallbacks"] == {}
         assert kv["ring"]["used_bytes"] == 0
@@ -192,14 +198,28 @@ def test_auto_daemon_with_vllm_offloads_when_saturated_and_every_text_is_right(d
         assert d.stop() == 0, d.log()
 
 
-def test_vllm_prefill_refuses_logprobs_naming_the_mode(vllm_prefill):
-    """A prompt handed on carries no logprobs: a 400 naming the param and the modes that have them."""
-    from syshaxd.engine.types import Rejected
+def test_the_front_door_refuses_by_what_each_installed_backend_declares():
+    """One function refuses for every backend, reading the Capabilities its plugin declares: vLLM hands a prompt on
+    without its logprobs, torch has neither logprobs nor grammars, llama.cpp has both."""
+    from syshaxd.engine.capabilities import Stop, Unsupported, check
+    from syshaxd.sdk.plugins import backend_capabilities
 
-    for ask in ({"logprobs": 0}, {"prompt_logprobs": 1}):
-        [event] = vllm_prefill.submit(GenerateRequest(request_id=uuid.uuid4().hex, max_tokens=2, prompt="Hi", **ask))
-        assert isinstance(event, Rejected) and event.status == 400 and event.param == "logprobs"
-        assert "hetero mode" in event.message and "cpu mode" in event.message
+    caps = backend_capabilities({"vllm", "torch", "llamacpp"})
+    decoder = Stop("llamacpp", caps["llamacpp"])
+    logprobs = GenerateRequest(request_id="a", max_tokens=2, prompt="Hi", logprobs=0)
+    echo = GenerateRequest(request_id="b", max_tokens=2, prompt="Hi", prompt_logprobs=1)
+    schema = GenerateRequest(request_id="c", max_tokens=2, prompt="Hi", grammar='root ::= "x"',
+                             grammar_field="response_format")
+    for request in (logprobs, echo):
+        with pytest.raises(Unsupported, match="hetero mode.*vllm prefill engine.*cpu mode") as refused:
+            check(request, "hetero", [Stop("vllm", caps["vllm"], hands_on=True), decoder])
+        assert refused.value.param == "logprobs"
+        check(request, "gpu", [Stop("vllm", caps["vllm"])])  # where it generates, it computes them
+        check(request, "hetero", [Stop("llamacpp", caps["llamacpp"], hands_on=True), decoder])
+    check(schema, "hetero", [Stop("vllm", caps["vllm"], hands_on=True), decoder])
+    with pytest.raises(Unsupported, match="torch engine in hetero mode: it samples the first token without") as no:
+        check(schema, "hetero", [Stop("torch", caps["torch"], hands_on=True), decoder])
+    assert no.value.param == "response_format"
 
 
 def test_gpu_mode_logprobs_and_echo(client, daemon):

@@ -311,7 +311,7 @@ class AdminServer:
         } | self.state.scheduler.status().to_json()
 
     async def cmd_plugins(self, request: dict) -> list:
-        from syshaxd.plugins import list_plugins
+        from syshaxd.sdk.plugins import list_plugins
 
         return await asyncio.get_running_loop().run_in_executor(None, list_plugins)
 

@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from syshaxd.api import messages, openai_routes, responses, token_routes
+from syshaxd.api import messages, openai_routes, responses, service_routes, token_routes
 from syshaxd.api.auth import KeyCheck
 from syshaxd.api.errors import APIError, error_type_for
 from syshaxd.api.keys import (CONFIG, CONNECTIONS, KEY_CHECK, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED,
@@ -97,6 +97,7 @@ def make_app(config: Config, scheduler: Scheduler, model_name: str, state: Servi
                                       lambda: {"draining": state.draining, "active": state.active})
     app[VOCAB] = scheduler.vocab
     app.add_routes(openai_routes.routes)
+    app.add_routes(service_routes.routes)
     app.add_routes(token_routes.routes)
     app.add_routes(responses.routes)
     app.add_routes(messages.routes)

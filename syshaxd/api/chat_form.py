@@ -20,7 +20,7 @@ from syshaxd.api.fanout import Fanout
 from syshaxd.api.generation import read_body, run
 from syshaxd.api.keys import MODEL_NAME, STATE
 from syshaxd.api.validate import ParsedRequest, parse_chat, type_error
-from syshaxd.engine.types import Accepted
+from syshaxd.sdk.types import Accepted
 from syshaxd.metrics import RequestTimer
 
 Translate = Callable[[dict], tuple[dict, "Renames"]]

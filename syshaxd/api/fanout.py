@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from syshaxd.engine.types import Delta, Event, Rejected, RequestStream
+from syshaxd.sdk.types import Delta, Event, Rejected, RequestStream
 
 
 class Fanout:

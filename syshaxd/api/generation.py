@@ -26,9 +26,10 @@ from syshaxd.api.long_strings import check_strings
 from syshaxd.api.state import Draining
 from syshaxd.api.tools import ToolCall, ToolStream
 from syshaxd.api.validate import ParsedRequest, parse_json_body
+from syshaxd.engine.capabilities import Unsupported
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
 from syshaxd.engine.supervisor import EngineUnavailable
-from syshaxd.engine.types import Accepted, Delta, GenerateRequest, Rejected, RequestStream
+from syshaxd.sdk.types import Accepted, Delta, GenerateRequest, Refusal, Rejected, RequestStream
 from syshaxd.metrics import RequestTimer
 
 log = logging.getLogger(__name__)
@@ -71,11 +72,15 @@ def route_of(stream: RequestStream) -> dict:
     return route
 
 
+REFUSAL_STATUS = {Refusal.INVALID: 400, Refusal.UNAVAILABLE: 503, Refusal.FAILED: 500}
+
+
 def rejected(event: Rejected) -> APIError:
-    kind = "invalid_request_error" if event.status < 500 else "server_error"
+    kind = "invalid_request_error" if event.kind == Refusal.INVALID else "server_error"
     # the worker is being replaced; one given up on (engine_failed) will not be back by retrying
-    headers = {"Retry-After": "1"} if event.status == 503 and event.code != "engine_failed" else None
-    return APIError(event.status, event.message, type=kind, param=event.param, code=event.code, headers=headers)
+    retry = event.kind == Refusal.UNAVAILABLE and event.code != "engine_failed"
+    return APIError(REFUSAL_STATUS[event.kind], event.message, type=kind, param=event.param, code=event.code,
+                    headers={"Retry-After": "1"} if retry else None)
 
 
 def engine_failed(event: Delta) -> APIError:
@@ -92,14 +97,16 @@ def _scheduler_refusals() -> Iterator[None]:
                        headers={"Retry-After": str(exc.retry_after)}) from None
     except RouteUnavailable as exc:
         raise APIError(400, str(exc), param="syshax.mode", code="unsupported_route") from None
+    except Unsupported as exc:
+        raise APIError(400, str(exc), param=exc.param, code="unsupported_parameter") from None
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="engine_unavailable",
                        headers=None if exc.final else {"Retry-After": "5"}) from None
 
 
-def _submit(request: web.Request, generate: GenerateRequest) -> RequestStream:
+def _submit(request: web.Request, generate: GenerateRequest, route: str) -> RequestStream:
     with _scheduler_refusals():
-        return request.app[SCHEDULER].submit(generate)
+        return request.app[SCHEDULER].submit(generate, route)
 
 
 async def _accepted(request: web.Request, stream: RequestStream) -> Accepted:
@@ -118,8 +125,8 @@ async def prepared(request: web.Request, parsed: ParsedRequest) -> ParsedRequest
     400 when a prompt cannot run. Once is enough: a tokenized prompt is not tokenized again."""
     scheduler = request.app[SCHEDULER]
     with _scheduler_refusals():
-        for choice in parsed.generates[:1]:  # no tokenizing for a request that no engine can take now
-            scheduler.servable(choice.route or scheduler.mode)
+        for choice in parsed.generates[:1]:  # no tokenizing for a request that no engine can take
+            scheduler.admissible(choice, parsed.route)
     choices = await scheduler.prepare(parsed.generates, parsed.n)
     if isinstance(choices, Rejected):
         raise rejected(choices)
@@ -132,7 +139,7 @@ async def start(request: web.Request, parsed: ParsedRequest) -> tuple[Fanout, li
     parsed = await prepared(request, parsed)
     try:
         for generate in parsed.generates:
-            streams.append(_submit(request, generate))
+            streams.append(_submit(request, generate, parsed.route))
         accepted = [await _accepted(request, s) for s in streams]
     except BaseException:
         for s in streams:

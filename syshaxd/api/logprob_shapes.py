@@ -8,7 +8,7 @@ for both. Chat: {content: [{token, logprob, bytes, top_logprobs: [k entries]}], 
 from __future__ import annotations
 
 from syshaxd.engine.prompts import Pieces
-from syshaxd.engine.types import TokenLogprob
+from syshaxd.sdk.types import TokenLogprob
 
 
 def completion(entries: list[TokenLogprob | None], tokens: list[int], pieces: Pieces, offset: int) -> dict:

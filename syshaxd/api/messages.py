@@ -27,7 +27,7 @@ from syshaxd.api.fanout import Fanout
 from syshaxd.api.generation import Finish, admitted, read_body, route_of, stream_sse, turn, typed_sse
 from syshaxd.api.keys import MODEL_NAME, STATE, VOCAB
 from syshaxd.api.validate import ParsedRequest, parse_chat
-from syshaxd.engine.types import Accepted
+from syshaxd.sdk.types import Accepted
 from syshaxd.metrics import RequestTimer
 
 routes = web.RouteTableDef()

@@ -29,7 +29,7 @@ from syshaxd.api.fields import check_fields
 from syshaxd.api.fanout import Fanout
 from syshaxd.api.generation import Finish, admitted, route_of, stream_sse, turn, typed_sse
 from syshaxd.api.validate import ParsedRequest
-from syshaxd.engine.types import Accepted
+from syshaxd.sdk.types import Accepted
 from syshaxd.metrics import RequestTimer
 
 routes = web.RouteTableDef()

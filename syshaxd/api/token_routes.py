@@ -13,7 +13,7 @@ from aiohttp import web
 from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.keys import CONFIG, MODEL_NAME, VOCAB
 from syshaxd.api.validate import parse_json_body, parse_message, type_error
-from syshaxd.engine.types import GenerateRequest
+from syshaxd.sdk.types import GenerateRequest
 
 routes = web.RouteTableDef()
 

@@ -14,7 +14,7 @@ from syshaxd.api.constraints import Constraint, parse_constraint
 from syshaxd.api.fields import check_fields
 from syshaxd.api.tools import Tools, call_grammar, parse_tools
 from syshaxd.config import MODES
-from syshaxd.engine.types import GenerateRequest, SamplingParams
+from syshaxd.sdk.types import GenerateRequest, SamplingParams
 
 MAX_STOP = 4
 MAX_N = 16  # choices per prompt (n)
@@ -54,6 +54,7 @@ class ParsedRequest:
     logprobs: bool = False  # completions' `logprobs` or chat's `logprobs: true`
     max_tokens_zero: bool = False  # echo with max_tokens 0: the engines generate one token, which is dropped
     tools: Tools | None = None  # chat with tools: how the output is read back into tool calls
+    route: str = ""  # syshax.mode: a mode for this request alone ("auto" lets the decider choose); "": the daemon's
 
     @property
     def generate(self) -> GenerateRequest:
@@ -290,7 +291,6 @@ def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> 
         stop=stop,
         ignore_eos=ignore_eos,
         default_max_tokens=default_max_tokens,
-        route=_route(body),
         cache_prompt=_boolean(body, "cache_prompt", True),  # llama-server's opt-out of the prefix cache
         logprobs=k,
         prompt_logprobs=k if echo else None,
@@ -303,7 +303,7 @@ def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> 
         generates = [replace(g, request_id=f"{rid}-{i}") for i, g in enumerate(generates)]
     return ParsedRequest(tuple(generates), stream, include_usage, model, n=n, echo=echo,
                          prompts=tuple(text for text, _ in prompts), logprobs=k is not None,
-                         max_tokens_zero=max_tokens == 0)
+                         max_tokens_zero=max_tokens == 0, route=_route(body))
 
 
 def parse_message(i: int, m: Any) -> dict:
@@ -398,7 +398,6 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         stop=stop,
         ignore_eos=ignore_eos,
         default_max_tokens=default_max_tokens,
-        route=_route(body),
         cache_prompt=_boolean(body, "cache_prompt", True),  # llama-server's opt-out of the prefix cache
         logprobs=(top or 0) if logprobs else None,
         grammar=constraint.grammar if constraint else "",
@@ -408,4 +407,5 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
     generates = _choices(req, n)
     if n > 1:
         generates = [replace(g, request_id=f"{rid}-{i}") for i, g in enumerate(generates)]
-    return ParsedRequest(tuple(generates), stream, include_usage, model, n=n, logprobs=logprobs, tools=tools)
+    return ParsedRequest(tuple(generates), stream, include_usage, model, n=n, logprobs=logprobs, tools=tools,
+                         route=_route(body))

@@ -1,17 +1,58 @@
-"""What an engine without logprobs answers to a request that asks for them (the torch and vLLM prefill engines)."""
+"""The front door's capability check: one function, for every backend, refuses a request that asks an engine on
+its way for what that engine's backend does not declare (sdk.backend.Capabilities), before any engine sees it.
+
+A request's way is the engines it may visit on its route (the scheduler knows them): a prefill that hands the
+prompt on, then a decoder; or one engine that does it all. Engines no longer refuse what they lack themselves.
+"""
 
 from __future__ import annotations
 
-from syshaxd.engine.types import GenerateRequest, Rejected
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from syshaxd.sdk.backend import Capabilities
+from syshaxd.sdk.types import GenerateRequest
+
+# where logprobs are computed today, for a refusal to say how to get them
+_LOGPROBS_HINT = ("The llama.cpp engine does: cpu mode, hetero mode with prefill_engine = \"llamacpp\", and gpu "
+                  "mode's vLLM engine; send {\"syshax\": {\"mode\": \"cpu\"}} or use a daemon in one of those modes.")
 
 
-def refuse_logprobs(request: GenerateRequest, engine: str, mode: str) -> Rejected | None:
-    """A 400 naming the mode that lacks logprobs, or None when the request asks for none."""
-    if request.logprobs is None and request.prompt_logprobs is None:
-        return None
-    return Rejected(request.request_id, 400,
-                    f"'logprobs' are not available in {mode} mode here: the {engine} engine does not compute them "
-                    "(a handed-on prompt's logprobs do not travel with its KV record). The llama.cpp engine does: "
-                    "cpu mode, hetero mode with prefill_engine = \"llamacpp\", and gpu mode's vLLM engine; send "
-                    "{\"syshax\": {\"mode\": \"cpu\"}} or use a daemon in one of those modes.",
-                    "unsupported_parameter", "logprobs")
+@dataclass(frozen=True)
+class Stop:
+    """One engine a request may visit."""
+
+    backend: str
+    capabilities: Capabilities
+    hands_on: bool = False  # runs the prompt and hands its KV to a decoder: it samples only the first token
+
+
+class Unsupported(ValueError):
+    """The request asks an engine on its way for what it cannot do; `param` is the request field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check(request: GenerateRequest, mode: str, way: Sequence[Stop]) -> None:
+    """Raises Unsupported naming the first thing the request asks that an engine on `way` lacks."""
+    wants_logprobs = request.logprobs is not None or request.prompt_logprobs is not None
+    for stop in way:
+        caps = stop.capabilities
+        if wants_logprobs and stop.hands_on and not caps.handed_on_logprobs:
+            raise Unsupported(f"'logprobs' are not available in {mode} mode here: the {stop.backend} prefill engine "
+                              "does not compute them (a handed-on prompt's logprobs do not travel with its KV "
+                              f"record). {_LOGPROBS_HINT}", "logprobs")
+        lacks = [name for name, asked, has in (("logprobs", request.logprobs is not None, caps.logprobs),
+                                               ("prompt_logprobs", request.prompt_logprobs is not None,
+                                                caps.prompt_logprobs)) if asked and not has]
+        if lacks and not stop.hands_on:
+            raise Unsupported(f"'{lacks[0]}' are not available in {mode} mode here: the {stop.backend} engine does "
+                              f"not compute them. {_LOGPROBS_HINT}", "logprobs")
+        if request.grammar and not caps.grammars:
+            field = request.grammar_field
+            raise Unsupported(f"Structured output ('{field}': a schema, regex, choice or grammar, or a forced tool "
+                              f"call) is not supported by the {stop.backend} engine in {mode} mode: it samples "
+                              f"{'the first token' if stop.hands_on else 'tokens'} without a grammar. Use "
+                              "prefill_engine \"llamacpp\", or syshax.mode \"cpu\".", field)

@@ -9,17 +9,8 @@ from live worker state rather than scraped Prometheus text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
-
-class Verdict(StrEnum):
-    """Where an auto request goes: the GPU engine, its prompt there and its decode on a CPU worker, or
-    nowhere yet (both sides full); CPU while the GPU engine is not ready."""
-
-    GPU = "gpu"
-    HETERO = "hetero"
-    REFUSE = "refuse"
-    CPU = "cpu"
+from syshaxd.sdk.types import Route
 
 
 @dataclass(frozen=True)
@@ -43,9 +34,17 @@ class EngineState:
 
 @dataclass(frozen=True)
 class Decision:
-    route: Verdict
+    """Where an auto request goes: the GPU engine, its prompt there and its decode on a CPU worker (hetero), a CPU
+    worker alone (while the GPU engine is not ready); None: nowhere yet, both sides are full."""
+
+    route: Route | None
     reason: str
     token_limit: int = 0  # CPU decode budget before the request is reconsidered; 0: none
+
+    @property
+    def verdict(self) -> str:
+        """The decision in a word, as the status counts it: a route, or "refuse"."""
+        return self.route or "refuse"
 
 
 def token_limit(cpu_tokens_per_second: float, t: Thresholds) -> int:
@@ -62,10 +61,10 @@ def decide(gpu: EngineState, cpu: EngineState, t: Thresholds) -> Decision:
     elif gpu.kv_usage * 100 > t.gpu_cache_threshold:
         why = f"GPU KV cache {gpu.kv_usage * 100:.1f}% > {t.gpu_cache_threshold:g}%"
     else:
-        return Decision(Verdict.GPU, "GPU has room")
+        return Decision(Route.GPU, "GPU has room")
     if cpu.running >= t.cpu_max_batch_size:
-        return Decision(Verdict.REFUSE, f"{why}; CPU batch full ({cpu.running}/{t.cpu_max_batch_size})")
+        return Decision(None, f"{why}; CPU batch full ({cpu.running}/{t.cpu_max_batch_size})")
     if cpu.running >= 1 and cpu.tokens_per_second < t.cpu_throughput_threshold:
-        return Decision(Verdict.REFUSE, f"{why}; CPU busy and slow ({cpu.tokens_per_second:.0f} tok/s < "
+        return Decision(None, f"{why}; CPU busy and slow ({cpu.tokens_per_second:.0f} tok/s < "
                                   f"{t.cpu_throughput_threshold:g})")
-    return Decision(Verdict.HETERO, f"{why}; offloading decode to the CPU", token_limit(cpu.tokens_per_second, t))
+    return Decision(Route.HETERO, f"{why}; offloading decode to the CPU", token_limit(cpu.tokens_per_second, t))

@@ -21,7 +21,7 @@ the supervisor's crash-loop judgement takes over from there). After tokens went 
 up to MAX_RESUMES times, on a ready worker of the pool it decodes on (waiting, bounded by
 request_timeout, for one to be restarted; a decode moved back to the GPU engine goes on on the
 CPU, where it was, while that engine restarts): the worker gets the prompt followed by the tokens
-generated so far (GenerateRequest.resume_tokens), recomputes their KV, and generates the rest.
+generated so far (Handling.resume_tokens), recomputes their KV, and generates the rest.
 The client's stream goes on where it was; a greedy request's text is the text of an undisturbed
 run (the engine primes its text stream, grammar and penalties with the resumed tokens), but for a
 near-tie flipped by the resumed tokens' KV being recomputed in one prompt pass. A seeded
@@ -43,11 +43,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from syshaxd.engine.decider import Decision, Verdict
+from syshaxd.engine.decider import Decision
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle, WorkerStream
-from syshaxd.engine.types import (Accepted, Delta, Event, Fallback, GenerateRequest, Imported, Pool, Prefilled,
-                                  Rejected, Route, WorkerLost)
+from syshaxd.sdk.types import (Accepted, Delta, Event, Fallback, GenerateRequest, Handling, Imported, Pool,
+                                  Prefilled, Refusal, Rejected, Route, WorkerLost)
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class Engines:
 
     pick: Callable[[Pool], WorkerHandle]  # the least loaded ready worker, or EngineUnavailable
     wait_ready: Callable[[Pool], Awaitable[bool]]  # False: none came back within request_timeout
-    with_prefix: Callable[[GenerateRequest, WorkerHandle], GenerateRequest] = lambda request, worker: request
+    # the handling with the request's prefix plan when the worker reads the prefix cache
+    with_prefix: Callable[[GenerateRequest, Handling, WorkerHandle], Handling] = lambda request, how, worker: how
     decide: Callable[[], Decision] | None = None  # auto mode's decider, for an offloaded decode's token limit
     counts: JourneyCounts = field(default_factory=JourneyCounts)
 
@@ -103,8 +104,8 @@ class Journey:
         self.finished = False
         self.tokens_sent = 0
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._request = request
-        self._asked_route = request.route  # the client's syshax.mode, kept when a continuation goes back to the CPU
+        self._request = request  # what the client asked for (a continuation asks for the rest)
+        self._handling = Handling()  # how the worker running it now was told to run it
         self._engines = engines
         self._ledger = ledger
         self._pool = Pool.GPU if route == Route.GPU else Pool.CPU  # where it decodes
@@ -117,10 +118,10 @@ class Journey:
         if prefill is not None:
             self.stage = Stage.PREFILL
             # a GPU engine in auto mode also generates: handoff asks it for the prompt alone and its KV record
-            self._inner: WorkerStream = self._submit(prefill, replace(request, handoff=True))
+            self._inner: WorkerStream = self._submit(prefill, Handling(handoff=True))
         else:
             self.stage = Stage.DECODE
-            self._inner = self._submit(engines.pick(self._pool), request)
+            self._inner = self._submit(engines.pick(self._pool), Handling())
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # --- the RequestStream the API reads ---------------------------------------------------------------
@@ -145,13 +146,13 @@ class Journey:
 
     # --- the journey ---------------------------------------------------------------------------------
 
-    def _submit(self, worker: WorkerHandle, request: GenerateRequest) -> WorkerStream:
-        """Send request to worker with its prefix plan (held for it until the worker reports, or released here
+    def _submit(self, worker: WorkerHandle, handling: Handling) -> WorkerStream:
+        """Send the request to worker with its prefix plan (held for it until the worker reports, or released here
         when the worker cannot take it)."""
         try:
-            return worker.submit(self._engines.with_prefix(request, worker))
+            return worker.submit(self._request, self._engines.with_prefix(self._request, handling, worker))
         except EngineUnavailable:
-            self._ledger.prefix_release(request.request_id)
+            self._ledger.prefix_release(self.request_id)
             raise
 
     def _emit(self, event: Event) -> None:
@@ -176,7 +177,7 @@ class Journey:
         """prefill -> handoff -> decode: the prompt on the prefill worker, its record lent to a decoder."""
         event = await self._inner.next_event()
         if isinstance(event, WorkerLost):  # before it accepted: the decoder's Accepted goes to the client
-            return await self._to_decoder(replace(self._request, kv_missing=Fallback.PREFILL_DIED))
+            return await self._to_decoder(Handling(kv_missing=Fallback.PREFILL_DIED))
         if not isinstance(event, Accepted):
             return self._emit(event)  # refused (a 400 for the request itself, or unavailable)
         self._accepted = event
@@ -185,25 +186,25 @@ class Journey:
         if isinstance(event, Prefilled):
             missing = event.reason or Fallback.EXPORT_FAILED if event.handle is None else ""
             self.stage = Stage.HANDOFF
-            return await self._to_decoder(replace(self._request, kv=event.handle, kv_missing=missing))
-        if isinstance(event, Rejected) and event.status < 500:
+            return await self._to_decoder(Handling(kv=event.handle, kv_missing=missing))
+        if isinstance(event, Rejected) and event.kind == Refusal.INVALID:
             return self._emit(event)  # the prompt itself was refused (its grammar has no first token, ...)
         # the prefill worker died, or answered something other than a record
         reason = Fallback.PREFILL_DIED if isinstance(event, WorkerLost) else Fallback.PREFILL_FAILED
-        await self._to_decoder(replace(self._request, kv_missing=reason))
+        await self._to_decoder(Handling(kv_missing=reason))
 
-    async def _to_decoder(self, request: GenerateRequest) -> None:
+    async def _to_decoder(self, handling: Handling) -> None:
         # the prefill worker's prefix plan was done with when it handed on: the decoder recomputes or imports
-        self._request = request = replace(request, prefix=None)
+        self._handling = handling
         try:
             worker = self._engines.pick(Pool.CPU)
-            self._inner = worker.submit(request)
+            self._inner = worker.submit(self._request, handling)
         except EngineUnavailable as exc:
             self._ledger.drop(self.request_id)
-            return self._emit(Rejected(self.request_id, 503, str(exc), "engine_unavailable"))
-        if request.kv is not None:
+            return self._emit(Rejected(self.request_id, Refusal.UNAVAILABLE, str(exc), "engine_unavailable"))
+        if handling.kv is not None:
             self._ledger.lend(self.request_id, worker.name)
-        self.stage = Stage.HANDOFF if request.kv is not None else Stage.DECODE
+        self.stage = Stage.HANDOFF if handling.kv is not None else Stage.DECODE
 
     async def _decode(self) -> None:
         """decode (and moved): forward the worker's output; a worker lost or a token limit is a transition."""
@@ -250,18 +251,18 @@ class Journey:
             counts.resent += 1
             # the record, if the dead decoder took it, went with it: the next one recomputes the prompt
             self._ledger.drop(self.request_id)
-            request = replace(self._request, kv=None, prefix=None,
-                              kv_missing=Fallback.DECODER_DIED if self._request.kv is not None else "")
+            request = self._request
+            handling = Handling(kv_missing=Fallback.DECODER_DIED if self._handling.kv is not None else "")
         elif self._generated and self._resumes < MAX_RESUMES and self._resumable(pool):
             self._resumes += 1
             counts.resumed += 1
-            request = self._continuation(pool)
+            request, handling = self._continuation()
         else:
             return self._end(event)
-        refused = await self._resubmit(pool, request)
+        refused = await self._resubmit(pool, request, handling)
         if refused is not None:
             return self._end(event, str(refused), final=refused.final)
-        self._request = request
+        self._request, self._handling = request, handling
         log.info("%s: its worker %s %s; %s on %s", self.request_id, event.why,
                  f"after {len(self._generated)} tokens" if self._generated else "before its first token",
                  "resumed" if self._generated else "sent again", self._inner.worker.name)
@@ -276,10 +277,11 @@ class Journey:
             during = f"the engine worker {event.why} mid-stream"
             self._emit(Delta(self.request_id, "", 0, "error", f"{during}, and {why}" if why else during))
         elif event.failed:
-            self._emit(Rejected(self.request_id, 503, why, "engine_failed"))
+            self._emit(Rejected(self.request_id, Refusal.UNAVAILABLE, why, "engine_failed"))
         else:
             before = f"the engine worker {event.why} before answering"
-            self._emit(Rejected(self.request_id, 503, f"{before}, and {why}" if why else f"{before}; retry the request",
+            self._emit(Rejected(self.request_id, Refusal.UNAVAILABLE,
+                                f"{before}, and {why}" if why else f"{before}; retry the request",
                                 "engine_failed" if final else "engine_restarting"))
         return False
 
@@ -287,26 +289,25 @@ class Journey:
         # vLLM's structured outputs cannot start a grammar mid-output
         return not (self._request.grammar and pool == Pool.GPU)
 
-    def _continuation(self, pool: Pool) -> GenerateRequest:
-        """The request that generates the rest: its prompt, then the tokens generated so far (their prompt
-        logprobs went out with the first token)."""
+    def _continuation(self) -> tuple[GenerateRequest, Handling]:
+        """The request that generates the rest, and its handling: its prompt, then the tokens generated so far
+        (their prompt logprobs went out with the first token)."""
         remaining = self._accepted.max_tokens - len(self._generated)
-        return replace(self._request, kv=None, kv_missing="", handoff=False, prefix=None, prompt_logprobs=None,
-                       route=Route.GPU if pool == Pool.GPU else self._asked_route,
-                       resume_tokens=tuple(self._generated), max_tokens=remaining)
+        return (replace(self._request, prompt_logprobs=None, max_tokens=remaining),
+                Handling(resume_tokens=tuple(self._generated)))
 
-    async def _resubmit(self, pool: Pool, request: GenerateRequest) -> EngineUnavailable | None:
+    async def _resubmit(self, pool: Pool, request: GenerateRequest, handling: Handling) -> EngineUnavailable | None:
         """Send request to a ready worker of pool, waiting (bounded) for one to come back; None when it went,
         else why not."""
         stage, self.stage = self.stage, Stage.QUEUED
         try:
             try:
-                self._inner = self._engines.pick(pool).submit(request)
+                self._inner = self._engines.pick(pool).submit(request, handling)
             except EngineUnavailable as exc:
                 # none ready: its own worker is restarting (perhaps with safer kernels); wait for it, bounded
                 if exc.final or not await self._engines.wait_ready(pool):
                     raise
-                self._inner = self._engines.pick(pool).submit(request)
+                self._inner = self._engines.pick(pool).submit(request, handling)
         except EngineUnavailable as exc:
             self.stage = stage
             return exc
@@ -319,12 +320,12 @@ class Journey:
         counts.reconsidered += 1
         decision = self._engines.decide()
         # a grammar-constrained decode stays: vLLM's structured outputs cannot start a grammar mid-output
-        if decision.route != Verdict.GPU or self._accepted is None or self._request.grammar:
+        if decision.route != Route.GPU or self._accepted is None or self._request.grammar:
             self._next_check = len(self._generated) + (decision.token_limit or self._token_limit)
             return
-        continuation = self._continuation(Pool.GPU)
+        continuation, handling = self._continuation()
         try:
-            stream = self._engines.pick(Pool.GPU).submit(continuation)
+            stream = self._engines.pick(Pool.GPU).submit(continuation, handling)
         except EngineUnavailable as exc:
             counts.move_failed += 1
             log.info("%s: staying on the CPU (%s)", self.request_id, exc)
@@ -332,7 +333,7 @@ class Journey:
             return
         self._inner.cancel()  # frees the CPU sequence; its in-flight tokens are dropped with it
         self._inner = stream
-        self._request = continuation
+        self._request, self._handling = continuation, handling
         self.stage, self.moved_to = Stage.MOVED, Route.GPU
         counts.moved_to_gpu += 1
         log.info("%s: decode moves back to the GPU after %d tokens on the CPU (%s)", self.request_id,

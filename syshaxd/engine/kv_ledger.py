@@ -29,7 +29,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from syshaxd.engine.prefix_cache import PrefixCache, PrefixStatus
-from syshaxd.engine.types import Cached, Fallback, Imported, KVHandle, PrefixPlan
+from syshaxd.sdk.types import Cached, Fallback, Imported, KVHandle, PrefixPlan
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class KVLedger:
     def _free(self, offset: int) -> None:
         if self.ring is None:
             return
-        from syshaxd.kv.ring import RingError
+        from syshaxd.sdk.kv.ring import RingError
 
         try:
             self.ring.release(offset)

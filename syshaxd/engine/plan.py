@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from syshaxd.config import Config
-from syshaxd.engine import faults
-from syshaxd.engine.types import EngineSpec, GpuSettings, Pool, Role
-from syshaxd.numa import (
+from syshaxd.sdk import faults
+from syshaxd.sdk.types import EngineSpec, GpuSettings, Pool, Role
+from syshaxd.sdk.numa import (
     ENV_CPU_AFFINITY,
     ENV_THREADS,
     PlacementError,
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def _fault(env: dict) -> str:
-    """SYSHAX_FAULT, the tests' fault injection (engine/faults.py), checked."""
+    """SYSHAX_FAULT, the tests' fault injection (sdk/faults.py), checked."""
     try:
         return faults.parse(env.get("SYSHAX_FAULT", ""))
     except faults.FaultError as exc:
@@ -70,8 +70,8 @@ class Engines:
 def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixStorePlan | None:
     """Slots for prefix_cache_mb of blocks of prefill_chunk_size tokens (f16 KV, as llama.cpp keeps it), each
     with room for one token's logits."""
-    from syshaxd.gguf.header import GGUFError, fingerprint_from_gguf, n_vocab_from_gguf
-    from syshaxd.kv.record import DType, record_size
+    from syshaxd.sdk.gguf.header import GGUFError, fingerprint_from_gguf, n_vocab_from_gguf
+    from syshaxd.sdk.kv.record import DType, record_size
 
     if cfg.prefix_cache_mb <= 0 or cfg.mode not in ("cpu", "hetero"):
         return None  # gpu and auto: the GPU engine (vLLM) keeps its own prefix cache
@@ -125,7 +125,7 @@ _ROLES_NEEDED = {"hetero": ({"prefill"}, "prefill"),
 
 def _backend(key: str, name: str, roles: set[str], doing: str, device: str | None = None) -> str:
     """The backend config `key` names, checked here so a wrong name fails at start, not in a worker."""
-    from syshaxd.plugins import BackendNotFound, find_backend, make_plugin_manager
+    from syshaxd.sdk.plugins import BackendNotFound, find_backend, make_plugin_manager
 
     try:
         backend = find_backend(make_plugin_manager(), name)

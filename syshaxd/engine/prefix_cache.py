@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from syshaxd.engine.types import Cached, PrefixPlan
+from syshaxd.sdk.types import Cached, PrefixPlan
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ import asyncio
 from dataclasses import replace
 from functools import lru_cache
 
-from syshaxd.engine.types import GenerateRequest, Rejected
-from syshaxd.gguf.vocab import Vocab, admit
+from syshaxd.sdk.types import GenerateRequest, Rejected
+from syshaxd.sdk.admission import admit
+from syshaxd.sdk.gguf.vocab import Vocab
 
 
 class DaemonVocab:

@@ -10,13 +10,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 
 from syshaxd.config import MODES, Config, Mode
-from syshaxd.engine.decider import Decision, EngineState, Thresholds, Verdict, decide
+from syshaxd.engine import capabilities
+from syshaxd.engine.decider import Decision, EngineState, Thresholds, decide
 from syshaxd.engine.journey import Engines, Journey, JourneyCounts
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
-from syshaxd.engine.types import Fallback, GenerateRequest, Pool, Rejected, RequestStream, Route
+from syshaxd.sdk.plugins import backend_capabilities
+from syshaxd.sdk.types import Fallback, GenerateRequest, Handling, Pool, Rejected, RequestStream, Route
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ class Scheduler:
                  prompts: PromptTokenizer | None = None) -> None:
         self.config = config
         self.workers = workers
+        # what each worker's backend declares it can do: the front door refuses by it (engine/capabilities.py)
+        self.capabilities = backend_capabilities({w.spec.backend for w in workers})
         # the daemon's one copy of the vocabulary (the engines' GGUF: every worker serves the same model), which
         # renders and tokenizes every prompt once, before any engine sees it
         self.prompts = prompts or PromptTokenizer(DaemonVocab(workers[0].spec.model_path if workers else ""),
@@ -172,15 +176,15 @@ class Scheduler:
                          for choice in choices[first:first + n]]
         return prepared
 
-    def _with_prefix(self, request: GenerateRequest, worker: WorkerHandle) -> GenerateRequest:
-        """The request with its prefix plan when `worker` reads the prefix cache; the plan's blocks are held
-        for the request until the worker reports on them or the request's stream there ends."""
-        if (request.prompt_tokens is None or not request.cache_prompt or request.resume_tokens
+    def _with_prefix(self, request: GenerateRequest, handling: Handling, worker: WorkerHandle) -> Handling:
+        """The handling with the request's prefix plan when `worker` reads the prefix cache; the plan's blocks are
+        held for the request until the worker reports on them or the request's stream there ends."""
+        if (request.prompt_tokens is None or not request.cache_prompt or handling.resume_tokens
                 or request.prompt_logprobs is not None  # every prompt position's logits: the prompt runs whole
                 or not worker.info.get("prefix_cache")):
-            return request
+            return handling
         plan = self.ledger.plan_prefix(request.request_id, request.prompt_tokens)
-        return replace(request, prefix=plan) if plan is not None else request
+        return replace(handling, prefix=plan) if plan is not None else handling
 
     def servable(self, mode: str) -> None:
         """Raises RouteUnavailable when this daemon cannot serve route `mode`, EngineUnavailable when no engine
@@ -195,9 +199,40 @@ class Scheduler:
             self.refused["unavailable"] += 1
             raise self._unready(needed, "no engine")
 
-    def submit(self, request: GenerateRequest) -> RequestStream:
-        """A stream of the request's events; raises Overloaded, EngineUnavailable or RouteUnavailable."""
-        mode = request.route or self.mode
+    def admissible(self, request: GenerateRequest, route: str = "") -> None:
+        """Raises as servable does for the route (a mode for this request alone; "": the daemon's), or
+        capabilities.Unsupported when the request asks an engine on its way for what that engine's backend lacks."""
+        mode = route or self.mode
+        self.servable(mode)
+        capabilities.check(request, mode, self._way(mode, request))
+
+    def _stop(self, pool: list[WorkerHandle], hands_on: bool = False) -> list[capabilities.Stop]:
+        return [capabilities.Stop(w.spec.backend, self.capabilities[w.spec.backend], hands_on) for w in pool[:1]]
+
+    def _way(self, mode: str, request: GenerateRequest) -> list[capabilities.Stop]:
+        """The engines a request may visit on route `mode`: the one that prefills and hands on, then a decoder;
+        or the one that does it all. Auto may take either way (or the CPU alone while the GPU engine is not
+        ready), so it checks every engine it may meet."""
+        if mode == Mode.CPU:
+            return self._stop(self.decoders)
+        if mode == Mode.GPU:
+            return self._stop(self.gpu)
+        if mode == Mode.HETERO:
+            return self._stop(self.prefill or self.gpu, hands_on=True) + self._stop(self.decoders)
+        if self._runs_on_cpu_for_logprobs(request):
+            return self._stop(self.decoders)
+        return self._stop(self.gpu, hands_on=True) + self._stop(self.decoders)
+
+    def _runs_on_cpu_for_logprobs(self, request: GenerateRequest) -> bool:
+        """An auto request that asks for logprobs the GPU engine cannot hand on with an offloaded decode."""
+        wants = request.logprobs is not None or request.prompt_logprobs is not None
+        return wants and not all(self.capabilities[w.spec.backend].handed_on_logprobs for w in self.gpu)
+
+    def submit(self, request: GenerateRequest, route: str = "") -> RequestStream:
+        """A stream of the request's events; raises Overloaded, EngineUnavailable or RouteUnavailable. `route`
+        is a mode for this request alone (the client's syshax.mode; "auto" lets the decider choose); "": the
+        daemon's mode."""
+        mode = route or self.mode
         self.servable(mode)
         if self.in_flight() >= self.capacity():
             self.refused["overloaded"] += 1
@@ -208,21 +243,21 @@ class Scheduler:
         decision = None
         if mode == Mode.AUTO and not any(w.state == "ready" for w in self.gpu):
             # the GPU engine is loading or being restarted: the CPU workers serve meanwhile
-            decision = Decision(Verdict.CPU, f"the GPU engine is not ready ({self._states(self.gpu)}); "
+            decision = Decision(Route.CPU, f"the GPU engine is not ready ({self._states(self.gpu)}); "
                                 "serving on the CPU")
-            self.decisions[decision.route] += 1
-        elif mode == Mode.AUTO and (request.logprobs is not None or request.prompt_logprobs is not None):
+            self.decisions[decision.verdict] += 1
+        elif mode == Mode.AUTO and self._runs_on_cpu_for_logprobs(request):
             # a decode offloaded from the GPU engine would lose them: such a request is not the decider's to place
-            decision = Decision(Verdict.CPU, "asks for logprobs: runs whole on a CPU worker, as an offloaded "
+            decision = Decision(Route.CPU, "asks for logprobs: runs whole on a CPU worker, as an offloaded "
                                 "decode would not carry them")
-            self.decisions[decision.route] += 1
+            self.decisions[decision.verdict] += 1
         elif mode == Mode.AUTO:
             decision = self.decide()
-            if decision.route == Verdict.REFUSE:
+            if decision.route is None:
                 # both sides are full: wait in the GPU engine's queue, which admission bounded above
                 self.queued_for_gpu += 1
-                decision = replace(decision, route=Verdict.GPU, reason=f"{decision.reason}; queued for the GPU engine")
-        route = Route(decision.route) if decision is not None else Route(mode)
+                decision = replace(decision, route=Route.GPU, reason=f"{decision.reason}; queued for the GPU engine")
+        route = decision.route if decision is not None else Route(mode)
         stream = self._dispatch(route, request, decision)
         self.routes[route] += 1
         return stream
@@ -268,9 +303,10 @@ class Scheduler:
         full -- remembered with its inputs for the status."""
         gpu, cpu, t = self.engine_state(Pool.GPU), self.engine_state(Pool.CPU), self.thresholds()
         decision = decide(gpu, cpu, t)
-        self.decisions[decision.route] += 1
-        self.last_decision = AutoDecision(time.time(), gpu, cpu, decision.route, decision.reason, decision.token_limit)
-        log.debug("auto: %s (%s)", decision.route, decision.reason)
+        self.decisions[decision.verdict] += 1
+        self.last_decision = AutoDecision(time.time(), gpu, cpu, decision.verdict, decision.reason,
+                                          decision.token_limit)
+        log.debug("auto: %s (%s)", decision.verdict, decision.reason)
         return decision
 
     @staticmethod

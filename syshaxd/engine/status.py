@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from syshaxd.engine.decider import EngineState
 from syshaxd.engine.kv_ledger import KVStatus
 from syshaxd.engine.prefix_cache import PrefixStatus
-from syshaxd.engine.types import EngineStats
+from syshaxd.sdk.types import EngineStats
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 
 import psutil
 
-from syshaxd.engine.channel import ChannelClosed, ChannelFull, WorkerChannel
+from syshaxd.sdk.channel import ChannelClosed, ChannelFull, WorkerChannel
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.status import WorkerStatus
-from syshaxd.engine.types import (
+from syshaxd.sdk.types import (
     Accepted,
     Cached,
     Cancel,
@@ -23,6 +23,7 @@ from syshaxd.engine.types import (
     EngineSpec,
     EngineStats,
     GenerateRequest,
+    Handling,
     Imported,
     Prefilled,
     Rejected,
@@ -35,7 +36,7 @@ from syshaxd.engine.types import (
     WorkerStats,
     WorkerWarming,
 )
-from syshaxd.engine.worker import worker_main
+from syshaxd.sdk.worker import worker_main
 
 log = logging.getLogger(__name__)
 
@@ -373,16 +374,16 @@ class WorkerHandle:
 
     # --- requests -------------------------------------------------------------------------
 
-    def submit(self, request: GenerateRequest) -> WorkerStream:
+    def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> WorkerStream:
         if self.state != "ready" or self._channel is None:
             raise EngineUnavailable(f"{self.name} is {self.state}")
         try:
-            self._channel.send(Submit(request))  # whole, or not at all
+            self._channel.send(Submit(request, handling))  # whole, or not at all
         except ChannelFull as exc:
             raise EngineUnavailable(f"{self.name} is not taking requests this fast ({exc}); retry shortly") from None
         except ChannelClosed:
             raise EngineUnavailable(f"{self.name} cannot be reached (being replaced); retry shortly") from None
-        stream = WorkerStream(request.request_id, self, handoff=request.handoff)
+        stream = WorkerStream(request.request_id, self, handoff=handling.handoff)
         self.streams[request.request_id] = stream
         return stream
 

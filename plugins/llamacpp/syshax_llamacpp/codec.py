@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from syshaxd.kv.record import DType, KVRecord, ModelFingerprint, convert_into, layout_into, seal
+from syshaxd.sdk.kv.record import DType, KVRecord, ModelFingerprint, convert_into, layout_into, seal
 
 STATE_MAGIC = 0xAF143CD8
 _FLASH_ATTN_DISABLED = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED

@@ -13,17 +13,18 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from syshaxd.gguf.quantize import ensure_quantized
-from syshaxd.gguf.vocab import Vocab, admit
+from syshaxd.sdk.gguf.quantize import ensure_quantized
+from syshaxd.sdk.admission import admit
+from syshaxd.sdk.gguf.vocab import Vocab
 from syshax_llamacpp import kernels, logprobs, prefix
 from syshax_llamacpp.sampling import (GrammarDeadEnd, GrammarError, accept, grammar_parses, make_sampler,
                                      sample_logits)
 from syshax_llamacpp.streams import StreamRun
-from syshaxd.engine.output import SequenceOutput
-from syshaxd.engine.rate import TokenRate
-from syshaxd.engine.types import (Accepted, Cached, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest,
-                                  Imported, Prefilled, Rejected, TokenLogprob)
-from syshaxd.gguf.header import fingerprint_from_gguf
+from syshaxd.sdk.output import SequenceOutput
+from syshaxd.sdk.rate import TokenRate
+from syshaxd.sdk.types import (Accepted, Cached, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest,
+                                  Handling, Imported, Prefilled, Refusal, Rejected, TokenLogprob)
+from syshaxd.sdk.gguf.header import fingerprint_from_gguf
 from syshax_llamacpp.codec import StateBuffer, StateImportError, export_seq, widen_streams
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class _Sequence:
     sampler: object = None
     out: SequenceOutput | None = None
     started: float = 0.0
-    cached: bool = False  # the prompt may start from blocks of the prefix cache (request.prefix)
+    handling: Handling = field(default_factory=Handling)  # how the daemon has it run here (KV, handoff, resume)
+    cached: bool = False  # the prompt may start from blocks of the prefix cache (handling.prefix)
     found: prefix.Found | None = None  # the cached records checked when it was submitted
     hit_tokens: int = 0  # prompt tokens it took from the prefix cache
     # request.prompt_logprobs: the prompt's logprobs as its chunks run (None for its first token), sent once
@@ -157,7 +159,7 @@ class LlamaCppEngine:
             self.port = KVPort(spec.ring, str(path), n_stream=self.max_seqs, timeout=spec.handoff_timeout)
         self.store = None  # the daemon's prefix cache: blocks of prompt KV, shared by its workers
         if spec.prefix_store:
-            from syshaxd.kv.block_store import BlockStore
+            from syshaxd.sdk.kv.block_store import BlockStore
 
             self.store = BlockStore.attach(spec.prefix_store)
             self.fingerprint = fingerprint_from_gguf(path)
@@ -234,22 +236,26 @@ class LlamaCppEngine:
                 for stream in range(self.max_seqs):
                     llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
 
-    def submit(self, request: GenerateRequest) -> list:
+    def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> list:
         rid = request.request_id
-        if request.handoff and self.port is None:
-            return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
+        if handling.handoff and self.port is None:
+            return [Rejected(rid, Refusal.FAILED, "this engine has no KV ring to hand the prompt on through",
+                             "engine_error")]
         if request.grammar and not grammar_parses(self.vocab.vocab, request.grammar):
-            return [Rejected(rid, 400, f"llama.cpp could not parse the grammar built from '{request.grammar_field}'; "
-                             "check a grammar's syntax, or simplify a schema (a 'pattern', most likely).",
+            return [Rejected(rid, Refusal.INVALID, "llama.cpp could not parse the grammar built from "
+                             f"'{request.grammar_field}'; check a grammar's syntax, or simplify a schema (a "
+                             "'pattern', most likely).",
                              "unsupported_schema", request.grammar_field)]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]
         prompt, max_tokens = admitted
-        prompt += request.resume_tokens  # a decode moved here continues after what it generated
-        seq = _Sequence(request=request, prompt=prompt, max_tokens=max_tokens, started=time.monotonic())
-        plan = request.prefix
-        if plan is not None and self.store is not None and plan.block_tokens == self.chunk and not request.resume_tokens:
+        prompt += handling.resume_tokens  # a decode moved here continues after what it generated
+        seq = _Sequence(request=request, prompt=prompt, max_tokens=max_tokens, started=time.monotonic(),
+                        handling=handling)
+        plan = handling.prefix
+        if (plan is not None and self.store is not None and plan.block_tokens == self.chunk
+                and not handling.resume_tokens):
             # the records written by now are checked now, so the answer's usage can say what is reused; the plan's
             # records are held for this request until it reports, and those written meanwhile are checked when
             # its prompt runs
@@ -268,7 +274,7 @@ class LlamaCppEngine:
         seq = self.queued.pop(request_id, None)
         if seq is not None:
             self.waiting.remove(seq)
-            if seq.request.kv is not None:  # the daemon's ledger frees the record once it hears it was not read
+            if seq.handling.kv is not None:  # the daemon's ledger frees the record once it hears it was not read
                 return [Imported(request_id, False, reason=Fallback.CANCELLED)]
             return []
         seq = self.active.get(request_id)
@@ -338,7 +344,7 @@ class LlamaCppEngine:
                                                        seq.request.prompt_logprobs)
             if seq.pending:
                 return []
-            if seq.request.prefix is not None and seq.request.prefix.final_store >= 0:  # kept with the prompt
+            if seq.handling.prefix is not None and seq.handling.prefix.final_store >= 0:  # kept with the prompt
                 logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.prefill_ctx, b.n_tokens - 1),
                                                (self.n_vocab,)).copy()
             try:
@@ -346,7 +352,7 @@ class LlamaCppEngine:
             except GrammarDeadEnd:
                 llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
                 return self._dead_end(seq)
-        if not self.decodes or seq.request.handoff:
+        if not self.decodes or seq.handling.handoff:
             cached = self._keep_blocks(seq, None, logits)
             return [*cached, self._hand_on(seq, token, lp)]
         size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
@@ -365,7 +371,7 @@ class LlamaCppEngine:
         """Start seq's prompt from its cached blocks: their KV into the prompt context, the rest still to run.
         Returns the last token's logits when the whole prompt was cached."""
         seq.cached = False
-        found = seq.found = prefix.find(self.store, self.fingerprint, seq.request.prefix, seq.prompt, self.n_vocab,
+        found = seq.found = prefix.find(self.store, self.fingerprint, seq.handling.prefix, seq.prompt, self.n_vocab,
                                         seq.found)
         seq.hit_tokens = 0
         blocks = found.records
@@ -388,11 +394,11 @@ class LlamaCppEngine:
     def _keep_blocks(self, seq: _Sequence, state_bytes, logits) -> list:
         """Write the prompt's new blocks (and the whole prompt with its last logits) into the prefix cache as
         planned, and tell the daemon (Cached)."""
-        plan = seq.request.prefix
+        plan = seq.handling.prefix
         if plan is None or self.store is None:
             return []
         stored = []
-        if (plan.stores or plan.final_store >= 0) and not seq.request.resume_tokens:
+        if (plan.stores or plan.final_store >= 0) and not seq.handling.resume_tokens:
             if state_bytes is None:
                 state_bytes = export_seq(self.prefill_ctx, 0, self._state)
             stored = prefix.store_blocks(self.store, self.fingerprint, plan, state_bytes, seq.prompt,
@@ -434,7 +440,7 @@ class LlamaCppEngine:
     def _needs_slot(self, seq: _Sequence) -> bool:
         """A sequence that decodes here holds a batch slot; a prompt that is only handed on (prefill role, or
         auto mode offloading its decode) runs in the prompt context alone and holds none."""
-        return self.decodes and not seq.request.handoff
+        return self.decodes and not seq.handling.handoff
 
     def _admit(self) -> list:
         # FIFO: the head of the queue is never overtaken, so a long request is not starved
@@ -451,15 +457,16 @@ class LlamaCppEngine:
         """Make seq active: a sampler, its text stream, and its prompt to evaluate or its KV to import."""
         try:  # a decode moved here continues its grammar (and penalties) after what it generated
             seq.sampler = make_sampler(seq.request.sampling, self.n_vocab, seq.request.grammar, self.vocab.vocab,
-                                       seq.request.resume_tokens)
+                                       seq.handling.resume_tokens)
         except GrammarError as exc:
             return self._fail(-1, [seq], str(exc))
-        seq.out = SequenceOutput.for_request(seq.request, seq.max_tokens, self.vocab.is_eog, self.vocab.piece_bytes)
+        seq.out = SequenceOutput.for_request(seq.request, seq.max_tokens, self.vocab.is_eog, self.vocab.piece_bytes,
+                                             seq.handling.resume_tokens)
         if seq.request.prompt_logprobs is not None:
             seq.prompt_lp = [None]
         self.active[seq.request.request_id] = seq
         self.counters["prompt_tokens"] += len(seq.prompt)
-        if seq.request.kv is not None or seq.request.kv_missing:
+        if seq.handling.kv is not None or seq.handling.kv_missing:
             return self._take_kv(seq)
         seq.pending = deque(seq.prompt)
         return []
@@ -468,8 +475,8 @@ class LlamaCppEngine:
         """Start seq from the KV another engine computed; if it cannot be used, recompute the prompt."""
         from syshax_llamacpp.handoff import ImportRefused
 
-        rid, handle = seq.request.request_id, seq.request.kv
-        reason = seq.request.kv_missing
+        rid, handle = seq.request.request_id, seq.handling.kv
+        reason = seq.handling.kv_missing
         started = time.monotonic()
         if handle is not None:
             seq.seq_id = self.streams.take()
@@ -501,7 +508,7 @@ class LlamaCppEngine:
 
     def _hand_on(self, seq: _Sequence, token: int, lp: TokenLogprob | None) -> Prefilled:
         """Prefill role: write the prompt's KV into the ring and let the sequence go."""
-        from syshaxd.kv.ring import RingError
+        from syshaxd.sdk.kv.ring import RingError
 
         rid = seq.request.request_id
         try:
@@ -602,8 +609,9 @@ class LlamaCppEngine:
         field = seq.request.grammar_field
         if done == 0:
             self._release(seq)
-            return [Rejected(seq.request.request_id, 400, f"The output constraint '{field}' allows no first token: "
-                             "no token of this model's vocabulary can start it. Check the grammar or pattern.",
+            return [Rejected(seq.request.request_id, Refusal.INVALID, f"The output constraint '{field}' allows no "
+                             "first token: no token of this model's vocabulary can start it. Check the grammar or "
+                             "pattern.",
                              "unsupported_schema", field)]
         return self._fail(-1, [seq], f"the output constraint ('{field}') allows no token after {done} tokens: it "
                                      "has no way on here; check the grammar or pattern")

@@ -14,10 +14,10 @@ from syshax_llamacpp.codec import (
     import_record,
     parse_seq_state,
 )
-from syshaxd.engine.types import Fallback, KVHandle
-from syshaxd.gguf.header import fingerprint_from_gguf
-from syshaxd.kv.record import FingerprintMismatch, RecordCorrupt, RecordError, decode, record_size
-from syshaxd.kv.ring import KVRing, RingError
+from syshaxd.sdk.types import Fallback, KVHandle
+from syshaxd.sdk.gguf.header import fingerprint_from_gguf
+from syshaxd.sdk.kv.record import FingerprintMismatch, RecordCorrupt, RecordError, decode, record_size
+from syshaxd.sdk.kv.ring import KVRing, RingError
 
 log = logging.getLogger(__name__)
 

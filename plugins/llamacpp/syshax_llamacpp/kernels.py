@@ -15,7 +15,7 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
-from syshaxd.config import REPACK_SETTINGS
+from syshaxd.sdk.types import REPACK_SETTINGS
 
 _AMX_ISSUE = "ggml-org/llama.cpp#20824"
 

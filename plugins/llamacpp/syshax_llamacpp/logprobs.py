@@ -11,7 +11,7 @@ from __future__ import annotations
 import llama_cpp
 import numpy as np
 
-from syshaxd.engine.types import TokenLogprob
+from syshaxd.sdk.types import TokenLogprob
 
 _BLOCK = 32  # prompt rows turned into logprobs at once
 

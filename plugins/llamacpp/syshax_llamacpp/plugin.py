@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from syshaxd.backend import Availability, Backend
-from syshaxd.hookspecs import hookimpl
+from syshaxd.sdk.backend import Availability, Backend, Capabilities
+from syshaxd.sdk.hookspecs import hookimpl
 
 
 def _check() -> Availability:
@@ -30,5 +30,8 @@ def syshax_backends():
             description="llama.cpp (llama-cpp-python 0.3.36) on CPU, q4_0, continuous batching",
             check=_check,
             factory=_create,
+            # logprobs travel with a handed-on prompt's record (KVHandle.first_logprob, prompt_logprobs)
+            capabilities=Capabilities(logprobs=True, prompt_logprobs=True, handed_on_logprobs=True, grammars=True,
+                                      prefix_cache=True, kv_export=True, kv_import=True),
         )
     ]

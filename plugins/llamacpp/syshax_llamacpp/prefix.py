@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from syshax_llamacpp.codec import SeqState, StateBuffer, encode_state_into, import_record, parse_seq_state
-from syshaxd.engine.types import PrefixPlan
-from syshaxd.kv.block_store import BlockStore
-from syshaxd.kv.record import DType, KVRecord, ModelFingerprint, RecordError, decode
+from syshaxd.sdk.types import PrefixPlan
+from syshaxd.sdk.kv.block_store import BlockStore
+from syshaxd.sdk.kv.record import DType, KVRecord, ModelFingerprint, RecordError, decode
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import math
 import llama_cpp
 import numpy as np
 
-from syshaxd.engine.types import SamplingParams
+from syshaxd.sdk.types import SamplingParams
 
 PENALTY_LAST_N = 64
 

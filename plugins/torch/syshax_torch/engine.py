@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from syshaxd.engine.types import (Accepted, EngineSpec, EngineStats, Fallback, GenerateRequest, KVHandle, Prefilled,
-                                  Rejected, SamplingParams)
-from syshaxd.gguf.quantize import resolve_gguf
-from syshaxd.engine.capabilities import refuse_logprobs
-from syshaxd.gguf.vocab import Vocab, admit
-from syshaxd.kv.hf_codec import check_model, encode_tensors_into, hf_config_shape, past_key_values_layers
-from syshaxd.kv.record import DType, record_size
+from syshaxd.sdk.types import (Accepted, EngineSpec, EngineStats, Fallback, GenerateRequest, Handling, KVHandle,
+                                  Prefilled, Rejected, SamplingParams)
+from syshaxd.sdk.gguf.quantize import resolve_gguf
+from syshaxd.sdk.admission import admit
+from syshaxd.sdk.gguf.vocab import Vocab
+from syshaxd.sdk.kv.hf_codec import check_model, encode_tensors_into, hf_config_shape, past_key_values_layers
+from syshaxd.sdk.kv.record import DType, record_size
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class TorchPrefillEngine:
     def __init__(self, spec: EngineSpec, device: str = "auto") -> None:
         from transformers import AutoModelForCausalLM
 
-        from syshaxd.hf_model import ensure_hf_folder, folder_fingerprint
+        from syshaxd.sdk.hf_model import ensure_hf_folder, folder_fingerprint
 
         if spec.role != "prefill":
             raise ValueError(f"the torch backend only prefills (role {spec.role!r} asked)")
@@ -87,7 +87,7 @@ class TorchPrefillEngine:
         check_model(self.fingerprint, **hf_config_shape(self.model.config))
         self.vocab = Vocab(self.gguf)
         self.n_ctx = min(spec.n_ctx, self.vocab.n_ctx_train)
-        from syshaxd.kv.ring import KVRing
+        from syshaxd.sdk.kv.ring import KVRing
 
         self.ring = KVRing.attach(spec.ring)
         self._pinned = _pin_for_device(self.ring, self.device)
@@ -105,16 +105,8 @@ class TorchPrefillEngine:
                 "n_vocab": self.vocab.n_vocab, "max_batch_size": 1, "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
 
-    def submit(self, request: GenerateRequest) -> list:
-        refused = refuse_logprobs(request, "torch", "hetero")
-        if refused is not None:
-            return [refused]
-        if request.grammar:  # its first token is sampled here, and this engine has no grammar sampler
-            return [Rejected(request.request_id, 400, f"Structured output ('{request.grammar_field}': a schema, "
-                             "regex, choice or grammar, or a forced tool call) is not supported with prefill_engine "
-                             "= \"torch\": it samples the first token without a grammar. Use prefill_engine "
-                             "\"llamacpp\", or syshax.mode \"cpu\".", "unsupported_parameter",
-                             request.grammar_field)]
+    def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> list:
+        # no logprobs and no grammar here (its plugin declares none): the daemon refused such a request already
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]
@@ -159,7 +151,7 @@ class TorchPrefillEngine:
         return out.logits[0, -1], out.past_key_values
 
     def _prefill(self, p: _Prompt) -> Prefilled:
-        from syshaxd.kv.ring import RingError
+        from syshaxd.sdk.kv.ring import RingError
 
         rid = p.request.request_id
         logits, past = self.forward(p.tokens)

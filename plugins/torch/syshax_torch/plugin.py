@@ -5,10 +5,12 @@ from __future__ import annotations
 import glob
 import importlib.util
 
-from syshaxd.backend import Availability, Backend, requires_modules
-from syshaxd.hookspecs import hookimpl
+from syshaxd.sdk.backend import Availability, Backend, Capabilities, requires_modules
+from syshaxd.sdk.hookspecs import hookimpl
 
 INSTALL_HINT = "pip install syshax-torch"
+# it runs a prompt and writes its KV; it samples the first token greedily or plainly, with no logprobs or grammar
+PREFILL_ONLY = Capabilities(kv_export=True)
 
 
 def check_torch() -> Availability:
@@ -48,6 +50,7 @@ def syshax_backends():
             description=f"transformers/torch prefill on {'cuda' if on_gpu else 'cpu'}, KV into the ring",
             check=check_torch,
             factory=_create("auto"),
+            capabilities=PREFILL_ONLY,
         ),
         Backend(
             name="npu",
@@ -56,5 +59,6 @@ def syshax_backends():
             description="transformers/torch prefill on an Ascend NPU (torch_npu), KV into the ring",
             check=check_npu,
             factory=_create("npu"),
+            capabilities=PREFILL_ONLY,
         ),
     ]

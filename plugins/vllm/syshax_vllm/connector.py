@@ -35,9 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from syshaxd.engine.types import Fallback
-from syshaxd.kv.hf_codec import LayoutError, fill_layer, gather_paged, paged_layout, slot_indices
-from syshaxd.kv.record import DType, ModelFingerprint, layout_into, record_size, seal
+from syshaxd.sdk.types import Fallback
+from syshaxd.sdk.kv.hf_codec import LayoutError, fill_layer, gather_paged, paged_layout, slot_indices
+from syshaxd.sdk.kv.record import DType, ModelFingerprint, layout_into, record_size, seal
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class SyshaxRingConnector(KVConnectorBase_V1):
         self._export: set[str] = set()  # scheduler: the requests whose prompt KV goes into the ring
         self.ring = None
         if role == KVConnectorRole.WORKER:
-            from syshaxd.kv.ring import KVRing
+            from syshaxd.sdk.kv.ring import KVRing
 
             self.fingerprint = ModelFingerprint.from_bytes(bytes.fromhex(extra["fingerprint"]))
             self.timeout = float(extra.get("handoff_timeout", 2.0))
@@ -194,7 +194,7 @@ class SyshaxRingConnector(KVConnectorBase_V1):
     # --- internals --------------------------------------------------------------------------
 
     def _open(self, store: StoreRequest) -> _Writer:
-        from syshaxd.kv.ring import RingFull
+        from syshaxd.sdk.kv.ring import RingFull
 
         n = len(store.token_ids)
         size = record_size(self.fingerprint, n, RECORD_DTYPE)

@@ -20,13 +20,13 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from syshaxd.gguf.quantize import resolve_gguf
-from syshaxd.engine.capabilities import refuse_logprobs
-from syshaxd.gguf.vocab import Vocab, admit
-from syshaxd.engine.output import SequenceOutput
-from syshaxd.engine.rate import TokenRate
-from syshaxd.engine.types import (Accepted, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest, KVHandle,
-                                  Prefilled, Rejected, TokenLogprob)
+from syshaxd.sdk.gguf.quantize import resolve_gguf
+from syshaxd.sdk.admission import admit
+from syshaxd.sdk.gguf.vocab import Vocab
+from syshaxd.sdk.output import SequenceOutput
+from syshaxd.sdk.rate import TokenRate
+from syshaxd.sdk.types import (Accepted, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest, Handling, KVHandle,
+                                  Prefilled, Refusal, Rejected, TokenLogprob)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class VllmEngine:
         _prepare_environment(spec)
         from syshax_vllm.build import cpu_build
 
-        from syshaxd.hf_model import ensure_hf_folder, folder_fingerprint
+        from syshaxd.sdk.hf_model import ensure_hf_folder, folder_fingerprint
 
         if spec.role not in ("generate", "prefill"):
             raise ValueError(f"the vllm backend generates or prefills; role {spec.role!r} asked")
@@ -148,30 +148,30 @@ class VllmEngine:
                 "n_vocab": self.vocab.n_vocab, "max_batch_size": self.max_seqs,
                 "device": "cpu" if self.on_cpu else "cuda", "chat_template": self.vocab.template.source}
 
-    def submit(self, request: GenerateRequest) -> list:
-        handoff = self.spec.role == "prefill" or request.handoff
-        if handoff:  # a handed-on prompt's logprobs do not travel with vLLM's KV record
-            refused = refuse_logprobs(request, "vLLM prefill", "hetero" if self.spec.role == "prefill" else "auto")
-            if refused is not None:
-                return [refused]
+    def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> list:
+        handoff = self.spec.role == "prefill" or handling.handoff
+        # a handed-on prompt's logprobs do not travel with vLLM's KV record: the plugin declares so, and the daemon
+        # refuses (hetero) or keeps such a request on the CPU (auto)
         if request.grammar:  # checked here: vLLM raises on a grammar it cannot compile, in add_request
             try:
                 import xgrammar
 
                 xgrammar.Grammar.from_ebnf(request.grammar)
             except Exception as exc:  # noqa: BLE001  (xgrammar raises RuntimeError and others)
-                return [Rejected(request.request_id, 400, f"vLLM's grammar engine (xgrammar) could not compile the "
-                                 f"grammar built from '{request.grammar_field}' ({exc}); check a grammar's syntax, "
-                                 "or simplify a schema.", "unsupported_schema", request.grammar_field)]
+                return [Rejected(request.request_id, Refusal.INVALID, "vLLM's grammar engine (xgrammar) could not "
+                                 f"compile the grammar built from '{request.grammar_field}' ({exc}); check a grammar's "
+                                 "syntax, or simplify a schema.", "unsupported_schema", request.grammar_field)]
         admitted = admit(self.vocab, request, self.n_ctx)
         if isinstance(admitted, Rejected):
             return [admitted]
         prompt, max_tokens = admitted
         rid = request.request_id
         if handoff and not self.spec.ring:
-            return [Rejected(rid, 500, "this engine has no KV ring to hand the prompt on through", "engine_error")]
-        prompt += request.resume_tokens  # a decode moved here continues after what it generated
-        out = SequenceOutput.for_request(request, max_tokens, self.vocab.is_eog, self.vocab.piece_bytes)
+            return [Rejected(rid, Refusal.FAILED, "this engine has no KV ring to hand the prompt on through",
+                             "engine_error")]
+        prompt += handling.resume_tokens  # a decode moved here continues after what it generated
+        out = SequenceOutput.for_request(request, max_tokens, self.vocab.is_eog, self.vocab.piece_bytes,
+                                         handling.resume_tokens)
         live = _Live(request, prompt, out, handoff=handoff)
         s = request.sampling
         params = self._SamplingParams(

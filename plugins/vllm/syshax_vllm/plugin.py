@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 
 from syshax_vllm.build import cpu_build
-from syshaxd.backend import Availability, Backend, requires_modules
-from syshaxd.hookspecs import hookimpl
+from syshaxd.sdk.backend import Availability, Backend, Capabilities, requires_modules
+from syshaxd.sdk.hookspecs import hookimpl
 
 
 def _check() -> Availability:
@@ -34,5 +34,8 @@ def syshax_backends():
                         "connector into the ring",
             check=_check,
             factory=_create,
+            # its own logprobs where it generates; a prompt handed on carries none (the connector moves KV only);
+            # it keeps its own prefix cache, not the daemon's
+            capabilities=Capabilities(logprobs=True, prompt_logprobs=True, grammars=True, kv_export=True),
         )
     ]

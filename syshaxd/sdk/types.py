@@ -6,6 +6,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+from syshaxd.sdk.kv.ring import RingFull
+
+
+# Five enums say "where" or "what", each of a different thing, and are kept apart: config.Mode is a daemon's (or a
+# request's) policy, auto included; Route is where one request ran (a Mode without auto; the decider's answer is a
+# Route, or None for "nowhere yet"); Pool is a group of the scheduler's workers; Role is what an engine does with a
+# request; backend.Device is the hardware a backend runs on.
+
 
 class Role(StrEnum):
     """What an engine does with a request (a backend declares the roles it takes)."""
@@ -51,9 +59,10 @@ class Fallback(StrEnum):
     @classmethod
     def of_export(cls, exc: Exception) -> "Fallback":
         """Why a producer's record was not written, from the ring's error."""
-        from syshaxd.kv.ring import RingFull
-
         return cls.RING_FULL if isinstance(exc, RingFull) else cls.EXPORT_FAILED
+
+
+REPACK_SETTINGS = ("auto", "on", "off")  # the llama.cpp engine's weight repacking (EngineSpec.repack)
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ class EngineSpec:
     max_batch_size: int = 8
     threads: int = 1
     prefill_chunk_size: int = 256
-    placement: object = None  # a syshaxd.numa.Placement, applied in the worker before the model loads
+    placement: object = None  # a syshaxd.sdk.numa.Placement, applied in the worker before the model loads
     ring: str = ""  # the KV ring's instance name (hetero mode); empty: no ring
     handoff_timeout: float = 2.0  # seconds a prefill may wait for ring space before it falls back
     quantize: str = ""
@@ -87,7 +96,7 @@ class EngineSpec:
     gpu: GpuSettings = GpuSettings()  # read by the GPU engines (vLLM) only
     prefix_store: str = ""  # the prefix cache's block store instance (kv/block_store.py); empty: no cache
     repack: str = "auto"  # the llama.cpp engine's weight repacking: auto, on or off (its kernels.py)
-    # Fault injection for tests (SYSHAX_FAULT in the daemon's environment; engine/faults.py): the worker
+    # Fault injection for tests (SYSHAX_FAULT in the daemon's environment; sdk/faults.py): the worker
     # kills itself with SIGSEGV at that point, as a CPU's bad kernels would. Empty in service.
     fault: str = ""
 
@@ -160,7 +169,8 @@ class PrefixPlan:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One sequence to generate. Exactly one of prompt, prompt_tokens, messages is set."""
+    """One sequence to generate, as the client asked for it. Exactly one of prompt, prompt_tokens, messages is set
+    (the daemon sends engines prompt_tokens). How an engine is to run it this time is a Handling, beside it."""
 
     request_id: str
     max_tokens: int | None  # None: up to the context limit, capped by default_max_tokens
@@ -171,18 +181,6 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     default_max_tokens: int = 1024
-    # hetero: the prompt's KV, computed elsewhere; or why there is none (the decoder recomputes)
-    kv: KVHandle | None = None
-    kv_missing: Fallback | str = ""
-    route: str = ""  # a Mode for this request alone ("auto" lets the decider choose); empty: the daemon's mode
-    # a generate engine with a ring runs only the prompt, writes its KV into the ring and answers
-    # Prefilled, as a prefill worker does (auto mode offloading this request's decode to the CPU)
-    handoff: bool = False
-    # tokens this request already generated on another engine: the prompt is followed by them
-    # and generation continues after them (auto mode moving a CPU decode back to the GPU)
-    resume_tokens: tuple[int, ...] = ()
-    # the prompt's blocks in the prefix cache (the daemon plans it from prompt_tokens); None: no cache
-    prefix: PrefixPlan | None = None
     cache_prompt: bool = True  # False: the request neither reads nor fills the prefix cache
     # logprobs: each generated token's logprob and this many top alternatives (None: none computed);
     # prompt_logprobs: the same for every prompt token (echo), which needs every prompt position's logits
@@ -194,6 +192,24 @@ class GenerateRequest:
     grammar_field: str = "response_format"  # the request field the grammar came from: refusals name it
     # chat: the tools the template renders into the prompt ({"type": "function", "function": {...}})
     tools: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class Handling:
+    """How one engine is to run a request this time: the daemon's routing state, which no client sets. A request's
+    journey (engine/journey.py) sends it a new Handling at each engine it visits."""
+
+    # hetero: the prompt's KV, computed elsewhere; or why there is none (the decoder recomputes)
+    kv: KVHandle | None = None
+    kv_missing: Fallback | str = ""
+    # a generate engine with a ring runs only the prompt, writes its KV into the ring and answers
+    # Prefilled, as a prefill worker does (auto mode offloading this request's decode to the CPU)
+    handoff: bool = False
+    # tokens this request already generated on another engine: the prompt is followed by them and generation
+    # continues after them (auto mode moving a CPU decode back to the GPU; a resume after a worker died)
+    resume_tokens: tuple[int, ...] = ()
+    # the prompt's blocks in the prefix cache (the daemon plans it from prompt_tokens); None: no cache
+    prefix: PrefixPlan | None = None
 
 
 # --- worker -> daemon events -------------------------------------------------------------
@@ -240,12 +256,20 @@ class Imported:
     nbytes: int = 0
 
 
+class Refusal(StrEnum):
+    """Why a request was not taken; the API gives each its HTTP status (engines speak no HTTP)."""
+
+    INVALID = "invalid"  # it cannot run as sent: the client's to change (400)
+    UNAVAILABLE = "unavailable"  # no engine can take it now (503)
+    FAILED = "failed"  # the engine could not, through no fault of the request (500)
+
+
 @dataclass(frozen=True)
 class Rejected:
-    """The request cannot run as sent; status/code/param become the OpenAI error body."""
+    """The request was not taken: why (kind), in words, and the code and request field the error body names."""
 
     request_id: str
-    status: int
+    kind: Refusal
     message: str
     code: str | None = None
     param: str | None = None
@@ -337,6 +361,7 @@ class WorkerFailed:
 @dataclass(frozen=True)
 class Submit:
     request: GenerateRequest
+    handling: Handling = Handling()
 
 
 @dataclass(frozen=True)
@@ -355,8 +380,8 @@ class Engine(Protocol):
     def info(self) -> dict:
         """Model id, context size, batch size, and whatever status should show."""
 
-    def submit(self, request: GenerateRequest) -> list:
-        """Queue a request; return [Accepted] or [Rejected]."""
+    def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> list:
+        """Queue a request, run as `handling` says; return [Accepted] or [Rejected]."""
 
     def cancel(self, request_id: str) -> list:
         """Drop a request and free its sequence; return its final Delta if it was live."""

@@ -6,7 +6,7 @@ is only exact when both hold the same weights, so the folder is made from that G
 The folder records the GGUF's KV fingerprint, so a prefill engine stamps its records with
 exactly what the decoder will expect, and a stale folder (the GGUF changed) is rebuilt.
 
-    python -m syshaxd.hf_model [GGUF] [--model-dir DIR]     prints the folder, making it if needed
+    python -m syshaxd.sdk.hf_model [GGUF] [--model-dir DIR]     prints the folder, making it if needed
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from syshaxd.kv.record import ModelFingerprint
+from syshaxd.sdk.kv.record import ModelFingerprint
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def read_marker(folder: Path) -> dict:
         return json.loads((folder / MARKER).read_text())
     except FileNotFoundError:
         raise HFModelError(f"{folder} is not an HF folder made by syshax (no {MARKER}); "
-                           "make it with `python -m syshaxd.hf_model GGUF`") from None
+                           "make it with `python -m syshaxd.sdk.hf_model GGUF`") from None
 
 
 def folder_fingerprint(folder: Path) -> ModelFingerprint:
@@ -60,7 +60,7 @@ def _is_current(folder: Path, fingerprint: ModelFingerprint) -> bool:
 
 def ensure_hf_folder(gguf: Path, cache_dir: Path | None = None) -> Path:
     """The HF folder for `gguf`, made the first time (about half a minute here) and reused after."""
-    from syshaxd.gguf.header import fingerprint_from_gguf
+    from syshaxd.sdk.gguf.header import fingerprint_from_gguf
 
     gguf = Path(gguf)
     if not gguf.is_file():
@@ -129,7 +129,7 @@ def _build(gguf: Path, out: Path, fingerprint: ModelFingerprint) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m syshaxd.hf_model", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m syshaxd.sdk.hf_model", description=__doc__.split("\n\n")[0])
     p.add_argument("gguf", nargs="?", help="the GGUF the decoder serves (default: the default model, as q4_0)")
     p.add_argument("--model-dir", default="models", help="where the default model is prepared (default: models)")
     args = p.parse_args(argv)
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.gguf:
             gguf = Path(args.gguf)
         else:  # the default model, quantized as the CPU decoders quantize it
-            from syshaxd.gguf.quantize import ensure_quantized
-            from syshaxd.model import prepare_default_model
+            from syshaxd.sdk.gguf.quantize import ensure_quantized
+            from syshaxd.sdk.model import prepare_default_model
 
             gguf = ensure_quantized(prepare_default_model(model_dir), "q4_0", model_dir)
         print(ensure_hf_folder(gguf))

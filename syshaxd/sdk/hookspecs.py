@@ -10,7 +10,7 @@ hookimpl = pluggy.HookimplMarker("syshax")
 
 @hookspec
 def syshax_backends():
-    """Return a list of `syshaxd.backend.Backend` objects this plugin provides.
+    """Return a list of `syshaxd.sdk.backend.Backend` objects this plugin provides.
 
     Called in the daemon (to list and choose backends) and again inside each worker
     process (to build the engine there), so it must be cheap and import nothing heavy:

@@ -9,8 +9,8 @@ import signal
 import time
 from multiprocessing.connection import Connection
 
-from syshaxd.engine import faults
-from syshaxd.engine.types import (
+from syshaxd.sdk import faults
+from syshaxd.sdk.types import (
     Cancel,
     EngineSpec,
     Shutdown,
@@ -52,12 +52,12 @@ def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -
     _setup_logging(name, log_level)
     applied = None
     if spec.placement is not None:
-        from syshaxd.numa import apply_placement
+        from syshaxd.sdk.numa import apply_placement
 
         # before the model loads, so its pages and threads land on this node
         applied = apply_placement(spec.placement)
     try:
-        from syshaxd.plugins import find_backend, make_plugin_manager
+        from syshaxd.sdk.plugins import find_backend, make_plugin_manager
 
         backend = find_backend(make_plugin_manager(), spec.backend)
         availability = backend.availability()
@@ -108,7 +108,7 @@ def _loop(conn: Connection, engine, fault: str = "", kernels: str = "plain") -> 
             while conn.poll():
                 msg = conn.recv()
                 if isinstance(msg, Submit):
-                    out += engine.submit(msg.request)
+                    out += engine.submit(msg.request, msg.handling)
                 elif isinstance(msg, Cancel):
                     out += engine.cancel(msg.request_id)
                 elif isinstance(msg, Shutdown):

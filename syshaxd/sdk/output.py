@@ -6,7 +6,7 @@ import codecs
 from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:
-    from syshaxd.engine.types import GenerateRequest
+    from syshaxd.sdk.types import GenerateRequest
 
 
 class TextStream:
@@ -93,9 +93,9 @@ class SequenceOutput:
 
     @classmethod
     def for_request(cls, request: "GenerateRequest", max_tokens: int, is_eog: Callable[[int], bool],
-                    piece_bytes: Callable[[int], bytes]) -> "SequenceOutput":
+                    piece_bytes: Callable[[int], bytes], resume_tokens: Iterable[int] = ()) -> "SequenceOutput":
         return cls(stop=request.stop, ignore_eos=request.ignore_eos, max_tokens=max_tokens, is_eog=is_eog,
-                   piece_bytes=piece_bytes, resume_tokens=request.resume_tokens)
+                   piece_bytes=piece_bytes, resume_tokens=resume_tokens)
 
     def token(self, token: int) -> tuple[str, str | None]:
         """(text to send now, finish reason or None) for the next sampled token."""

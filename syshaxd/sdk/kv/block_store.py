@@ -14,7 +14,7 @@ import os
 import struct
 from pathlib import Path
 
-from syshaxd.kv.ring import DEFAULT_DIRECTORY, sweep_segments
+from syshaxd.sdk.kv.ring import DEFAULT_DIRECTORY, sweep_segments
 
 MAGIC = b"SYSHAXPC"
 VERSION = 1

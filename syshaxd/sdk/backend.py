@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Callable
 
-from syshaxd.engine.types import Engine, EngineSpec, Role
+from syshaxd.sdk.types import Engine, EngineSpec, Role
 
 
 class Device(StrEnum):
@@ -27,6 +27,20 @@ class Availability:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a backend's engines can do beyond generating text. The daemon refuses a request that asks an engine
+    for something it lacks, before any engine sees it, with one error for every backend (engine/capabilities.py)."""
+
+    logprobs: bool = False  # the generated tokens' logprobs, where it generates
+    prompt_logprobs: bool = False  # every prompt token's logprobs (echo), where it generates
+    handed_on_logprobs: bool = False  # a prompt it runs for a decoder elsewhere: its logprobs travel with the KV
+    grammars: bool = False  # samples under a GBNF grammar (structured output), its first token too
+    prefix_cache: bool = False  # reads and fills the daemon's prefix cache
+    kv_export: bool = False  # writes a prompt's KV record into the ring (prefill, handoff)
+    kv_import: bool = False  # continues from a KV record read from the ring (decode)
+
+
+@dataclass(frozen=True)
 class Backend:
     """One engine kind. `create_engine` runs inside a worker process, never in the daemon."""
 
@@ -36,6 +50,7 @@ class Backend:
     description: str
     check: Callable[[], Availability]
     factory: Callable[[EngineSpec], Engine]
+    capabilities: Capabilities = Capabilities()
 
     def __post_init__(self) -> None:
         bad = set(self.roles) - set(ROLES)

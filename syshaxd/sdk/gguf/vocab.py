@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from syshaxd.engine.types import GenerateRequest, Rejected
-from syshaxd.gguf.chat import ChatTemplate
+from syshaxd.sdk.gguf.chat import ChatTemplate
+
+if TYPE_CHECKING:  # a prompt is read from a request; the request's type lives above this format module
+    from syshaxd.sdk.types import GenerateRequest
 
 _PIECE_BUF = 256
 
@@ -101,41 +104,3 @@ class Vocab:
         if self.model is not None and self._owned:
             self._llama.llama_model_free(self.model)
         self.model = None
-
-
-def admit(vocab: Vocab, request: GenerateRequest, n_ctx: int) -> tuple[list[int], int] | Rejected:
-    """(prompt tokens, max_tokens) for a request, or why it cannot run (a Rejected, as every engine answers).
-
-    A prompt that cannot fit is refused from its size before it is rendered or tokenized: tokenizing
-    a 4 MB prompt takes seconds of the engine's one thread, which its other requests would wait out.
-    """
-    rid = request.request_id
-    floor = vocab.fewest_tokens(request)
-    if floor >= n_ctx:
-        return Rejected(rid, 400, f"This model's maximum context length is {n_ctx} tokens. However, your prompt "
-                        f"has at least {floor} tokens (judged from its size: no token covers more than "
-                        f"{vocab.max_token_bytes} bytes). Please reduce the prompt.", "context_length_exceeded",
-                        "messages" if request.messages is not None else "prompt")
-    try:
-        prompt = vocab.prompt_tokens(request)
-    except ValueError as exc:
-        return Rejected(rid, 400, str(exc), code="invalid_prompt", param="messages" if request.messages else "prompt")
-    if not prompt:
-        return Rejected(rid, 400, "the prompt is empty after tokenization; send at least one token", "invalid_prompt",
-                        "prompt")
-    bad = [t for t in prompt if not 0 <= t < vocab.n_vocab]
-    if bad:
-        return Rejected(rid, 400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab.n_vocab - 1})",
-                        "invalid_prompt", "prompt")
-    room = n_ctx - len(prompt)
-    max_tokens = min(request.default_max_tokens, room) if request.max_tokens is None else request.max_tokens
-    if room < 1 or max_tokens > room:
-        asked = len(prompt) + (max_tokens if request.max_tokens is not None else 1)
-        return Rejected(
-            rid, 400,
-            f"This model's maximum context length is {n_ctx} tokens. However, you requested "
-            f"{asked} tokens ({len(prompt)} in the prompt, {asked - len(prompt)} in the completion). "
-            "Please reduce the prompt or max_tokens.",
-            "context_length_exceeded", "max_tokens" if request.max_tokens is not None and room >= 1 else "prompt",
-        )
-    return prompt, max_tokens

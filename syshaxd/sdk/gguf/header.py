@@ -9,7 +9,7 @@ from pathlib import Path
 
 import xxhash
 
-from syshaxd.kv.record import ModelFingerprint
+from syshaxd.sdk.kv.record import ModelFingerprint
 
 
 class GGUFError(ValueError):

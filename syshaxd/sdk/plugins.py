@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import pluggy
 
-from syshaxd import hookspecs
-from syshaxd.backend import Backend
+from syshaxd.sdk import hookspecs
+from syshaxd.sdk.backend import Backend, Capabilities
 
 log = logging.getLogger(__name__)
 
@@ -46,3 +46,12 @@ def list_plugins() -> list[dict]:
         rows.append({"name": b.name, "device": b.device, "roles": sorted(b.roles), "available": a.available,
                      "reason": a.reason, "description": b.description})
     return rows
+
+
+def backend_capabilities(names: set[str]) -> dict[str, Capabilities]:
+    """What each named backend declares it can do; nothing for a name no plugin provides (its workers cannot
+    start: engine/plan.py says so at start-up)."""
+    if not names:
+        return {}
+    found = {b.name: b.capabilities for b in all_backends(make_plugin_manager())}
+    return {name: found.get(name, Capabilities()) for name in names}

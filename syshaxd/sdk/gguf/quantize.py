@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from syshaxd.engine.types import EngineSpec
+    from syshaxd.sdk.types import EngineSpec
 
 log = logging.getLogger(__name__)
 

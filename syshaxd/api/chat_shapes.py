@@ -1,0 +1,57 @@
+"""Chat completions' shapes: a message per choice (tool calls read back from its text), delta chunks, and logprobs
+as `content` entries."""
+
+from __future__ import annotations
+
+from syshaxd.api import logprob_shapes
+from syshaxd.api.exchange import Choice, Exchange
+from syshaxd.api.tools import parse_output
+from syshaxd.sdk.types import Delta
+
+
+class ChatExchange(Exchange):
+    OBJECT = "chat.completion"
+    CHUNK_OBJECT = "chat.completion.chunk"
+    FINAL_TEXT = None  # the finishing chunk's delta is empty
+
+    def logprobs_of(self, ch: Choice, event: Delta, entries: list, shown_before: int) -> dict:
+        return logprob_shapes.chat(entries, self.pieces)
+
+    def merge_logprobs(self, into: dict, more: dict) -> None:
+        into["content"] += more["content"]
+
+    def choice_body(self, ch: Choice, text: str) -> dict:
+        message, finish = {"role": "assistant", "content": text}, ch.finish
+        if self.tools is not None:
+            content, calls = parse_output(text, self.tools)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.to_json() for c in calls]}
+                finish = "tool_calls"
+        return {"index": ch.index, "message": message, "logprobs": ch.logprobs, "finish_reason": finish}
+
+    def chunk(self, index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
+              role: bool = False) -> dict:
+        delta: dict = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return self.head(self.CHUNK_OBJECT) | {"choices": [choice]}
+
+    def opening_chunks(self) -> list[dict]:
+        """Each choice's role first, as OpenAI streams it."""
+        return [self.chunk(ch.index, "", None, role=True) for ch in self.choices]
+
+    def streamed_logprobs(self, lp: dict | None) -> dict | None:
+        return None if lp is not None and not lp["content"] else lp
+
+    def tool_call_chunks(self, index: int, calls: list) -> list[dict]:
+        """A choice's calls as OpenAI streams them: id, type and name first, then the arguments."""
+        chunks = []
+        for i, call in enumerate(calls):
+            for part in (call.to_json(i) | {"function": {"name": call.name, "arguments": ""}},
+                         {"index": i, "function": {"arguments": call.arguments}}):
+                choice = {"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
+                chunks.append(self.head(self.CHUNK_OBJECT) | {"choices": [choice]})
+        return chunks

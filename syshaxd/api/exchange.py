@@ -1,0 +1,127 @@
+"""One chat or completions request's answer as it is shown: what a Delta adds to a choice, the JSON body folded from
+those Deltas, and the stream's chunks. The parts both endpoints share are here; chat_shapes.py and
+completion_shapes.py give each its own bodies, chunks and logprobs."""
+
+from __future__ import annotations
+
+import time
+
+from syshaxd import __version__
+from syshaxd.api.validate import ParsedRequest
+from syshaxd.engine.prompts import Pieces
+from syshaxd.sdk.types import Accepted, Delta
+
+SYSTEM_FINGERPRINT = f"syshax-{__version__}"
+
+
+class Choice:
+    """What one choice has shown so far."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.parts: list[str] = []
+        self.n = 0  # tokens generated
+        self.finish: str | None = None
+        self.logprobs: dict | None = None
+        self.chars = 0  # characters shown: where the next token's text_offset begins
+        self.started = False
+
+
+class Exchange:
+    """The shapes of one endpoint's bodies and stream chunks, for every choice of the request."""
+
+    OBJECT = ""  # the JSON body's object
+    CHUNK_OBJECT = ""  # a stream chunk's object
+    FINAL_TEXT: str | None = None  # the text of the chunk that carries a choice's finish reason
+
+    def __init__(self, parsed: ParsedRequest, model: str, pieces: Pieces | None, echo_texts: list[str],
+                 prompt_ids: list[list[int]] | None) -> None:
+        self.parsed = parsed
+        self.id = parsed.generate.request_id
+        self.created = int(time.time())
+        self.model = model
+        self.pieces = pieces
+        self.echo_texts = echo_texts  # per prompt: what echo puts before the completion
+        self.prompt_ids = prompt_ids  # per prompt: its tokens, for echo's prompt logprobs
+        self.choices = [Choice(i) for i in range(len(parsed.generates))]
+        self.tools = parsed.tools  # chat with tools: the output is read back into tool calls
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT}
+
+    # --- what each endpoint shapes its own way ---------------------------------------------------------
+
+    def logprobs_of(self, ch: Choice, event: Delta, entries: list, shown_before: int) -> dict:
+        """The logprobs of a Delta's tokens, shown after `shown_before` characters of the choice."""
+        raise NotImplementedError
+
+    def merge_logprobs(self, into: dict, more: dict) -> None:
+        raise NotImplementedError
+
+    def choice_body(self, ch: Choice, text: str) -> dict:
+        raise NotImplementedError
+
+    def chunk(self, index: int, text: str | None, finish: str | None, logprobs: dict | None = None) -> dict:
+        raise NotImplementedError
+
+    def opening_chunks(self) -> list[dict]:
+        """What a stream sends before the first token."""
+        return []
+
+    def streamed_logprobs(self, lp: dict | None) -> dict | None:
+        """A Delta's logprobs as its chunk carries them (None: the chunk carries none)."""
+        return lp
+
+    # --- shared ----------------------------------------------------------------------------------------
+
+    def shown(self, ch: Choice, event: Delta) -> tuple[str, dict | None]:
+        """The text and logprobs one Delta of a choice adds to the answer (echo's prompt comes with the first)."""
+        parsed = self.parsed
+        text, entries = event.text, list(event.logprobs)
+        if parsed.max_tokens_zero:  # the one token the engine had to generate is not shown
+            text, entries = "", []
+        prefix = ""
+        if not ch.started and parsed.echo:
+            prefix = self.echo_texts[parsed.prompt_index(ch.index)]
+        lp = self.logprobs_of(ch, event, entries, ch.chars + len(prefix)) if parsed.logprobs else None
+        ch.started = True
+        text = prefix + text
+        ch.chars += len(text)
+        return text, lp
+
+    def add(self, ch: Choice, event: Delta) -> None:
+        """Fold a Delta into the whole body: the same Deltas, shown the same way, as a stream sends."""
+        text, lp = self.shown(ch, event)
+        ch.parts.append(text)
+        ch.n += event.n_tokens
+        if lp is not None:
+            if ch.logprobs is None:
+                ch.logprobs = lp
+            else:
+                self.merge_logprobs(ch.logprobs, lp)
+
+    def usage(self, accepted: list[Accepted]) -> dict:
+        """Each prompt counted once (its n choices share it), every choice's completion counted."""
+        firsts = accepted[:: self.parsed.n]
+        prompt = sum(a.prompt_tokens for a in firsts)
+        completion = 0 if self.parsed.max_tokens_zero else sum(ch.n for ch in self.choices)
+        return usage_of(prompt, completion, sum(a.cached_tokens for a in firsts))
+
+    def body(self, usage: dict, route: dict) -> dict:
+        choices = [self.choice_body(ch, "".join(ch.parts)) for ch in self.choices]
+        return self.head(self.OBJECT) | {"choices": choices, "usage": usage, "syshax": route}
+
+    def final_chunk(self, index: int, finish: str, route: dict) -> dict:
+        """The chunk with a choice's finish reason, and syshax's note of the route the request took."""
+        return self.chunk(index, self.FINAL_TEXT, finish) | {"syshax": route}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self.head(self.CHUNK_OBJECT) | {"choices": [], "usage": usage}
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            # prompt tokens whose KV came from the prefix cache
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
