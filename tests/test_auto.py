@@ -210,10 +210,16 @@ def settle(d, timeout: float = 30.0) -> dict:
         time.sleep(0.1)
 
 
-def test_a_request_asking_for_logprobs_runs_on_the_cpu(auto):
-    """Only the CPU (llama.cpp) engine computes logprobs: auto does not leave such a request to the decider."""
-    status, body = http_json(f"{auto.url}/v1/completions", {"model": MODEL_NAME, "prompt": "1, 2, 3,", "max_tokens": 3,
-                                                           "temperature": 0, "logprobs": 2})
+def test_a_request_asking_for_logprobs_is_the_deciders_when_the_gpu_engine_hands_them_on(auto):
+    """This daemon's "GPU" engine is llama.cpp, whose plugin declares that a prompt it hands on keeps its logprobs
+    (handed_on_logprobs): auto leaves such a request to the decider, and its logprobs are whole on any route. (With
+    vLLM, which does not declare it, auto keeps the request on the CPU: test_vllm.py's auto test.)"""
+    ask = {"model": MODEL_NAME, "prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}
+    status, body = http_json(f"{auto.url}/v1/completions", ask)
     assert status == 200, body
-    assert body["syshax"]["route"] == "cpu" and "logprobs" in body["syshax"]["reason"]
-    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == 3
+    assert body["syshax"]["route"] in ("gpu", "hetero") and "logprobs" not in body["syshax"]["reason"]
+    status, on_cpu = http_json(f"{auto.url}/v1/completions", ask | {"syshax": {"mode": "cpu"}})
+    assert status == 200, on_cpu
+    got, want = body["choices"][0]["logprobs"], on_cpu["choices"][0]["logprobs"]
+    assert got["tokens"] == want["tokens"] and len(got["token_logprobs"]) == len(want["token_logprobs"])
+    assert got["token_logprobs"][0] is None and all(lp is not None for lp in got["token_logprobs"][1:])

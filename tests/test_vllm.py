@@ -174,7 +174,7 @@ def test_hetero_daemon_with_vllm_prefill_hands_every_prompt_to_the_decoder(defau
 
 def test_auto_daemon_with_vllm_offloads_when_saturated_and_every_text_is_right(default_model, hf_folder, tmp_path):
     """End to end with the real GPU engine: vLLM (CPU build) as the GPU engine with max_num_seqs 2; 12 requests at once."""
-    from conftest import start_daemon
+    from conftest import MODEL_NAME, http_json, start_daemon
     from test_auto import AUTO, counting_prompt, reference, run_all, settle
 
     d = start_daemon(tmp_path, {"model": str(default_model), **AUTO, "prefill_engine": "vllm"})
@@ -194,6 +194,12 @@ def test_auto_daemon_with_vllm_offloads_when_saturated_and_every_text_is_right(d
         assert st["kv"]["records_read"] >= routes.count("hetero") and not st["kv"]["fallbacks"]
         assert st["auto"]["decisions"]["hetero"] >= routes.count("hetero")
         assert [w["backend"] for w in st["workers"]] == ["vllm", "llamacpp"]
+        # vLLM does not declare handed_on_logprobs: an offloaded decode would lose them, so auto keeps such a
+        # request on the CPU rather than leave it to the decider
+        status, lp = http_json(f"{d.url}/v1/completions", {"model": MODEL_NAME, "prompt": prompts[0], "max_tokens": 3,
+                                                           "temperature": 0, "logprobs": 2})
+        assert status == 200 and lp["syshax"]["route"] == "cpu" and "logprobs" in lp["syshax"]["reason"]
+        assert len(lp["choices"][0]["logprobs"]["token_logprobs"]) == 3
     finally:
         assert d.stop() == 0, d.log()
 
