@@ -74,12 +74,13 @@ model: install
 run: model
 	$(VENV)/bin/syshaxd --host $(HOST) --port $(PORT)
 
-# rpmbuild and systemd-analyze for the packaging tests (Debian packages rpm and systemd)
+# rpmbuild and systemd-analyze for the packaging tests, Chromium for the web page's browser tests (Debian
+# packages rpm, systemd and chromium)
 system-deps:
-	@if ! command -v rpmbuild >/dev/null || ! command -v systemd-analyze >/dev/null; then \
+	@if ! command -v rpmbuild >/dev/null || ! command -v systemd-analyze >/dev/null || [ ! -x /usr/bin/chromium ]; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rpm systemd >/dev/null; \
-	  else echo "note: rpmbuild or systemd-analyze missing; the packaging tests will say why they skip"; fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rpm systemd chromium >/dev/null; \
+	  else echo "note: rpmbuild, systemd-analyze or chromium missing; the tests that need them will say why they skip"; fi; \
 	fi
 
 test: install-test system-deps

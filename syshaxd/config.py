@@ -106,6 +106,7 @@ class Config:
     api_keys: tuple[str, ...] = ()  # when any key is set (here or in api_key_file), /v1/* needs one as a Bearer token
     api_key_file: str = ""  # one key per line (# comments); $VARS expand, e.g. "$CREDENTIALS_DIRECTORY/api-keys"
     metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
+    web_ui: bool = True  # GET / serves the status page and chat playground (api/web_routes.py)
     max_connections: int = 1024  # open HTTP connections; past it a new one gets 503 and is closed
     worker_heartbeat_timeout: float = 30.0  # seconds a ready worker may send nothing before it is killed; 0: off
 

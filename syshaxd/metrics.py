@@ -45,6 +45,7 @@ from syshaxd import __version__
 from syshaxd.engine.kv_ledger import KVStatus
 from syshaxd.engine.prefix_cache import PrefixStatus
 from syshaxd.engine.status import AutoStatus, SchedulerStatus
+from syshaxd.recent import Recent
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class Metrics:
                        self.request_generation_tokens, self.prompt_tokens, self.generation_tokens):
             family.labels(model_name)  # series at zero from the start, as dashboards expect
         r.register(_EngineCollector(model_name, status, service or (lambda: {})))
+        self.recent = Recent()  # the last minutes, for the web page (/v1/syshax/status "recent")
 
     def request(self) -> "RequestTimer":
         """Start timing one generation request (call at its arrival)."""
@@ -125,12 +127,14 @@ class RequestTimer:
         now = time.monotonic()
         if self._last is None:
             self._m.ttft.labels(self._label).observe(now - self.arrival)
+            self._m.recent.first_token(now - self.arrival)
             gaps, gap = n - 1, 0.0
         else:
             gaps, gap = n, (now - self._last) / n
         for _ in range(gaps):
             self._m.tpot.labels(self._label).observe(gap)
             self._m.itl.labels(self._label).observe(gap)
+        self._m.recent.tokens(n, gaps, gap)
         self._last = now
         self.generated += n
         self._m.generation_tokens.labels(self._label).inc(n)
@@ -144,6 +148,7 @@ class RequestTimer:
         self._m.request_prompt_tokens.labels(label).observe(self.prompt_tokens)
         self._m.request_generation_tokens.labels(label).observe(self.generated)
         self._m.request_success.labels(label, reason).inc()
+        self._m.recent.finished()
 
 
 class _EngineCollector:

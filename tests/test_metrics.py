@@ -65,6 +65,12 @@ def test_metrics_count_requests_tokens_and_latencies(daemon, client):
     assert delta("vllm:time_per_output_token_seconds_count", **M) == generated - 3
     assert delta("vllm:inter_token_latency_seconds_count", **M) == generated - 3
     assert delta("vllm:request_generation_tokens_sum", **M) == generated
+    # the web page's window (status "recent") saw the same tokens and finishes (and this module's earlier ones)
+    recent = daemon.status()["recent"]
+    assert len(recent["points"]) == 150 and recent["bucket_s"] == 2.0
+    assert sum(p["tokens_per_s"] for p in recent["points"]) * recent["bucket_s"] >= generated
+    assert sum(p["finished"] for p in recent["points"]) >= 3
+    assert any(p["ttft_ms"] for p in recent["points"]) and any(p["tpot_ms"] for p in recent["points"])
     for reason in set(finishes):
         assert delta("vllm:request_success_total", finished_reason=reason, **M) == finishes.count(reason)
 
@@ -131,3 +137,24 @@ def test_hetero_kv_series_follow_the_schedulers_status(default_model, tmp_path):
     assert 0 < get(samples, "syshax_kv_handoff_latency_seconds", quantile="0.5") < 10
     assert get(samples, "syshax_batch_slots", worker="prefill0", role="prefill") == 1
     assert get(samples, "syshax_requests_routed_total", route="hetero") == 2
+
+
+def test_the_recent_window_keeps_per_bucket_means_and_forgets_the_old():
+    from syshaxd.recent import Recent
+
+    now = [1000.0]
+    recent = Recent(bucket_s=2.0, window_s=10.0, clock=lambda: now[0])
+    recent.first_token(0.5)
+    recent.tokens(1)
+    recent.tokens(3, gaps=3, gap_s=0.02)
+    recent.finished()
+    now[0] = 1003.0  # the next bucket
+    recent.first_token(1.5)
+    recent.tokens(2, gaps=1, gap_s=0.04)
+    points = recent.to_json()["points"]
+    assert [p["t"] for p in points] == [994.0, 996.0, 998.0, 1000.0, 1002.0]
+    assert points[3] == {"t": 1000.0, "tokens_per_s": 2.0, "finished": 1, "ttft_ms": 500.0, "tpot_ms": 20.0}
+    assert points[4]["ttft_ms"] == 1500.0 and points[4]["tpot_ms"] == 40.0 and points[4]["tokens_per_s"] == 1.0
+    assert points[0] == {"t": 994.0, "tokens_per_s": 0.0, "finished": 0, "ttft_ms": None, "tpot_ms": None}
+    now[0] = 1030.0  # past the window: what it held is gone
+    assert all(p["tokens_per_s"] == 0 for p in recent.to_json()["points"])

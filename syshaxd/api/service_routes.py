@@ -48,7 +48,8 @@ async def status(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response(request.app[SCHEDULER].status().to_json() | {
         "draining": state.draining, "http_active": state.active,
-        "http_connections": request.app[CONNECTIONS].stats()})
+        "http_connections": request.app[CONNECTIONS].stats(),
+        "recent": request.app[METRICS].recent.to_json()})
 
 
 @routes.get("/metrics")
