@@ -124,9 +124,8 @@ async def prepared(request: web.Request, parsed: ParsedRequest) -> ParsedRequest
     """parsed with each prompt rendered and tokenized once, for every choice of it (the engines get token ids); a
     400 when a prompt cannot run. Once is enough: a tokenized prompt is not tokenized again."""
     scheduler = request.app[SCHEDULER]
-    with _scheduler_refusals():
-        for choice in parsed.generates[:1]:  # no tokenizing for a request that no engine can take
-            scheduler.admissible(choice, parsed.route)
+    with _scheduler_refusals():  # no tokenizing for a request that no engine can take (its choices ask alike)
+        scheduler.admissible(parsed.generate, parsed.route)
     choices = await scheduler.prepare(parsed.generates, parsed.n)
     if isinstance(choices, Rejected):
         raise rejected(choices)

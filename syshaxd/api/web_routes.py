@@ -9,6 +9,7 @@ and styles, requests to this daemon only, no frames. `web_ui = false` in the con
 
 from __future__ import annotations
 
+from functools import cache
 from importlib.resources import files
 
 from aiohttp import web
@@ -22,9 +23,13 @@ FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "t
 routes = web.RouteTableDef()
 
 
+@cache
+def _file(name: str) -> bytes:
+    return files("syshaxd.api").joinpath("web", name).read_bytes()  # read once: the files ship with the package
+
+
 def _page(name: str) -> web.Response:
-    body = files("syshaxd.api").joinpath("web", name).read_bytes()
-    return web.Response(body=body, content_type=FILES[name], charset="utf-8", headers=HEADERS)
+    return web.Response(body=_file(name), content_type=FILES[name], charset="utf-8", headers=HEADERS)
 
 
 @routes.get("/favicon.ico")

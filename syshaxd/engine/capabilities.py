@@ -37,19 +37,19 @@ class Unsupported(ValueError):
 
 def check(request: GenerateRequest, mode: str, way: Sequence[Stop]) -> None:
     """Raises Unsupported naming the first thing the request asks that an engine on `way` lacks."""
-    wants_logprobs = request.logprobs is not None or request.prompt_logprobs is not None
     for stop in way:
         caps = stop.capabilities
-        if wants_logprobs and stop.hands_on and not caps.handed_on_logprobs:
-            raise Unsupported(f"'logprobs' are not available in {mode} mode here: the {stop.backend} prefill engine "
-                              "does not compute them (a handed-on prompt's logprobs do not travel with its KV "
-                              f"record). {_LOGPROBS_HINT}", "logprobs")
-        lacks = [name for name, asked, has in (("logprobs", request.logprobs is not None, caps.logprobs),
-                                               ("prompt_logprobs", request.prompt_logprobs is not None,
-                                                caps.prompt_logprobs)) if asked and not has]
-        if lacks and not stop.hands_on:
-            raise Unsupported(f"'{lacks[0]}' are not available in {mode} mode here: the {stop.backend} engine does "
-                              f"not compute them. {_LOGPROBS_HINT}", "logprobs")
+        if stop.hands_on:  # its logprobs reach the client only if they travel with the KV record
+            if (request.logprobs is not None or request.prompt_logprobs is not None) and not caps.handed_on_logprobs:
+                raise Unsupported(f"'logprobs' are not available in {mode} mode here: the {stop.backend} prefill "
+                                  "engine does not compute them (a handed-on prompt's logprobs do not travel with "
+                                  f"its KV record). {_LOGPROBS_HINT}", "logprobs")
+        else:
+            for name, asked, has in (("logprobs", request.logprobs, caps.logprobs),
+                                     ("prompt_logprobs", request.prompt_logprobs, caps.prompt_logprobs)):
+                if asked is not None and not has:
+                    raise Unsupported(f"'{name}' are not available in {mode} mode here: the {stop.backend} engine "
+                                      f"does not compute them. {_LOGPROBS_HINT}", "logprobs")
         if request.grammar and not caps.grammars:
             field = request.grammar_field
             raise Unsupported(f"Structured output ('{field}': a schema, regex, choice or grammar, or a forced tool "
