@@ -74,13 +74,17 @@ model: install
 run: model
 	$(VENV)/bin/syshaxd --host $(HOST) --port $(PORT)
 
-# rpmbuild and systemd-analyze for the packaging tests, Chromium for the web page's browser tests (Debian
-# packages rpm, systemd and chromium)
+# rpmbuild and systemd-analyze for the packaging tests, Chromium for the web page's browser tests, libibverbs1
+# for the Mooncake transfer engine and iproute2 for the two-host tests in network namespaces (Debian packages
+# rpm, systemd, chromium, libibverbs1 and iproute2)
 system-deps:
-	@if ! command -v rpmbuild >/dev/null || ! command -v systemd-analyze >/dev/null || [ ! -x /usr/bin/chromium ]; then \
+	@if ! command -v rpmbuild >/dev/null || ! command -v systemd-analyze >/dev/null || [ ! -x /usr/bin/chromium ] \
+	    || ! ldconfig -p | grep -q libibverbs.so.1 || ! command -v ip >/dev/null; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rpm systemd chromium >/dev/null; \
-	  else echo "note: rpmbuild, systemd-analyze or chromium missing; the tests that need them will say why they skip"; fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rpm systemd chromium libibverbs1 \
+	      iproute2 >/dev/null; \
+	  else echo "note: rpmbuild, systemd-analyze, chromium, libibverbs1 or ip missing; the tests that need them" \
+	    "will say why they skip"; fi; \
 	fi
 
 test: install-test system-deps

@@ -176,6 +176,7 @@ def _duration(seconds: float) -> str:
 
 def _print_status(st: dict) -> None:
     import dataclasses
+    import time
 
     from syshaxd.engine.status import SchedulerStatus
     from syshaxd.sdk.numa import format_cpulist
@@ -215,6 +216,15 @@ def _print_status(st: dict) -> None:
             print(f"  last: {last.route} ({last.reason}) from GPU running {g.running} waiting {g.waiting} "
                   f"KV {g.kv_usage:.1%} {g.tokens_per_second:.1f} tok/s; CPU running {c.running} "
                   f"{c.tokens_per_second:.1f} tok/s")
+    for node in sched.nodes:
+        t = node.transfer_seconds
+        print(f"node {node.address}: link {node.link}" + (f" ({node.error})" if node.error else "")
+              + f" for {_duration(time.time() - node.since)}, {node.in_flight} in flight, {node.transfers} records "
+              f"moved ({node.bytes_moved} bytes, {node.transfer_failures} failed; transfer p50 {t.p50 * 1000:.1f} ms "
+              f"p99 {t.p99 * 1000:.1f} ms), link lost {node.links_lost} times")
+        for d in node.decoders:
+            print(f"  {d.name}: {d.state}, {d.in_flight} in flight, batch {d.max_batch_size}, {d.threads} threads"
+                  + (f", cpus {d.cpus}" if d.cpus else "") + (f" ({d.error})" if d.error else ""))
     kv = sched.kv
     if kv is not None:
         print(f"kv ring: {kv.ring.used_bytes} of {kv.ring.capacity} bytes ({kv.ring.occupancy:.1%}), "

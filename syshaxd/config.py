@@ -110,6 +110,15 @@ class Config:
     max_connections: int = 1024  # open HTTP connections; past it a new one gets 503 and is closed
     worker_heartbeat_timeout: float = 30.0  # seconds a ready worker may send nothing before it is killed; 0: off
 
+    # --- decode nodes on other hosts (syshaxd/remote/): the front writes each prompt's KV into a node's ring ---
+    node_listen: str = ""  # "host:port": this daemon is a decode node that serves its front there; "": not a node
+    remote_nodes: tuple[str, ...] = ()  # a front's decode nodes, "host:port" each (their node_listen)
+    node_secret_file: str = ""  # the secret a front and its nodes share (at least 16 bytes); $VARS expand
+    node_link_timeout: float = 3.0  # seconds a node may say nothing before its link is dropped
+    node_transfer_protocol: str = "tcp"  # the transfer engine's transport: tcp, or rdma where NICs have it
+    node_transfer_device: str = ""  # rdma: the NIC's device name (e.g. "mlx5_0"); tcp: unused
+    local_decoders: bool = True  # false: the front decodes only on its remote nodes (hetero and auto modes)
+
     # --- operations: shutdown drain, admin socket. Keep this block last. ---
     drain_timeout: float = 30.0  # seconds SIGTERM waits for accepted requests before stopping workers
     admin_socket: str = ""  # the admin Unix socket; empty: $RUNTIME_DIRECTORY, else a default (api/admin.py)
@@ -251,11 +260,40 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"worker_heartbeat_timeout: must be above handoff_timeout ({cfg.handoff_timeout:g}s, "
                           "which a prefill may spend waiting for ring space) or 0 to turn the check off; "
                           f"got {cfg.worker_heartbeat_timeout:g}")
+    _validate_nodes(cfg)
     # --- operations ---
     at_least("drain_timeout", 0)
     if cfg.admin_socket and len(os.fsencode(os.path.abspath(os.path.expanduser(cfg.admin_socket)))) > 107:
         raise ConfigError(f"admin_socket: a Unix socket path must be at most 107 bytes, got {cfg.admin_socket!r}; "
                           "choose a shorter path")
+
+
+def _validate_nodes(cfg: Config) -> None:
+    from syshaxd.remote.addresses import ALL_INTERFACES, split_address
+    from syshaxd.remote.transfer import PROTOCOLS
+
+    try:
+        if cfg.node_listen:
+            host, _ = split_address(cfg.node_listen, "node_listen")
+            if host in ALL_INTERFACES:
+                raise ConfigError(f"node_listen: {host!r} is every interface; name the address the front reaches "
+                                  "this node at (a node listens only where its front is)")
+        for i, address in enumerate(cfg.remote_nodes):
+            split_address(address, f"remote_nodes[{i}]")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.node_listen and cfg.remote_nodes:
+        raise ConfigError("node_listen and remote_nodes: a daemon is a decode node (node_listen) or a front with "
+                          "nodes (remote_nodes), not both")
+    if cfg.node_transfer_protocol not in PROTOCOLS:
+        raise ConfigError(f"node_transfer_protocol: must be one of {', '.join(PROTOCOLS)}; "
+                          f"got {cfg.node_transfer_protocol!r}")
+    if cfg.node_link_timeout < 0.5:
+        raise ConfigError(f"node_link_timeout: must be at least 0.5 (a node reports every 0.5 s), "
+                          f"got {cfg.node_link_timeout!r}")
+    if not cfg.local_decoders and not (cfg.remote_nodes and cfg.mode in ("hetero", "auto")):
+        raise ConfigError("local_decoders = false: needs remote_nodes and mode hetero or auto (the decoders are "
+                          "then the remote nodes' alone)")
 
 
 def coerce(key: str, text: str) -> Any:

@@ -25,20 +25,15 @@ from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_confi
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.plan import Engines, PlanError, PrefixStorePlan, RingPlan, plan_engines
+from syshaxd.engine.plan import Engines, PlanError, plan_engines
 from syshaxd.engine.prefix_cache import PrefixCache
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
-from syshaxd.sdk.kv import block_store
-from syshaxd.sdk.kv.block_store import BlockStore
-from syshaxd.sdk.kv.ring import KVRing, sweep_stale
+from syshaxd.sdk.kv.ring import KVRing
 from syshaxd.sdk.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
+from syshaxd.startup import StartupError, create_ring, create_store
 
 log = logging.getLogger("syshaxd")
-
-class StartupError(RuntimeError):
-    """The daemon cannot start as configured; the message says what to change."""
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -53,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, help="where prefill and decode run")
     p.add_argument("--model", metavar="PATH", help="GGUF file to serve (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--node", metavar="HOST:PORT",
+                   help="run as a decode node for a front daemon on another host, listening at HOST:PORT "
+                   "(node_listen; the front lists it in remote_nodes; both need node_secret_file)")
     p.add_argument("--version", action="version", version=f"syshaxd {__version__}")
     return p
 
@@ -78,8 +76,8 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
         engines = plan_engines(cfg, model_path, model_name, dict(os.environ))
     except PlanError as exc:
         raise StartupError(str(exc)) from None
-    ring = _create_ring(engines.ring) if engines.ring is not None else None
-    store = _create_store(engines.prefix) if engines.prefix is not None else None
+    ring = create_ring(engines.ring) if engines.ring is not None else None
+    store = create_store(engines.prefix) if engines.prefix is not None else None
     try:
         return await Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys).run()
     finally:
@@ -89,20 +87,28 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
                 segment.close()
 
 
-def _create_ring(plan: RingPlan) -> KVRing:
-    """The plan's KV ring, created in /dev/shm after removing any that daemons killed with -9 left."""
-    for stale in sweep_stale():
-        log.warning("removed a KV ring left by a daemon that is gone: %s", stale)
-    return KVRing.create(plan.instance, plan.size)
+def _remote_nodes(cfg: Config, ring: KVRing | None, ledger: KVLedger, model_path: Path, model_name: str) -> list:
+    """The front's decode nodes on other hosts (remote_nodes), each one more CPU decoder; none when unset."""
+    if not cfg.remote_nodes:
+        return []
+    from syshaxd.remote.front import FrontTransfer, RemoteNode
+    from syshaxd.remote.wire import read_secret
+    from syshaxd.sdk.gguf.header import GGUFError, fingerprint_from_gguf
+    from syshaxd.sdk.types import EngineSpec, Role
 
-
-def _create_store(plan: PrefixStorePlan) -> BlockStore:
-    """The prefix cache's block store in /dev/shm, after removing any that daemons killed with -9 left."""
-    for stale in block_store.sweep_stale():
-        log.warning("removed a prefix cache left by a daemon that is gone: %s", stale)
-    log.info("prefix cache: %d blocks of %d tokens (%d MiB)", plan.n_slots, plan.block_tokens,
-             plan.n_slots * plan.slot_bytes // 2**20)
-    return BlockStore.create(plan.instance, plan.n_slots, plan.slot_bytes)
+    try:
+        secret = read_secret(cfg.node_secret_file)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"node_secret_file: {exc}") from None
+    try:
+        fingerprint = fingerprint_from_gguf(model_path).to_bytes()
+    except (GGUFError, OSError) as exc:
+        raise StartupError(f"remote_nodes: cannot fingerprint {model_path.name} for its nodes: {exc}") from None
+    transfer = FrontTransfer(ring, cfg.node_transfer_protocol, cfg.node_transfer_device)
+    spec = EngineSpec(backend=cfg.cpu_engine, role=Role.GENERATE, model_path=str(model_path), model_name=model_name,
+                      n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, ring=ring.path.name if ring else "")
+    return [RemoteNode(address, secret, spec, ledger, fingerprint, transfer, cfg.node_link_timeout)
+            for address in cfg.remote_nodes]
 
 
 class Service:
@@ -124,6 +130,7 @@ class Service:
                           if prefix is not None else None)
         self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
                                      ledger, on_failed=self._worker_failed) for name, spec in engines.workers]
+        self.workers += _remote_nodes(cfg, ring, ledger, model_path, model_name)
         # prompts are tokenized once, in the daemon, as the engines would (and the prefix cache planned from them)
         self.scheduler = Scheduler(cfg, self.workers, ledger, PromptTokenizer(DaemonVocab(str(model_path)), cfg.n_ctx))
         self.state = ServiceState(self.scheduler, reload)
@@ -204,9 +211,12 @@ class Service:
             if line != shown:
                 self.notifier.status(line)
                 shown = line
-            if all(w.state == "ready" for w in self.workers):
+            if self.scheduler.is_ready() and all(w.state == "ready" for w in self.workers):
                 break
-            if all(w.state in ("ready", "failed") for w in self.workers) or loop.time() >= deadline:
+            # a remote node still loading is waited for; one that cannot be reached is dialled on in the background
+            settled = all(w.state in ("ready", "failed") for w in self.workers if not w.remote) and not any(
+                w.state in ("connecting", "loading") for w in self.workers if w.remote)
+            if settled or loop.time() >= deadline:
                 break
             try:
                 await asyncio.wait_for(self._stop.wait(), 0.25)
@@ -292,7 +302,7 @@ class Service:
         warned = False
         while True:
             now = time.monotonic()
-            stale = [w for w in self.workers if w.state == "ready" and now - w.last_heartbeat > limit]
+            stale = [w for w in self.workers if not w.remote and w.state == "ready" and now - w.last_heartbeat > limit]
             if stale:
                 if not warned:
                     log.error("withholding the watchdog ping: %s sent nothing for over %.0fs",
@@ -307,7 +317,7 @@ class Service:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     overrides = {"host": args.host, "port": args.port, "mode": args.mode, "model": args.model,
-                 "log_level": args.log_level, "quantize": os.environ.get("SYSHAX_QUANTIZE")}
+                 "log_level": args.log_level, "quantize": os.environ.get("SYSHAX_QUANTIZE"), "node_listen": args.node}
     path = find_config(args.config)
     try:
         cfg = load(path, overrides)
@@ -325,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
+        if cfg.node_listen:
+            from syshaxd.remote.node import serve_node
+
+            return uvloop.run(serve_node(cfg, notifier))
         return uvloop.run(serve(cfg, keys, notifier, reload))
     except StartupError as exc:
         notifier.status(f"failed: {exc}")

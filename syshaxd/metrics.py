@@ -175,6 +175,11 @@ class _EngineCollector:
         yield from self._prefix(status.prefix_cache)
         if status.auto is not None:
             yield from self._auto(status.auto)
+        if status.nodes:
+            yield from self._nodes(status.nodes)
+
+    def _nodes(self, nodes):
+        yield from _node_families(nodes)
 
     def _engines(self, status: SchedulerStatus):
         m = [self.model_name]
@@ -293,6 +298,28 @@ class _EngineCollector:
             c = CounterMetricFamily(f"syshax_auto_{name}", doc)
             c.add_metric([], float(value))
             yield c
+
+
+def _node_families(nodes):
+    """Per decode node on another host: its link, the KV records and bytes written to it, and how long each took."""
+    up = GaugeMetricFamily("syshax_node_up", "1 while the link to the decode node is up.", labels=["node"])
+    transfers = CounterMetricFamily("syshax_node_transfers", "KV records written into the node's ring.",
+                                    labels=["node"])
+    failures = CounterMetricFamily("syshax_node_transfer_failures", "KV records that did not reach the node (its "
+                                   "decoder recomputed the prompt).", labels=["node"])
+    moved = CounterMetricFamily("syshax_node_bytes_moved", "Bytes of KV written to the node.", labels=["node"])
+    lost = CounterMetricFamily("syshax_node_links_lost", "Times the link to the node went down.", labels=["node"])
+    seconds = GaugeMetricFamily("syshax_node_transfer_seconds", "Seconds per KV record sent to the node (room asked "
+                                "for, then the write), over the last 1000.", labels=["node", "quantile"])
+    for n in nodes:
+        up.add_metric([n.address], 1.0 if n.link == "up" else 0.0)
+        transfers.add_metric([n.address], float(n.transfers))
+        failures.add_metric([n.address], float(n.transfer_failures))
+        moved.add_metric([n.address], float(n.bytes_moved))
+        lost.add_metric([n.address], float(n.links_lost))
+        for q in ("p50", "p90", "p99"):
+            seconds.add_metric([n.address, f"0.{q[1:]}"], getattr(n.transfer_seconds, q))
+    return up, transfers, failures, moved, lost, seconds
 
 
 def _single(family, name: str, doc: str, value):

@@ -156,6 +156,16 @@ class KVLedger:
         record.holders.discard(request_id)
         self._free_if_unused(record)  # a reader still reports (or dies) before the space goes
 
+    def sent(self, request_id: str) -> None:
+        """The request's record was copied to a decode node on another host, or will not be: the node's copy is
+        that node's ledger's, and this one is freed (remote/front.py calls this once its write is over)."""
+        record = self._record_of(request_id)
+        if record is None:
+            return
+        record.reader = ""
+        record.holders.discard(request_id)
+        self._free_if_unused(record)
+
     def fallback(self, reason: Fallback) -> None:
         """A request went to a decoder without any record (e.g. the prefill engine was restarting)."""
         self._fallbacks[str(reason)] += 1

@@ -189,13 +189,15 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
             backend = _prefill_backend(cfg.prefill_engine, "gpu")
             return Engines([("gpu0", replace(base, backend=backend, role=Role.GENERATE, pool=Pool.GPU,
                                              max_batch_size=cfg.max_num_seqs, threads=gpu.threads, placement=gpu))])
-        if len(topology.cpus) < 2 and not cfg.prefill_cpu_affinity:
+        if len(topology.cpus) < 2 and not cfg.prefill_cpu_affinity and cfg.local_decoders:
             raise PlanError(f"{cfg.mode} mode needs at least two CPUs (one for prefill, one for decode) "
                             f"and this process may use {format_cpulist(topology.cpus)}; use --mode cpu")
         first_node = next(n.cpus for n in topology.nodes if n.cpus)
         pre_cpus = cfg.prefill_cpu_affinity or default_prefill_cpus(first_node)
         pre = plan_prefill_worker(topology, pre_cpus)
-        decoders = plan_cpu_workers(topology, _overrides(cfg, env), reserved=pre.cpus, role="decode")
+        # local_decoders = false: the decoders are the remote nodes' (remote/front.py), added by the daemon
+        decoders = plan_cpu_workers(topology, _overrides(cfg, env), reserved=pre.cpus, role="decode") \
+            if cfg.local_decoders else []
     except PlacementError as exc:
         raise PlanError(str(exc)) from None
 
@@ -213,3 +215,20 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
     workers += [(f"decode{p.index}", replace(base, role=Role.GENERATE, threads=p.threads, placement=p,
                                              ring=instance)) for p in decoders]
     return Engines(workers, ring)
+
+
+def plan_node(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None = None) -> Engines:
+    """A decode node's workers (remote/node.py): decoders on every CPU set, as cpu mode places them, reading the
+    node's own KV ring, which its front writes records into."""
+    base = EngineSpec(
+        backend=_cpu_backend(cfg.cpu_engine, "hetero"), role=Role.GENERATE, model_path=str(model_path),
+        model_name=model_name, n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size,
+        prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
+        handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env))
+    instance = instance or f"node-{os.getpid()}"
+    try:
+        placements = plan_cpu_workers(read_host_topology(), _overrides(cfg, env), role="decode")
+    except PlacementError as exc:
+        raise PlanError(str(exc)) from None
+    return Engines([(f"decode{p.index}", replace(base, threads=p.threads, placement=p, ring=instance))
+                    for p in placements], RingPlan(instance, cfg.ring_size_mb * 1024 * 1024))

@@ -114,7 +114,11 @@ class Scheduler:
         self.config = self.config.replace(mode=Mode(mode))
 
     def is_ready(self) -> bool:
-        return bool(self.workers) and all(w.state == "ready" for w in self.workers)
+        """Every worker of this host is ready, and a decoder (of this host or a remote node) where there are any:
+        a remote node that is down costs capacity, not readiness, while another decoder serves."""
+        local = [w for w in self.workers if not w.remote]
+        return bool(self.workers) and all(w.state == "ready" for w in local) and (
+            not self.decoders or any(w.state == "ready" for w in self.decoders))
 
     # --- admission ----------------------------------------------------------------------------
 
@@ -340,4 +344,5 @@ class Scheduler:
             kv=self.ledger.status(),
             prefix_cache=self.ledger.prefix_status(),
             workers=[w.status() for w in self.workers],
+            nodes=[w.link_status() for w in self.workers if w.remote],
         )

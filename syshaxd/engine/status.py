@@ -8,7 +8,7 @@ import typing
 from dataclasses import dataclass
 
 from syshaxd.engine.decider import EngineState
-from syshaxd.engine.kv_ledger import KVStatus
+from syshaxd.engine.kv_ledger import KVStatus, Quantiles
 from syshaxd.engine.prefix_cache import PrefixStatus
 from syshaxd.sdk.types import EngineStats
 
@@ -30,6 +30,36 @@ class WorkerStatus:
     stats: EngineStats
     kernels: str = ""  # the CPU kernels its engine runs (llama.cpp: repack, plain, ...); "" where not told
     kernels_why: str = ""
+
+
+@dataclass(frozen=True)
+class NodeDecoderStatus:
+    """One decode worker of a remote node, as its node last reported it."""
+
+    name: str
+    state: str
+    in_flight: int
+    max_batch_size: int
+    threads: int
+    cpus: list[int]
+    error: str
+
+
+@dataclass(frozen=True)
+class RemoteNodeStatus:
+    """A decode node on another host (remote/front.py): its link, its decoders, and the KV moved to it."""
+
+    address: str
+    link: str  # connecting, up, down (unreachable), refused (wrong secret, another model or backend)
+    error: str  # why it is not up
+    since: float  # time.time() of the link's last change
+    decoders: list[NodeDecoderStatus]
+    in_flight: int
+    transfers: int  # KV records written into its ring
+    transfer_failures: int  # records that did not get there (its decoder recomputed the prompt)
+    bytes_moved: int
+    transfer_seconds: Quantiles  # room asked for + the write, per record
+    links_lost: int  # times its link went down
 
 
 @dataclass(frozen=True)
@@ -72,6 +102,7 @@ class SchedulerStatus:
     kv: KVStatus | None
     prefix_cache: PrefixStatus | None
     workers: list[WorkerStatus]
+    nodes: list[RemoteNodeStatus] = dataclasses.field(default_factory=list)  # decode nodes on other hosts
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -95,6 +95,7 @@ class WorkerHandle:
     """
 
     BUSY_GRACE = 4
+    remote = False  # a process of this host (remote/front.py's RemoteNode is a decode node on another)
     CRASH_LOOP = 3  # deaths in a row without a token served (or a prompt handed on): a crash loop
 
     def __init__(self, name: str, spec: EngineSpec, log_level: str, restart_delay: float,

@@ -54,6 +54,7 @@ class Fallback(StrEnum):
     TOKEN_MISMATCH = "token_mismatch"  # the record holds other tokens than the request's prompt
     STATE_FORMAT = "state_format"  # the engine could not take the record's KV into its cache
     NO_RING = "no_ring"  # the decoder has no ring to read from
+    TRANSFER_FAILED = "transfer_failed"  # the record did not reach a decode node on another host (remote/)
     CANCELLED = "cancelled"  # not a fallback: the request was cancelled before its record was read
 
     @classmethod

@@ -243,6 +243,16 @@ class KVRing:
             self.unlink()
         self.close()
 
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The whole segment, header included: what a transfer engine registers (remote/transfer.py)."""
+        return self._mm
+
+    @staticmethod
+    def payload_position(offset: int) -> int:
+        """Where, in the segment, the payload of the record at `offset` starts."""
+        return HEADER_SIZE + offset + RECORD_HEADER
+
     # -- producer side ------------------------------------------------------------------------
 
     @property

@@ -1,0 +1,352 @@
+"""The front's side of a decode node: the node as one more CPU decoder, beside the local ones.
+
+A RemoteNode stands where a WorkerHandle does (engine/supervisor.py): the scheduler picks the least
+loaded ready decoder, local or remote, and a journey (engine/journey.py) submits to it, reads its
+events, and goes on elsewhere when it is lost. What differs is the way there:
+
+* a request that comes with a KV record (hetero, auto's offload) first gets room in the node's
+  ring (ReserveKV), then the transfer engine writes the record's payload there one-sidedly, then
+  the Submit goes, naming the node's offset and the checksum the prefill reported. The front's copy
+  is freed once the write is over, whatever its outcome; a write that fails or times out sends the
+  request without a record (the decoder recomputes the prompt, counted as transfer_failed);
+* the link is alive while the node's NodeStatus arrives every half second. Silence past
+  node_link_timeout, a closed connection or a bad frame drops the link: every request on the node
+  gets a WorkerLost, so its journey resends or resumes it on another decoder, and the node is
+  dialled again every RETRY seconds until it answers (then it takes requests again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import replace
+
+from syshaxd.engine.kv_ledger import KVLedger, Quantiles
+from syshaxd.engine.status import NodeDecoderStatus, RemoteNodeStatus, WorkerStatus
+from syshaxd.engine.supervisor import EngineUnavailable, WorkerStream
+from syshaxd.remote import wire
+from syshaxd.remote.addresses import split_address
+from syshaxd.remote.transfer import TransferEngine, TransferFailed, TransferUnavailable, mapping_address
+from syshaxd.remote.wire import AbortKV, DecoderState, FromNode, KVReserved, NodeHello, NodeStatus, ReserveKV, ToNode
+from syshaxd.sdk.kv.ring import KVRing
+from syshaxd.sdk.types import (Cancel, EngineSpec, EngineStats, Fallback, GenerateRequest, Handling, Imported,
+                               Prefilled, Rejected, Delta, Submit, WorkerLost)
+
+log = logging.getLogger(__name__)
+
+RETRY = 1.0  # seconds between attempts to reach a node that is down
+TRANSFER_TIMEOUT = 10.0  # seconds one record's write may take before its decoder recomputes instead
+
+
+class FrontTransfer:
+    """The front's transfer engine, started at the first node's connection (on the address that reaches it),
+    with the front's KV ring registered as the source of every write."""
+
+    def __init__(self, ring: KVRing | None, protocol: str = "tcp", device: str = "") -> None:
+        self.ring = ring
+        self.protocol, self.device = protocol, device
+        self.engine: TransferEngine | None = None
+        self.base = mapping_address(ring.mapping) if ring is not None else 0
+
+    def ensure(self, local_host: str) -> TransferEngine | None:
+        """The engine, started on local_host the first time; None without a ring (cpu mode: no record travels)."""
+        if self.engine is None and self.ring is not None:
+            engine = TransferEngine(local_host, self.protocol, self.device)
+            engine.register(self.base, len(self.ring.mapping))
+            self.engine = engine
+        return self.engine
+
+    def payload_address(self, offset: int) -> int:
+        return self.base + KVRing.payload_position(offset)
+
+
+class NodeRefused(Exception):
+    """The node answered but cannot serve this front (another model or backend)."""
+
+
+class RemoteNode:
+    """A decode node, to the scheduler one more CPU decoder (with the slots of all the node's decoders)."""
+
+    remote = True  # not a process of this host: the daemon's start-up and watchdog do not wait for it
+    hangs = 0
+
+    def __init__(self, address: str, secret: bytes, spec: EngineSpec, ledger: KVLedger, fingerprint: bytes,
+                 transfer: FrontTransfer, link_timeout: float = 3.0, retry: float = RETRY,
+                 transfer_timeout: float = TRANSFER_TIMEOUT) -> None:
+        self.address = address
+        self.host, self.port = split_address(address, "remote_nodes")
+        self.name = f"node {address}"
+        self.spec = spec
+        self.log_level = "info"
+        self.secret = secret
+        self.ledger = ledger
+        self.fingerprint = fingerprint
+        self.transfer = transfer
+        self.link_timeout, self.retry, self.transfer_timeout = link_timeout, retry, transfer_timeout
+        self.state = "stopped"
+        self.link = "connecting"
+        self.error = ""
+        self.since = time.time()
+        self.info: dict = {}
+        self.stats = EngineStats()
+        self.restarts = 0
+        self.last_heartbeat = 0.0
+        self.streams: dict[str, WorkerStream] = {}
+        self.ready = asyncio.Event()
+        self.decoders: tuple[DecoderState, ...] = ()
+        self.transfers = self.transfer_failures = self.bytes_moved = self.links_lost = 0
+        self._times: deque = deque(maxlen=1000)
+        self._hello: NodeHello | None = None
+        self._engine: TransferEngine | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[str, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._stopping = False
+        self.state = "connecting"
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+        self._down("was stopped", stopping=True)
+        self.state = "stopped"
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    async def _run(self) -> None:
+        failing = ""  # the reason the last attempts failed, logged once per streak
+        while not self._stopping:
+            writer = None
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
+                                                        self.link_timeout)
+                await asyncio.wait_for(wire.prove_as_front(reader, writer, self.secret), self.link_timeout)
+                hello = await asyncio.wait_for(wire.read_message(reader), self.link_timeout)
+                self._check(hello)
+                self._engine = self.transfer.ensure(writer.get_extra_info("sockname")[0])
+                self._up(hello, writer)
+                failing = ""
+                while True:
+                    self._handle(await asyncio.wait_for(wire.read_message(reader), self.link_timeout))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                why = _words(exc, self.link_timeout)
+                if self.link == "up":
+                    self._down(f"became unreachable ({why})")
+                elif why != failing:
+                    refused = isinstance(exc, (wire.AuthFailed, NodeRefused, TransferUnavailable))
+                    self._set_link("refused" if refused else "down", why)
+                    log.error("%s: cannot use it: %s; trying again every %gs", self.name, why, self.retry)
+                failing = why
+            finally:
+                if writer is not None:
+                    writer.close()
+                self._writer = None
+            await asyncio.sleep(self.retry)
+
+    def _check(self, hello) -> None:
+        if not isinstance(hello, NodeHello):
+            raise wire.WireError(f"the node's first message is a {type(hello).__name__}, not its hello")
+        if hello.fingerprint != self.fingerprint:
+            raise NodeRefused(f"it serves another model ({hello.model_name}); a front and its nodes must serve the "
+                              "same GGUF")
+        if hello.backend != self.spec.backend:
+            raise NodeRefused(f"its decoders run backend {hello.backend!r}, this front's cpu_engine is "
+                              f"{self.spec.backend!r}")
+
+    def _set_link(self, link: str, error: str = "") -> None:
+        if link != self.link:
+            self.since = time.time()
+        self.link, self.error = link, error
+        if link != "up":
+            self.state = "unreachable" if link == "down" else "failed" if link == "refused" else self.state
+            self.ready.clear()
+
+    def _up(self, hello: NodeHello, writer) -> None:
+        self._hello, self._writer = hello, writer
+        if self.link == "down" or self.links_lost:
+            self.restarts += 1
+        self._set_link("up")
+        self._status(NodeStatus(hello.decoders))
+        log.info("%s: up, %d decoders (%s), transfer engine %s", self.name, len(hello.decoders),
+                 ", ".join(f"{d.name} {d.state}" for d in hello.decoders), hello.transfer_session)
+
+    def _down(self, why: str, stopping: bool = False) -> None:
+        """The link is gone: every request on the node goes on elsewhere (its journey decides)."""
+        was_up = self.link == "up"
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if not stopping:
+            self._set_link("down", why)
+        if was_up and not stopping:
+            self.links_lost += 1
+            log.error("%s: %s; its %d requests go on elsewhere; dialling it every %gs", self.name, why,
+                      len(self.streams), self.retry)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(ConnectionError(f"the node {why}"))
+        self._pending.clear()
+        lost, self.streams = list(self.streams.values()), {}
+        for stream in lost:
+            stream.queue.put_nowait(WorkerLost(stream.request_id, f"on {self.name} {why}", stopping=stopping))
+
+    # --- what the node sends -----------------------------------------------------------------
+
+    def _handle(self, message) -> None:
+        if isinstance(message, FromNode):
+            for event in message.events:
+                self._event(event)
+        elif isinstance(message, NodeStatus):
+            self._status(message)
+        elif isinstance(message, KVReserved):
+            future = self._pending.pop(message.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+            elif not message.error:
+                self._send(AbortKV(message.request_id))  # it was given up on here meanwhile
+        else:
+            raise wire.WireError(f"a {type(message).__name__} is not a node's message")
+
+    def _status(self, message: NodeStatus) -> None:
+        self.last_heartbeat = time.monotonic()
+        self.decoders = message.decoders
+        ready = [d for d in message.decoders if d.state == "ready"]
+        slots = sum(d.max_batch_size for d in ready) or sum(d.max_batch_size for d in message.decoders)
+        if slots and slots != self.spec.max_batch_size:
+            self.spec = replace(self.spec, max_batch_size=slots)
+        self.stats = _summed([d.stats for d in ready])
+        self.info = {"cpus": sorted({c for d in message.decoders for c in d.cpus}), "node": self.address}
+        if ready:
+            self.state = "ready"
+            self.ready.set()
+        else:
+            self.state = "loading"
+            self.ready.clear()
+
+    def _event(self, event) -> None:
+        if isinstance(event, Imported):
+            self.ledger.imported(event)  # counts it; the front's copy was freed when the write ended
+        stream = self.streams.get(event.request_id)
+        if stream is None:
+            return
+        if isinstance(event, (Rejected, Prefilled, WorkerLost)) or (isinstance(event, Delta) and event.finish_reason):
+            del self.streams[event.request_id]
+        if isinstance(event, WorkerLost):
+            event = replace(event, why=f"on {self.name} {event.why}")
+        stream.queue.put_nowait(event)
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _send(self, message) -> None:
+        if self._writer is not None:
+            self._writer.write(wire.dumps(message))
+
+    def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> WorkerStream:
+        if self.state != "ready" or self._writer is None:
+            raise EngineUnavailable(f"{self.name} is {self.state}" + (f" ({self.error})" if self.error else ""))
+        stream = WorkerStream(request.request_id, self)
+        self.streams[request.request_id] = stream
+        if handling.kv is None:
+            self._send(ToNode(Submit(request, handling)))
+        else:
+            task = asyncio.get_running_loop().create_task(self._hand_on(request, handling, stream))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return stream
+
+    async def _hand_on(self, request: GenerateRequest, handling: Handling, stream: WorkerStream) -> None:
+        """Write the request's record into the node's ring, then send it; without the record when that fails."""
+        rid, kv = request.request_id, handling.kv
+        how = Handling(kv_missing=Fallback.TRANSFER_FAILED)
+        reserved: KVReserved | None = None
+        freed = False
+        started = time.monotonic()
+        try:
+            future = asyncio.get_running_loop().create_future()
+            self._pending[rid] = future
+            self._send(ReserveKV(rid, kv.length))
+            reserved = await asyncio.wait_for(future, self.link_timeout)
+            if reserved.error:
+                raise TransferFailed(f"the node's ring has no room: {reserved.error}")
+            write = asyncio.get_running_loop().run_in_executor(
+                None, self._engine.write, self._hello.transfer_session, self.transfer.payload_address(kv.offset),
+                reserved.address, kv.length)
+            # the front's copy goes once nothing reads it any more, whatever the write's outcome
+            write.add_done_callback(lambda _: self.ledger.sent(rid))
+            freed = True
+            await asyncio.wait_for(asyncio.shield(write), self.transfer_timeout)
+            how = replace(handling, kv=replace(kv, offset=reserved.offset, seq=reserved.seq))
+            self.transfers += 1
+            self.bytes_moved += kv.length
+            self._times.append(time.monotonic() - started)
+        except (TransferFailed, ConnectionError, asyncio.TimeoutError, OSError) as exc:
+            self.transfer_failures += 1
+            log.warning("%s: the KV record of %s did not reach the node (%s); its decoder recomputes the prompt",
+                        self.name, rid, _words(exc, self.transfer_timeout))
+            if reserved is not None and not reserved.error:
+                self._send(AbortKV(rid))
+        finally:
+            self._pending.pop(rid, None)
+            if not freed:
+                self.ledger.sent(rid)
+        if self.streams.get(rid) is not stream:  # cancelled meanwhile, or the link went down
+            if how.kv is not None:
+                self._send(AbortKV(rid))
+            return
+        self._send(ToNode(Submit(request, how)))
+
+    def cancel(self, request_id: str) -> None:
+        if self.streams.pop(request_id, None) is not None:
+            self._send(ToNode(Cancel(request_id)))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.streams)
+
+    @property
+    def generating(self) -> int:
+        return len(self.streams)
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(name=self.name, backend=self.spec.backend, role=str(self.spec.role), pool=self.spec.pool,
+                            state=self.state, pid=None, error=self.error, restarts=self.restarts, hangs=0,
+                            in_flight=self.in_flight, cpus=list(self.info.get("cpus", [])),
+                            threads=sum(d.threads for d in self.decoders), stats=self.stats)
+
+    def link_status(self) -> RemoteNodeStatus:
+        decoders = [NodeDecoderStatus(d.name, d.state, d.in_flight, d.max_batch_size, d.threads, list(d.cpus), d.error)
+                    for d in self.decoders]
+        return RemoteNodeStatus(self.address, self.link, self.error, self.since, decoders, self.in_flight,
+                                self.transfers, self.transfer_failures, self.bytes_moved, Quantiles.of(self._times),
+                                self.links_lost)
+
+
+def _summed(stats: list[EngineStats]) -> EngineStats:
+    if not stats:
+        return EngineStats()
+    total = {}
+    for name in EngineStats.__dataclass_fields__:
+        values = [getattr(s, name) for s in stats]
+        total[name] = max(values) if name in ("n_ctx", "kv_usage") else sum(values)
+    return EngineStats(**total)
+
+
+def _words(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no answer within {timeout:g}s"
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return "the connection closed"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,321 @@
+"""A decode node: syshaxd on a CPU host that runs only decode workers and offers them to one front daemon.
+
+    front (prefill) ── control channel (TCP, authenticated; remote/wire.py) ──> node ──> decode workers
+          └────────── transfer engine (one-sided writes; remote/transfer.py) ──> node's KV ring
+
+The node owns its ring (it is the ring's only writer, reserving room for each record the front
+sends) and its ledger (engine/kv_ledger.py: a record is freed once its decoder reports on it or
+dies), and supervises its workers as any daemon does (engine/supervisor.py). For each request the
+front asks for room, writes the record's bytes, then sends the Submit: the node commits the record
+and hands it to its least loaded ready decoder, whose import checks the checksum the front sent and
+the model fingerprint (a bad record is recomputed from the prompt, as on one host). Events go back
+as they come; a NodeStatus every HEARTBEAT seconds tells the front the link is alive.
+
+One front at a time: a front that proves the secret replaces the one before (a front that lost its
+link reconnects as a new connection), whose requests are cancelled here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle, WorkerStream
+from syshaxd.remote import wire
+from syshaxd.remote.addresses import split_address
+from syshaxd.remote.transfer import TransferEngine, mapping_address
+from syshaxd.remote.wire import (AbortKV, DecoderState, FromNode, KVReserved, NodeHello, NodeStatus, ReserveKV,
+                                 ToNode)
+from syshaxd.sdk.kv.ring import KVRing, RingError
+from syshaxd.sdk.types import Cancel, Fallback, Handling, Submit, WorkerLost
+from syshaxd.startup import StartupError, create_ring
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT = 0.5  # seconds between NodeStatus messages
+HANDSHAKE_TIMEOUT = 10.0
+
+
+class NodeServer:
+    """The node's control endpoint and its decoders; `run()` serves until `stop` is set."""
+
+    def __init__(self, host: str, port: int, secret: bytes, workers: list[WorkerHandle], ring: KVRing,
+                 transfer: TransferEngine, ledger: KVLedger, backend: str, model_name: str,
+                 fingerprint: bytes) -> None:
+        self.host, self.port = host, port
+        self.secret = secret
+        self.workers = workers
+        self.ring = ring
+        self.transfer = transfer
+        self.ledger = ledger
+        self.backend, self.model_name, self.fingerprint = backend, model_name, fingerprint
+        self.ring_address = mapping_address(ring.mapping)
+        self.session: FrontSession | None = None
+        self.refused = 0  # connections that failed the handshake
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self.transfer.register(self.ring_address, len(self.ring.mapping))
+        self._server = await asyncio.start_server(self._on_connect, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("decode node listening on %s:%d (transfer engine %s)", self.host, self.port, self.transfer.session)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self.session is not None:
+            self.session.close("the node is stopping")
+
+    def decoder_states(self) -> tuple[DecoderState, ...]:
+        return tuple(DecoderState(w.name, w.state, w.in_flight, w.spec.max_batch_size, w.spec.threads,
+                                  tuple(w.info.get("cpus", ())), w.error, w.stats) for w in self.workers)
+
+    def pick(self) -> WorkerHandle | None:
+        ready = [w for w in self.workers if w.state == "ready"]
+        return min(ready, key=lambda w: w.in_flight) if ready else None
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            await asyncio.wait_for(wire.prove_as_node(reader, writer, self.secret), HANDSHAKE_TIMEOUT)
+        except (wire.WireError, asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:
+            self.refused += 1
+            why = str(exc) or type(exc).__name__
+            log.warning("refused a connection from %s: %s", peer, why)
+            writer.close()
+            return
+        if self.session is not None:
+            self.session.close(f"a front connected from {peer}")
+        session = self.session = FrontSession(self, reader, writer, f"{peer[0]}:{peer[1]}")
+        log.info("front %s connected", session.peer)
+        try:
+            await session.run()
+        finally:
+            if self.session is session:
+                self.session = None
+
+
+class FrontSession:
+    """One connected front: its requests on this node's decoders, its reservations in the ring."""
+
+    def __init__(self, node: NodeServer, reader, writer, peer: str) -> None:
+        self.node = node
+        self.reader, self.writer = reader, writer
+        self.peer = peer
+        self.streams: dict[str, WorkerStream] = {}
+        self.reservations: dict = {}  # request id -> ring Reservation the front is filling
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    async def run(self) -> None:
+        node = self.node
+        hello = NodeHello(f"{node.host}:{node.port}", node.backend, node.model_name, node.fingerprint,
+                          node.transfer.session, node.ring_address, node.ring.capacity, node.decoder_states())
+        heartbeat = asyncio.ensure_future(self._heartbeat())
+        try:
+            self._send(hello)
+            while not self._closed:
+                self._handle(await wire.read_message(self.reader))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            self.close("the front closed the connection")
+        except wire.WireError as exc:
+            log.error("front %s sent what this node does not accept (%s); closing its connection", self.peer, exc)
+            self.close(str(exc))
+        finally:
+            heartbeat.cancel()
+            self.close("the connection ended")
+
+    def close(self, why: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        log.info("front %s gone (%s): cancelling its %d requests here", self.peer, why, len(self.streams))
+        for request_id, stream in list(self.streams.items()):
+            stream.cancel()
+            self.node.ledger.drop(request_id)
+        self.streams.clear()
+        for reservation in self.reservations.values():
+            reservation.abort()
+        self.reservations.clear()
+        for task in self._tasks:
+            task.cancel()
+        self.writer.close()
+
+    def _send(self, message) -> None:
+        if not self._closed:
+            self.writer.write(wire.dumps(message))
+
+    async def _heartbeat(self) -> None:
+        while not self._closed:
+            self._send(NodeStatus(self.node.decoder_states(), self.node.ring.stats().used_bytes))
+            try:
+                await asyncio.wait_for(self.writer.drain(), HEARTBEAT * 4)
+            except (asyncio.TimeoutError, ConnectionError, OSError):
+                pass  # the front stops hearing us: its link timeout ends the session from its side
+            await asyncio.sleep(HEARTBEAT)
+
+    # --- what the front asks -------------------------------------------------------------------------
+
+    def _handle(self, message) -> None:
+        if isinstance(message, ReserveKV):
+            self._reserve(message)
+        elif isinstance(message, AbortKV):
+            reservation = self.reservations.pop(message.request_id, None)
+            if reservation is not None:
+                reservation.abort()
+        elif isinstance(message, ToNode) and isinstance(message.message, Submit):
+            self._submit(message.message)
+        elif isinstance(message, ToNode) and isinstance(message.message, Cancel):
+            stream = self.streams.pop(message.message.request_id, None)
+            if stream is not None:
+                stream.cancel()
+            self.node.ledger.drop(message.message.request_id)
+        else:
+            raise wire.WireError(f"a {type(message).__name__} is not a front's message")
+
+    def _reserve(self, message: ReserveKV) -> None:
+        try:
+            reservation = self.node.ring.reserve(message.length, timeout=0.0)
+        except RingError as exc:
+            self._send(KVReserved(message.request_id, error=str(exc)))
+            return
+        self.reservations[message.request_id] = reservation
+        address = self.node.ring_address + KVRing.payload_position(reservation.offset)
+        self._send(KVReserved(message.request_id, reservation.offset, reservation.seq, address))
+
+    def _submit(self, submit: Submit) -> None:
+        request, handling = submit.request, submit.handling
+        ledger = self.node.ledger
+        if handling.kv is not None:
+            reservation = self.reservations.pop(request.request_id, None)
+            if reservation is None or (reservation.offset, reservation.seq) != (handling.kv.offset, handling.kv.seq):
+                if reservation is not None:
+                    reservation.abort()
+                handling = Handling(kv_missing=Fallback.TRANSFER_FAILED)
+            else:
+                reservation.commit()  # the front wrote the payload: publish it to the decoders
+                ledger.written(request.request_id, handling.kv, os.getpid())
+        worker = self.node.pick()
+        try:
+            if worker is None:
+                raise EngineUnavailable("no decoder of this node is ready")
+            stream = worker.submit(request, handling)
+        except EngineUnavailable as exc:
+            ledger.drop(request.request_id)
+            # the front's journey goes on elsewhere, as after a worker's death before its first token
+            self._send(FromNode((WorkerLost(request.request_id, f"found no decoder on node {self.node.host}:"
+                                                                f"{self.node.port} ({exc})"),)))
+            return
+        if handling.kv is not None:
+            ledger.lend(request.request_id, worker.name)
+        self.streams[request.request_id] = stream
+        task = asyncio.ensure_future(self._relay(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _relay(self, stream: WorkerStream) -> None:
+        """The decoder's events, to the front as they come, until the last."""
+        request_id = stream.request_id
+        while True:
+            event = await stream.next_event()
+            if self.streams.get(request_id) is not stream:
+                return  # cancelled, or the session closed
+            self._send(FromNode((event,)))
+            if stream.finished:
+                break
+        del self.streams[request_id]
+        self.node.ledger.drop(request_id)
+
+
+async def serve_node(cfg, notifier, stop: asyncio.Event | None = None) -> int:
+    """Run this daemon as a decode node (node_listen set) until SIGTERM or SIGINT."""
+    from syshaxd.engine.plan import PlanError, plan_node
+    from syshaxd.sdk.gguf.header import GGUFError, fingerprint_from_gguf
+    from syshaxd.sdk.model import ModelError, resolve_model, served_name
+    from syshaxd.remote.transfer import TransferUnavailable
+
+    host, port = split_address(cfg.node_listen, "node_listen")  # checked with the config
+    try:
+        secret = wire.read_secret(cfg.node_secret_file)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"node_secret_file: {exc}") from None
+    try:
+        model_path = resolve_model(cfg.model, cfg.model_dir_path())
+        engines = plan_node(cfg, model_path, served_name(cfg.model_name, model_path), dict(os.environ))
+        fingerprint = fingerprint_from_gguf(model_path).to_bytes()
+    except (ModelError, PlanError, GGUFError, OSError) as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        transfer = TransferEngine(host, cfg.node_transfer_protocol, cfg.node_transfer_device)
+    except TransferUnavailable as exc:
+        raise StartupError(str(exc)) from None
+    ring = create_ring(engines.ring)
+    ledger = KVLedger(ring)
+    workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
+                            ledger) for name, spec in engines.workers]
+    model_name = served_name(cfg.model_name, model_path)
+    server = NodeServer(host, port, secret, workers, ring, transfer, ledger, cfg.cpu_engine, model_name, fingerprint)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # the same unit runs a front or a node: a reload is answered, not fatal
+    loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(
+        "SIGHUP: a decode node applies its config at a restart (systemctl restart syshaxd); nothing changed"))
+    notifier.extend_timeout(cfg.worker_start_timeout + 30)
+    notifier.status(f"decode node: loading {len(workers)} decoders")
+    watchdog = asyncio.ensure_future(_watchdog(notifier, workers))
+    try:
+        try:
+            await server.start()
+        except OSError as exc:
+            raise StartupError(f"node_listen: cannot listen on {host}:{port}: {exc.strerror}") from None
+        for w in workers:
+            w.start()
+        waiting = asyncio.ensure_future(_ready_when_loaded(workers, notifier, server, cfg.worker_start_timeout))
+        await stop.wait()
+        waiting.cancel()
+        log.info("stopping the decode node")
+        notifier.stopping("decode node: stopping; the front's requests here go on elsewhere")
+        await server.close()
+        await asyncio.gather(*(w.stop() for w in workers))
+    finally:
+        watchdog.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        ring.unlink()
+        ring.close()
+    return 0
+
+
+async def _watchdog(notifier, workers: list[WorkerHandle]) -> None:
+    """WATCHDOG=1 every half WatchdogSec while the loop runs and no loaded decoder has gone silent."""
+    import time
+
+    interval = notifier.watchdog_interval()
+    if not interval:
+        return
+    limit = max(2 * interval, 5.0)
+    while True:
+        now = time.monotonic()
+        if not any(w.state == "ready" and now - w.last_heartbeat > limit for w in workers):
+            notifier.watchdog()
+        await asyncio.sleep(interval)
+
+
+async def _ready_when_loaded(workers, notifier, server: NodeServer, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline and not all(w.state in ("ready", "failed") for w in workers):
+        await asyncio.sleep(0.25)
+    ready = sum(w.state == "ready" for w in workers)
+    line = f"decode node on {server.host}:{server.port}: {ready} of {len(workers)} decoders ready"
+    log.info("%s", line)
+    print(f"syshaxd node ready on {server.host}:{server.port}", flush=True)
+    notifier.ready(line)
+
+
+__all__ = ["NodeServer", "serve_node"]

@@ -1,0 +1,317 @@
+"""Decode across hosts (issue 22), as two hosts on one machine: the front in this network namespace, the decode
+node in its own, joined by a veth pair; real daemons, the real Mooncake transfer engine over TCP between them.
+
+Needs root (ip netns); CI runs as root. Each test says what it shows a user: the texts of single-host hetero,
+a node killed with -9 or cut off mid-stream costing no request, the node taken back when it returns, a wrong
+secret refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MODEL_DIR, MODEL_NAME, http_json, start_daemon, wait_for
+
+NS = f"shxnode{os.getpid() % 100000}"
+FRONT_IF, NODE_IF = f"shxf{os.getpid() % 100000}", f"shxn{os.getpid() % 100000}"
+FRONT_IP, NODE_IP = "10.211.0.1", "10.211.0.2"
+NODE_PORT = 7070
+PROMPTS = ["The three primary colours are", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "Water boils at a temperature of"]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _why_no_netns() -> str:
+    if os.geteuid() != 0:
+        return "two hosts on one machine need network namespaces, which need root (CI runs as root)"
+    if shutil.which("ip") is None:
+        return "needs iproute2's ip (make system-deps installs it)"
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:
+        return f"needs the Mooncake transfer engine (pip install -e '.[remote]'): {exc}"
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_why_no_netns()), reason=_why_no_netns() or "runs")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """A network namespace for the node, a veth pair from this namespace (the front's host) into it."""
+    subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+    _ip("netns", "add", NS)
+    try:
+        _ip("link", "add", FRONT_IF, "type", "veth", "peer", "name", NODE_IF)
+        _ip("link", "set", NODE_IF, "netns", NS)
+        _ip("addr", "add", f"{FRONT_IP}/24", "dev", FRONT_IF)
+        _ip("link", "set", FRONT_IF, "up")
+        _ip("netns", "exec", NS, "ip", "addr", "add", f"{NODE_IP}/24", "dev", NODE_IF)
+        _ip("netns", "exec", NS, "ip", "link", "set", NODE_IF, "up")
+        _ip("netns", "exec", NS, "ip", "link", "set", "lo", "up")
+        yield
+    finally:
+        subprocess.run(["ip", "link", "del", FRONT_IF], capture_output=True)
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def secret(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("secret") / "node.secret"
+    path.write_text(os.urandom(32).hex() + "\n")
+    path.chmod(0o600)
+    return path
+
+
+class Node:
+    """syshaxd --node in the node's namespace, on CPU 1."""
+
+    def __init__(self, tmp: Path, model: Path, secret: Path) -> None:
+        self.tmp, self.model, self.secret = tmp, model, secret
+        self.proc: subprocess.Popen | None = None
+        self.log_path = tmp / "node.log"
+
+    def start(self) -> "Node":
+        config = self.tmp / "node.toml"
+        config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in {
+            "model": str(self.model), "model_name": MODEL_NAME, "model_dir": str(MODEL_DIR),
+            "node_listen": f"{NODE_IP}:{NODE_PORT}", "node_secret_file": str(self.secret), "cpu_affinity": "1",
+            "admin_socket": str(self.tmp / "node.sock")}.items()))
+        started = self.log().count("syshaxd node ready") if self.log_path.exists() else 0
+        env = {k: v for k, v in os.environ.items() if k not in ("CUSTOM_CPU_AFFINITY", "OMP_NUM_THREADS")}
+        self.proc = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, "-m", "syshaxd", "--config",
+                                      str(config)], cwd=self.tmp, stdout=open(self.log_path, "a"),
+                                     stderr=subprocess.STDOUT, env=env)
+        wait_for(lambda: self.log().count("syshaxd node ready") > started or self.proc.poll() is not None, 120,
+                 "the node")
+        assert self.proc.poll() is None, self.log()
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        return self.proc.returncode
+
+
+def front_config(model: Path, secret: Path, **extra) -> dict:
+    return {"model": str(model), "model_name": MODEL_NAME, "mode": "hetero", "prefill_cpu_affinity": "0",
+            "remote_nodes": [f"{NODE_IP}:{NODE_PORT}"], "node_secret_file": str(secret), "node_link_timeout": 2.0,
+            "cpu_affinity": "1"} | extra
+
+
+def node_of(front) -> dict:
+    (node,) = front.status()["nodes"]
+    return node
+
+
+def complete(front, prompt: str, max_tokens: int = 40) -> str:
+    code, body = http_json(f"{front.url}/v1/completions", {"model": MODEL_NAME, "prompt": prompt,
+                                                           "max_tokens": max_tokens, "temperature": 0})
+    assert code == 200, body
+    return body["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def single_host_texts(default_model, tmp_path_factory) -> dict[str, str]:
+    """What single-host hetero answers (greedy), the texts every remote run must give."""
+    d = start_daemon(tmp_path_factory.mktemp("single"), {"model": str(default_model), "model_name": MODEL_NAME,
+                                                          "mode": "hetero", "prefill_cpu_affinity": "0"})
+    try:
+        return {p: complete(d, p, 160) for p in PROMPTS} | {p + "/40": complete(d, p) for p in PROMPTS}
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def node(hosts, default_model, secret, tmp_path_factory):
+    n = Node(tmp_path_factory.mktemp("node"), default_model, secret).start()
+    yield n
+    if n.proc.poll() is None:
+        assert n.stop() == 0, n.log()
+
+
+def test_remote_decoding_gives_the_texts_of_single_host_hetero(node, default_model, secret, single_host_texts,
+                                                               tmp_path):
+    front = start_daemon(tmp_path, front_config(default_model, secret, local_decoders=False,
+                                                admin_socket=str(tmp_path / "admin.sock")))
+    try:
+        wait_for(lambda: node_of(front)["link"] == "up", 30, "the node's link")
+        for prompt in PROMPTS:
+            assert complete(front, prompt) == single_host_texts[prompt + "/40"], prompt
+        status = front.status()
+        remote = node_of(front)
+        assert status["routes"] == {"hetero": len(PROMPTS)}
+        assert remote["transfers"] == len(PROMPTS) and remote["transfer_failures"] == 0
+        assert remote["bytes_moved"] > 0 and remote["transfer_seconds"]["count"] == len(PROMPTS)
+        assert [d["state"] for d in remote["decoders"]] == ["ready"]
+        assert status["kv"]["records_read"] == len(PROMPTS), status["kv"]  # imported on the node, not recomputed
+        assert status["kv"]["records_held"] == 0  # the front's copies were freed after each write
+        metrics = _text(f"{front.url}/metrics")
+        assert f'syshax_node_up{{node="{NODE_IP}:{NODE_PORT}"}} 1.0' in metrics
+        assert f'syshax_node_transfers_total{{node="{NODE_IP}:{NODE_PORT}"}} {float(len(PROMPTS))}' in metrics
+        shown = subprocess.run([sys.executable, "-m", "syshaxd.cli", "status", "--socket",
+                                str(tmp_path / "admin.sock")], capture_output=True, text=True, cwd=tmp_path)
+        assert f"node {NODE_IP}:{NODE_PORT}: link up" in shown.stdout, shown
+        assert "decode0: ready" in shown.stdout
+    finally:
+        assert front.stop() == 0, front.log()
+
+
+def _text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def _stream_all(front, prompts: list[str], max_tokens: int, results: dict,
+                partial: dict | None = None) -> list[threading.Thread]:
+    """Stream each prompt in a thread of its own: results[prompt] is its text (or exception), partial[prompt] what
+    arrived so far."""
+    import openai
+
+    partial = {} if partial is None else partial
+    client = openai.OpenAI(base_url=front.base_url, api_key="unused", max_retries=0, timeout=120)
+
+    def ask(prompt: str) -> None:
+        try:
+            text = ""
+            for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
+                                                   temperature=0, stream=True):
+                text += chunk.choices[0].text
+                partial[prompt] = text
+            results[prompt] = text
+        except Exception as exc:  # the assertion below shows it
+            results[prompt] = exc
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)  # one at a time, so that the least loaded decoder alternates: local, node, local, node
+    return threads
+
+
+def _requests_outlive_the_node(front, single_host_texts, cut) -> None:
+    """Stream every prompt, half of them on the node; `cut` the node off mid-stream; each text must be whole."""
+    results: dict = {}
+    partial: dict = {}
+    threads = _stream_all(front, PROMPTS, 160, results, partial)
+    wait_for(lambda: len([t for t in partial.values() if len(t) > 20]) == len(PROMPTS), 60, "every stream under way")
+    on_node = node_of(front)["in_flight"]
+    cut()
+    for t in threads:
+        t.join(120)
+    for prompt in PROMPTS:
+        assert results[prompt] == single_host_texts[prompt], (prompt, results[prompt], front.log()[-3000:])
+    assert on_node >= 1
+    rescued = front.status()["rescued"]
+    assert rescued["resent"] + rescued["resumed"] >= on_node and rescued["lost"] == 0, rescued
+
+
+def test_a_node_killed_mid_stream_costs_no_request_and_is_taken_back(node, default_model, secret, single_host_texts,
+                                                                    tmp_path):
+    front = start_daemon(tmp_path, front_config(default_model, secret))
+    try:
+        wait_for(lambda: node_of(front)["link"] == "up", 30, "the node's link")
+        _requests_outlive_the_node(front, single_host_texts, node.kill)
+        remote = node_of(front)
+        assert remote["link"] == "down" and remote["links_lost"] == 1, remote
+        assert front.status()["ready"]  # the local decoder serves meanwhile
+        node.start()
+        wait_for(lambda: node_of(front)["link"] == "up" and front.status()["workers"][-1]["state"] == "ready", 30,
+                 "the node taken back")
+        before = node_of(front)["transfers"]
+        results: dict = {}
+        for t in _stream_all(front, PROMPTS, 160, results):
+            t.join(120)
+        assert [results[p] for p in PROMPTS] == [single_host_texts[p] for p in PROMPTS]
+        assert node_of(front)["transfers"] > before  # the node decodes again
+    finally:
+        assert front.stop() == 0, front.log()
+
+
+def test_a_link_cut_mid_stream_costs_no_request_and_the_node_returns(node, default_model, secret,
+                                                                     single_host_texts, tmp_path):
+    front = start_daemon(tmp_path, front_config(default_model, secret))
+    try:
+        wait_for(lambda: node_of(front)["link"] == "up", 30, "the node's link")
+        try:
+            _requests_outlive_the_node(front, single_host_texts, lambda: _ip("link", "set", FRONT_IF, "down"))
+            remote = node_of(front)
+            assert remote["link"] == "down" and "no answer within 2s" in remote["error"], remote
+        finally:
+            _ip("link", "set", FRONT_IF, "up")
+        wait_for(lambda: node_of(front)["link"] == "up", 30, "the node back after the link came up")
+        assert complete(front, PROMPTS[0]) == single_host_texts[PROMPTS[0] + "/40"]
+    finally:
+        assert front.stop() == 0, front.log()
+
+
+def test_a_front_with_the_wrong_secret_is_refused(node, default_model, tmp_path):
+    wrong = tmp_path / "wrong.secret"
+    wrong.write_text(os.urandom(32).hex())
+    refused_before = node.log().count("refused a connection")
+    front = start_daemon(tmp_path, front_config(default_model, wrong))
+    try:
+        remote = wait_for(lambda: node_of(front)["link"] == "refused" and node_of(front), 30, "the refusal")
+        assert "refused this front's secret" in remote["error"], remote
+        assert remote["transfers"] == 0 and remote["decoders"] == []
+        wait_for(lambda: node.log().count("refused a connection") > refused_before, 10, "the node's log line")
+        assert "the front's proof does not match this node's secret" in node.log()
+        assert complete(front, PROMPTS[0])  # its own decoder serves
+        assert front.status()["routes"] == {"hetero": 1}
+    finally:
+        assert front.stop() == 0, front.log()
+
+
+def test_a_node_speaks_to_systemd_and_refuses_to_start_unsafely(default_model, secret, tmp_path):
+    """The node runs under syshaxd.service as the front does: READY, WATCHDOG, STOPPING; SIGHUP answered, not
+    fatal. It will not listen on every interface, nor start without a secret, and says what to set."""
+    from conftest import free_port
+    from test_systemd import NotifyListener
+
+    base = {"model": str(default_model), "model_name": MODEL_NAME, "cpu_affinity": "1"}
+    for extra, said in (({"node_listen": "0.0.0.0:7070", "node_secret_file": str(secret)}, "is every interface"),
+                        ({"node_listen": f"127.0.0.1:{free_port()}"}, "node_secret_file is not set")):
+        d = start_daemon(tmp_path, base | extra, wait=False, args=["--log-level", "info"])
+        assert d.proc.wait(60) == 2, d.log()
+        assert said in d.log(), d.log()
+
+    listener = NotifyListener(tmp_path / "notify.sock")
+    try:
+        d = start_daemon(tmp_path, base | {"node_secret_file": str(secret)}, wait=False,
+                         args=["--node", f"127.0.0.1:{free_port()}"],
+                         env={"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "1000000"})
+        listener.wait_for("READY=1", 60)
+        time.sleep(1.5)
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "applies its config at a restart" in d.log(), 10, "the SIGHUP answer")
+        assert d.stop() == 0, d.log()
+        listener.wait_for("STOPPING=1", 5)
+    finally:
+        listener.close()
+    lines = listener.lines()
+    ready = lines.index("READY=1")
+    assert lines[ready + 1].startswith("STATUS=decode node on 127.0.0.1:") and "1 of 1 decoders ready" in lines[ready + 1]
+    assert len([line for line in lines[ready:] if line == "WATCHDOG=1"]) >= 2, lines
