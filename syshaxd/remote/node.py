@@ -109,6 +109,7 @@ class FrontSession:
         self.reservations: dict = {}  # request id -> ring Reservation the front is filling
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self._outbox: list = []  # decoder events of this loop turn: one frame for a whole engine step
 
     async def run(self) -> None:
         node = self.node
@@ -147,6 +148,18 @@ class FrontSession:
     def _send(self, message) -> None:
         if not self._closed:
             self.writer.write(wire.dumps(message))
+
+    def _relay_event(self, event) -> None:
+        """Queue a decoder's event for the front. A worker's step reaches its streams in one loop turn, and all
+        of it goes in one frame, sent after that turn: not one frame (and one write) per sequence."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(event)
+
+    def _flush(self) -> None:
+        events, self._outbox = tuple(self._outbox), []
+        if events:
+            self._send(FromNode(events))
 
     async def _heartbeat(self) -> None:
         while not self._closed:
@@ -223,7 +236,7 @@ class FrontSession:
             event = await stream.next_event()
             if self.streams.get(request_id) is not stream:
                 return  # cancelled, or the session closed
-            self._send(FromNode((event,)))
+            self._relay_event(event)
             if stream.finished:
                 break
         del self.streams[request_id]
