@@ -268,10 +268,20 @@ def _validate(cfg: Config) -> None:
                           "choose a shorter path")
 
 
-def _validate_nodes(cfg: Config) -> None:
-    from syshaxd.remote.addresses import ALL_INTERFACES, split_address
-    from syshaxd.remote.transfer import PROTOCOLS
+TRANSFER_PROTOCOLS = ("tcp", "rdma")  # the transfer engine's transports (syshaxd/remote/transfer.py)
+ALL_INTERFACES = frozenset({"0.0.0.0", "::", "*"})
 
+
+def split_address(address: str, key: str) -> tuple[str, int]:
+    """("host", port) from a decode node's "host:port" (IPv6 in brackets); ValueError naming the config `key`."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f'{key}: expected "host:port", e.g. "10.0.0.2:7070"; got {address!r}')
+    return host, int(port)
+
+
+def _validate_nodes(cfg: Config) -> None:
     try:
         if cfg.node_listen:
             host, _ = split_address(cfg.node_listen, "node_listen")
@@ -285,8 +295,8 @@ def _validate_nodes(cfg: Config) -> None:
     if cfg.node_listen and cfg.remote_nodes:
         raise ConfigError("node_listen and remote_nodes: a daemon is a decode node (node_listen) or a front with "
                           "nodes (remote_nodes), not both")
-    if cfg.node_transfer_protocol not in PROTOCOLS:
-        raise ConfigError(f"node_transfer_protocol: must be one of {', '.join(PROTOCOLS)}; "
+    if cfg.node_transfer_protocol not in TRANSFER_PROTOCOLS:
+        raise ConfigError(f"node_transfer_protocol: must be one of {', '.join(TRANSFER_PROTOCOLS)}; "
                           f"got {cfg.node_transfer_protocol!r}")
     if cfg.node_link_timeout < 0.5:
         raise ConfigError(f"node_link_timeout: must be at least 0.5 (a node reports every 0.5 s), "

@@ -23,16 +23,42 @@ import time
 from collections import deque
 from dataclasses import replace
 
+from syshaxd.config import split_address
 from syshaxd.engine.kv_ledger import KVLedger, Quantiles
 from syshaxd.engine.status import NodeDecoderStatus, RemoteNodeStatus, WorkerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerStream
 from syshaxd.remote import wire
-from syshaxd.remote.addresses import split_address
-from syshaxd.remote.transfer import TransferEngine, TransferFailed, TransferUnavailable, mapping_address
-from syshaxd.remote.wire import AbortKV, DecoderState, FromNode, KVReserved, NodeHello, NodeStatus, ReserveKV, ToNode
+from syshaxd.remote.transfer import (
+    TransferEngine,
+    TransferFailed,
+    TransferUnavailable,
+    mapping_address,
+)
+from syshaxd.remote.wire import (
+    AbortKV,
+    DecoderState,
+    FromNode,
+    KVReserved,
+    NodeHello,
+    NodeStatus,
+    ReserveKV,
+    ToNode,
+)
 from syshaxd.sdk.kv.ring import KVRing
-from syshaxd.sdk.types import (Cancel, EngineSpec, EngineStats, Fallback, GenerateRequest, Handling, Imported,
-                               Prefilled, Rejected, Delta, Submit, WorkerLost)
+from syshaxd.sdk.types import (
+    Cancel,
+    Delta,
+    EngineSpec,
+    EngineStats,
+    Fallback,
+    GenerateRequest,
+    Handling,
+    Imported,
+    Prefilled,
+    Rejected,
+    Submit,
+    WorkerLost,
+)
 
 log = logging.getLogger(__name__)
 

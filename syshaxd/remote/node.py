@@ -22,13 +22,21 @@ import logging
 import os
 import signal
 
+from syshaxd.config import split_address
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle, WorkerStream
 from syshaxd.remote import wire
-from syshaxd.remote.addresses import split_address
 from syshaxd.remote.transfer import TransferEngine, mapping_address
-from syshaxd.remote.wire import (AbortKV, DecoderState, FromNode, KVReserved, NodeHello, NodeStatus, ReserveKV,
-                                 ToNode)
+from syshaxd.remote.wire import (
+    AbortKV,
+    DecoderState,
+    FromNode,
+    KVReserved,
+    NodeHello,
+    NodeStatus,
+    ReserveKV,
+    ToNode,
+)
 from syshaxd.sdk.kv.ring import KVRing, RingError
 from syshaxd.sdk.types import Cancel, Fallback, Handling, Submit, WorkerLost
 from syshaxd.startup import StartupError, create_ring
@@ -246,9 +254,9 @@ class FrontSession:
 async def serve_node(cfg, notifier, stop: asyncio.Event | None = None) -> int:
     """Run this daemon as a decode node (node_listen set) until SIGTERM or SIGINT."""
     from syshaxd.engine.plan import PlanError, plan_node
+    from syshaxd.remote.transfer import TransferUnavailable
     from syshaxd.sdk.gguf.header import GGUFError, fingerprint_from_gguf
     from syshaxd.sdk.model import ModelError, resolve_model, served_name
-    from syshaxd.remote.transfer import TransferUnavailable
 
     host, port = split_address(cfg.node_listen, "node_listen")  # checked with the config
     try:

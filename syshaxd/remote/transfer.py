@@ -20,9 +20,9 @@ import logging
 import mmap
 import os
 
-log = logging.getLogger(__name__)
+from syshaxd.config import TRANSFER_PROTOCOLS as PROTOCOLS
 
-PROTOCOLS = ("tcp", "rdma")
+log = logging.getLogger(__name__)
 
 
 class TransferUnavailable(RuntimeError):
