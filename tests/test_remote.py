@@ -372,3 +372,30 @@ def test_the_node_refuses_a_record_that_is_not_what_the_front_reported(node, sec
     assert not imported.ok and imported.reason == "checksum", imported
     assert sum(e.n_tokens for e in events if isinstance(e, Delta)) == 6  # recomputed from the prompt, answered
     assert events[-1].finish_reason == "length"
+
+
+def test_a_node_that_serves_another_model_is_refused(secret, tmp_path):
+    """A node serving another GGUF (the same model quantized otherwise) is refused at its hello, by the model
+    fingerprint, and the front says so; no request goes there."""
+    from conftest import free_port
+
+    other = MODEL_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not other.exists():
+        pytest.skip(f"needs {other.name} (the default model's wheel unpacks it)")
+    address = f"127.0.0.1:{free_port()}"
+    node = start_daemon(tmp_path, {"model": str(other), "model_name": MODEL_NAME, "quantize": "",
+                                   "node_secret_file": str(secret), "cpu_affinity": "1"},
+                        wait=False, args=["--node", address])
+    try:
+        wait_for(lambda: "syshaxd node ready" in node.log() or node.proc.poll() is not None, 120, "the node")
+        front = start_daemon(tmp_path, front_config(MODEL_DIR / "SmolLM2-135M-Instruct.q4_0.gguf", secret,
+                                                    remote_nodes=[address]))
+        try:
+            remote = wait_for(lambda: (n := node_of(front))["link"] == "refused" and n, 30, "the refusal")
+            assert "serves another model" in remote["error"], remote
+            assert complete(front, PROMPTS[0])  # the front's own decoder serves
+            assert node_of(front)["transfers"] == 0
+        finally:
+            assert front.stop() == 0, front.log()
+    finally:
+        node.stop()
