@@ -346,21 +346,21 @@ def test_the_node_refuses_a_record_that_is_not_what_the_front_reported(node, sec
 
     async def as_a_front() -> list:
         reader, writer = await asyncio.open_connection(NODE_IP, NODE_PORT)
-        await wire.prove_as_front(reader, writer, secret.read_bytes().strip())
-        hello = await wire.read_message(reader)
+        sealed = await wire.prove_as_front(reader, writer, secret.read_bytes().strip())
+        hello = await sealed.read(reader)
 
         async def next_of(kind):
-            while not isinstance(message := await asyncio.wait_for(wire.read_message(reader), 30), kind):
+            while not isinstance(message := await asyncio.wait_for(sealed.read(reader), 30), kind):
                 pass
             return message
 
-        await wire.send(writer, wire.ReserveKV("forged", length))
+        await sealed.send(writer, wire.ReserveKV("forged", length))
         room = await next_of(wire.KVReserved)
         assert not room.error, room
         await asyncio.to_thread(engine.write, hello.transfer_session, mapping_address(buffer), room.address, length)
         handle = KVHandle(room.offset, length, room.seq, 0x5EC12E7, len(tokens), tokens[-1], time.time())
         request = GenerateRequest("forged", max_tokens=6, sampling=SamplingParams(temperature=0), prompt_tokens=tokens)
-        await wire.send(writer, wire.ToNode(Submit(request, Handling(kv=handle))))
+        await sealed.send(writer, wire.ToNode(Submit(request, Handling(kv=handle))))
         events = []
         while not (events and isinstance(events[-1], Delta) and events[-1].finish_reason):
             events += (await next_of(wire.FromNode)).events

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from syshaxd.config import split_address
@@ -44,7 +45,7 @@ from syshaxd.remote.wire import (
     ReserveKV,
     ToNode,
 )
-from syshaxd.sdk.kv.ring import KVRing
+from syshaxd.sdk.kv.ring import RECORD_HEADER, KVRing
 from syshaxd.sdk.types import (
     Cancel,
     Delta,
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 
 RETRY = 1.0  # seconds between attempts to reach a node that is down
 TRANSFER_TIMEOUT = 10.0  # seconds one record's write may take before its decoder recomputes instead
+TRANSFER_THREADS = 4  # writes in flight at once, over all nodes
 
 
 class FrontTransfer:
@@ -75,12 +77,17 @@ class FrontTransfer:
         self.protocol, self.device = protocol, device
         self.engine: TransferEngine | None = None
         self.base = mapping_address(ring.mapping) if ring is not None else 0
+        # writes wait here, not in the loop's default executor: a node that black-holes them must not starve the
+        # threads that tokenize every request
+        self.executor = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="kv-transfer")
 
     def ensure(self, local_host: str) -> TransferEngine | None:
         """The engine, started on local_host the first time; None without a ring (cpu mode: no record travels)."""
         if self.engine is None and self.ring is not None:
             engine = TransferEngine(local_host, self.protocol, self.device)
-            engine.register(self.base, len(self.ring.mapping))
+            # the records' area only: the ring's header page stays out of the transfer engine's reach
+            start = self.ring.payload_position(0) - RECORD_HEADER
+            engine.register(self.base + start, len(self.ring.mapping) - start)
             self.engine = engine
         return self.engine
 
@@ -127,6 +134,7 @@ class RemoteNode:
         self._hello: NodeHello | None = None
         self._engine: TransferEngine | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._sealed: wire.Session | None = None  # the connection's framing, once it proved the secret
         self._pending: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
@@ -144,7 +152,10 @@ class RemoteNode:
         if self._task is not None:
             self._task.cancel()
         self._down("was stopped", stopping=True)
-        self.state = "stopped"
+        for task in list(self._tasks):
+            task.cancel()
+        self.transfer.executor.shutdown(wait=False, cancel_futures=True)
+        self.state, self.link = "stopped", "stopped"
 
     @property
     def pid(self) -> int | None:
@@ -157,14 +168,14 @@ class RemoteNode:
             try:
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
                                                         self.link_timeout)
-                await asyncio.wait_for(wire.prove_as_front(reader, writer, self.secret), self.link_timeout)
-                hello = await asyncio.wait_for(wire.read_message(reader), self.link_timeout)
+                sealed = await asyncio.wait_for(wire.prove_as_front(reader, writer, self.secret), self.link_timeout)
+                hello = await asyncio.wait_for(sealed.read(reader), self.link_timeout)
                 self._check(hello)
                 self._engine = self.transfer.ensure(writer.get_extra_info("sockname")[0])
-                self._up(hello, writer)
+                self._up(hello, writer, sealed)
                 failing = ""
                 while True:
-                    self._handle(await asyncio.wait_for(wire.read_message(reader), self.link_timeout))
+                    self._handle(await asyncio.wait_for(sealed.read(reader), self.link_timeout))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -200,10 +211,10 @@ class RemoteNode:
             self.state = "unreachable" if link == "down" else "failed" if link == "refused" else self.state
             self.ready.clear()
 
-    def _up(self, hello: NodeHello, writer) -> None:
-        self._hello, self._writer = hello, writer
-        if self.link == "down" or self.links_lost:
-            self.restarts += 1
+    def _up(self, hello: NodeHello, writer, sealed: wire.Session) -> None:
+        self._hello, self._writer, self._sealed = hello, writer, sealed
+        if self.links_lost:
+            self.restarts += 1  # taken back after its link was lost (not a first connection after start-up tries)
         self._set_link("up")
         self._status(NodeStatus(hello.decoders))
         log.info("%s: up, %d decoders (%s), transfer engine %s", self.name, len(hello.decoders),
@@ -259,7 +270,10 @@ class RemoteNode:
             self.state = "ready"
             self.ready.set()
         else:
-            self.state = "loading"
+            failed = message.decoders and all(d.state == "failed" for d in message.decoders)
+            self.state = "failed" if failed else "loading"  # failed: nothing will come back there by itself
+            self.error = "every decoder of the node failed: " + "; ".join(
+                f"{d.name}: {d.error}" for d in message.decoders) if failed else ""
             self.ready.clear()
 
     def _event(self, event) -> None:
@@ -278,7 +292,7 @@ class RemoteNode:
 
     def _send(self, message) -> None:
         if self._writer is not None:
-            self._writer.write(wire.dumps(message))
+            self._writer.write(self._sealed.frame(message))
 
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> WorkerStream:
         if self.state != "ready" or self._writer is None:
@@ -294,11 +308,12 @@ class RemoteNode:
         return stream
 
     async def _hand_on(self, request: GenerateRequest, handling: Handling, stream: WorkerStream) -> None:
-        """Write the request's record into the node's ring, then send it; without the record when that fails."""
+        """Write the request's record into the node's ring, then send it; without the record when that fails.
+        Every way out sends the Submit (the request goes on there) or ends the stream (it goes on elsewhere)."""
         rid, kv = request.request_id, handling.kv
         how = Handling(kv_missing=Fallback.TRANSFER_FAILED)
         reserved: KVReserved | None = None
-        freed = False
+        write = None
         started = time.monotonic()
         try:
             future = asyncio.get_running_loop().create_future()
@@ -308,31 +323,42 @@ class RemoteNode:
             if reserved.error:
                 raise TransferFailed(f"the node's ring has no room: {reserved.error}")
             write = asyncio.get_running_loop().run_in_executor(
-                None, self._engine.write, self._hello.transfer_session, self.transfer.payload_address(kv.offset),
-                reserved.address, kv.length)
-            # the front's copy goes once nothing reads it any more, whatever the write's outcome
-            write.add_done_callback(lambda _: self.ledger.sent(rid))
-            freed = True
+                self.transfer.executor, self._engine.write, self._hello.transfer_session,
+                self.transfer.payload_address(kv.offset), reserved.address, kv.length)
             await asyncio.wait_for(asyncio.shield(write), self.transfer_timeout)
             how = replace(handling, kv=replace(kv, offset=reserved.offset, seq=reserved.seq))
-            self.transfers += 1
-            self.bytes_moved += kv.length
             self._times.append(time.monotonic() - started)
-        except (TransferFailed, ConnectionError, asyncio.TimeoutError, OSError) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- whatever failed, the request goes on without its record
             self.transfer_failures += 1
             log.warning("%s: the KV record of %s did not reach the node (%s); its decoder recomputes the prompt",
                         self.name, rid, _words(exc, self.transfer_timeout))
-            if reserved is not None and not reserved.error:
-                self._send(AbortKV(rid))
         finally:
             self._pending.pop(rid, None)
-            if not freed:
-                self.ledger.sent(rid)
+            self._after_write(rid, write, reserved, sent=how.kv is not None)
         if self.streams.get(rid) is not stream:  # cancelled meanwhile, or the link went down
-            if how.kv is not None:
-                self._send(AbortKV(rid))
             return
-        self._send(ToNode(Submit(request, how)))
+        if how.kv is not None:
+            self.transfers += 1
+            self.bytes_moved += kv.length
+        try:
+            self._send(ToNode(Submit(request, how)))
+        except Exception as exc:  # noqa: BLE001 -- cannot be framed: go on elsewhere rather than wait forever
+            self.streams.pop(rid, None)
+            stream.queue.put_nowait(WorkerLost(rid, f"could not be sent to {self.name} ({exc})"))
+
+    def _after_write(self, rid: str, write, reserved: KVReserved | None, sent: bool) -> None:
+        """Once nothing writes any more (a timed-out write may still be under way in its thread): free the front's
+        copy, and give the node's room back unless the Submit that commits it goes (or went) out."""
+        def done(_=None) -> None:
+            self.ledger.sent(rid)
+            if reserved is not None and not reserved.error and not (sent and self.streams.get(rid) is not None):
+                self._send(AbortKV(rid))
+        if write is not None and not write.done():
+            write.add_done_callback(done)
+        else:
+            done()
 
     def cancel(self, request_id: str) -> None:
         if self.streams.pop(request_id, None) is not None:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 
 from syshaxd.config import split_address
 from syshaxd.engine.kv_ledger import KVLedger
@@ -37,14 +38,16 @@ from syshaxd.remote.wire import (
     ReserveKV,
     ToNode,
 )
-from syshaxd.sdk.kv.ring import KVRing, RingError
+from syshaxd.sdk.kv.ring import RECORD_HEADER, KVRing, RingError
 from syshaxd.sdk.types import Cancel, Fallback, Handling, Submit, WorkerLost
 from syshaxd.startup import StartupError, create_ring
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT = 0.5  # seconds between NodeStatus messages
+ABORT_GRACE = 30.0  # seconds a gone front's reservations are kept, past any write of its still under way
 HANDSHAKE_TIMEOUT = 10.0
+MAX_HANDSHAKES = 8  # connections at once that have not proved the secret yet
 
 
 class NodeServer:
@@ -63,10 +66,14 @@ class NodeServer:
         self.ring_address = mapping_address(ring.mapping)
         self.session: FrontSession | None = None
         self.refused = 0  # connections that failed the handshake
+        self._handshakes = 0  # connections proving themselves now
+        self._refusal_logged = 0.0
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self.transfer.register(self.ring_address, len(self.ring.mapping))
+        # the records' area only: the ring's header page (head, tail, writer) stays out of the transfer engine's reach
+        start = KVRing.payload_position(0) - RECORD_HEADER
+        self.transfer.register(self.ring_address + start, len(self.ring.mapping) - start)
         self._server = await asyncio.start_server(self._on_connect, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("decode node listening on %s:%d (transfer engine %s)", self.host, self.port, self.transfer.session)
@@ -87,17 +94,27 @@ class NodeServer:
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        try:
-            await asyncio.wait_for(wire.prove_as_node(reader, writer, self.secret), HANDSHAKE_TIMEOUT)
-        except (wire.WireError, asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:
+        if self._handshakes >= MAX_HANDSHAKES:  # a flood of connections that prove nothing holds no more than this
             self.refused += 1
-            why = str(exc) or type(exc).__name__
-            log.warning("refused a connection from %s: %s", peer, why)
             writer.close()
             return
+        self._handshakes += 1
+        try:
+            sealed = await asyncio.wait_for(wire.prove_as_node(reader, writer, self.secret), HANDSHAKE_TIMEOUT)
+        except (wire.WireError, asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._refusal_logged >= 1.0:  # one line a second at most, however many knock
+                self._refusal_logged = now
+                log.warning("refused a connection from %s: %s (%d refused so far)", peer,
+                            str(exc) or type(exc).__name__, self.refused)
+            writer.close()
+            return
+        finally:
+            self._handshakes -= 1
         if self.session is not None:
             self.session.close(f"a front connected from {peer}")
-        session = self.session = FrontSession(self, reader, writer, f"{peer[0]}:{peer[1]}")
+        session = self.session = FrontSession(self, reader, writer, f"{peer[0]}:{peer[1]}", sealed)
         log.info("front %s connected", session.peer)
         try:
             await session.run()
@@ -106,16 +123,26 @@ class NodeServer:
                 self.session = None
 
 
+def _abort_all(reservations) -> None:
+    for reservation in reservations:
+        try:
+            reservation.abort()
+        except RingError:
+            pass  # the ring was reset meanwhile
+
+
 class FrontSession:
     """One connected front: its requests on this node's decoders, its reservations in the ring."""
 
-    def __init__(self, node: NodeServer, reader, writer, peer: str) -> None:
+    def __init__(self, node: NodeServer, reader, writer, peer: str, sealed: wire.Session) -> None:
         self.node = node
+        self.sealed = sealed
         self.reader, self.writer = reader, writer
         self.peer = peer
         self.streams: dict[str, WorkerStream] = {}
         self.reservations: dict = {}  # request id -> ring Reservation the front is filling
         self._tasks: set[asyncio.Task] = set()
+        self._relays: dict[str, asyncio.Task] = {}  # request id -> the task relaying its events
         self._closed = False
         self._outbox: list = []  # decoder events of this loop turn: one frame for a whole engine step
 
@@ -127,7 +154,7 @@ class FrontSession:
         try:
             self._send(hello)
             while not self._closed:
-                self._handle(await wire.read_message(self.reader))
+                self._handle(await self.sealed.read(self.reader))
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             self.close("the front closed the connection")
         except wire.WireError as exc:
@@ -146,16 +173,17 @@ class FrontSession:
             stream.cancel()
             self.node.ledger.drop(request_id)
         self.streams.clear()
-        for reservation in self.reservations.values():
-            reservation.abort()
-        self.reservations.clear()
+        # a write the front started may still land: the room goes back once it cannot any more
+        reservations, self.reservations = list(self.reservations.values()), {}
+        if reservations:
+            asyncio.get_running_loop().call_later(ABORT_GRACE, _abort_all, reservations)
         for task in self._tasks:
             task.cancel()
         self.writer.close()
 
     def _send(self, message) -> None:
         if not self._closed:
-            self.writer.write(wire.dumps(message))
+            self.writer.write(self.sealed.frame(message))
 
     def _relay_event(self, event) -> None:
         """Queue a decoder's event for the front. A worker's step reaches its streams in one loop turn, and all
@@ -190,14 +218,21 @@ class FrontSession:
         elif isinstance(message, ToNode) and isinstance(message.message, Submit):
             self._submit(message.message)
         elif isinstance(message, ToNode) and isinstance(message.message, Cancel):
-            stream = self.streams.pop(message.message.request_id, None)
+            request_id = message.message.request_id
+            stream = self.streams.pop(request_id, None)
             if stream is not None:
                 stream.cancel()
-            self.node.ledger.drop(message.message.request_id)
+            relay = self._relays.pop(request_id, None)
+            if relay is not None:
+                relay.cancel()  # its stream gets no more events: the worker forgot the request
+            self.node.ledger.drop(request_id)
         else:
             raise wire.WireError(f"a {type(message).__name__} is not a front's message")
 
     def _reserve(self, message: ReserveKV) -> None:
+        earlier = self.reservations.pop(message.request_id, None)
+        if earlier is not None:
+            earlier.abort()  # asked again for the same request: the room it had would never be committed
         try:
             reservation = self.node.ring.reserve(message.length, timeout=0.0)
         except RingError as exc:
@@ -235,7 +270,10 @@ class FrontSession:
         self.streams[request.request_id] = stream
         task = asyncio.ensure_future(self._relay(stream))
         self._tasks.add(task)
+        self._relays[request.request_id] = task
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t, rid=request.request_id: self._relays.pop(rid, None)
+                               if self._relays.get(rid) is t else None)
 
     async def _relay(self, stream: WorkerStream) -> None:
         """The decoder's events, to the front as they come, until the last."""

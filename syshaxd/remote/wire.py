@@ -6,9 +6,13 @@ ring one-sidedly, and this channel says where they are. What does travel here is
 the daemon already speaks to its local workers (sdk/types.py: Submit, Cancel and the events back),
 wrapped in the messages below.
 
-Frames are a 4-byte big-endian length, then a pickle. Pickle runs code on load, so a frame is read
-only after the peer proved it holds the secret, and then through an unpickler that builds only the
-types named in ALLOWED: a frame naming anything else is refused and the connection closed.
+Frames are a 4-byte big-endian length, a pickle, and a 16-byte tag: HMAC-SHA256 over the frame's direction, its
+sequence number and its bytes, keyed from the secret and both sides' challenges (a Session). So a frame is read
+only from the peer that proved the secret on this very connection, in order and once: one who relays the two
+proofs between a front and a node learns no key and can add, change or replay nothing. Pickle runs code on
+load, so a frame is unpickled only after its tag checks, and then by an unpickler that builds only the message
+classes of ALLOWED_MODULES: a frame naming anything else is refused and the connection closed. The channel is
+not encrypted: prompts' token ids cross it in the clear.
 """
 
 from __future__ import annotations
@@ -127,16 +131,20 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module == "builtins" and name in _BUILTINS:
             return super().find_class(module, name)
-        if module in ALLOWED_MODULES and not name.startswith("_"):
-            return super().find_class(module, name)
+        # a dotted name would reach through the module's own imports ("os.system"): only its own classes
+        if module in ALLOWED_MODULES and "." not in name and not name.startswith("_"):
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
         raise WireError(f"the peer sent a {module}.{name}, which this channel does not carry")
 
 
 def dumps(message) -> bytes:
+    """The message's pickle; WireError when it is over the frame limit."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     if len(data) > MAX_FRAME:
         raise WireError(f"a {type(message).__name__} of {len(data)} bytes is over the {MAX_FRAME}-byte frame limit")
-    return _HEADER.pack(len(data)) + data
+    return data
 
 
 def loads(data: bytes):
@@ -148,12 +156,48 @@ def loads(data: bytes):
         raise WireError(f"not a message: {type(exc).__name__}: {exc}") from None
 
 
-async def read_message(reader: asyncio.StreamReader):
-    """The next whole message; IncompleteReadError at the end of the stream, WireError on a bad frame."""
-    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if size > MAX_FRAME:
-        raise WireError(f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit")
-    return loads(await reader.readexactly(size))
+TAG_BYTES = 16
+
+
+class Session:
+    """One authenticated connection's framing: each frame sealed with its direction and sequence number."""
+
+    def __init__(self, key: bytes, sending: bytes, receiving: bytes) -> None:
+        self._key = key
+        self._sending, self._receiving = sending, receiving
+        self._sent = self._received = 0
+
+    def _tag(self, direction: bytes, seq: int, data: bytes) -> bytes:
+        mac = hmac.new(self._key, direction + seq.to_bytes(8, "big"), hashlib.sha256)
+        mac.update(data)
+        return mac.digest()[:TAG_BYTES]
+
+    def frame(self, message) -> bytes:
+        data = dumps(message)
+        tag = self._tag(self._sending, self._sent, data)
+        self._sent += 1
+        return _HEADER.pack(len(data)) + data + tag
+
+    async def read(self, reader: asyncio.StreamReader):
+        """The next whole message; IncompleteReadError at the end of the stream, WireError on a bad frame."""
+        (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+        if size > MAX_FRAME:
+            raise WireError(f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit")
+        data = await reader.readexactly(size)
+        tag = await reader.readexactly(TAG_BYTES)
+        if not hmac.compare_digest(tag, self._tag(self._receiving, self._received, data)):
+            raise WireError("a frame failed its check: it is not from the peer that proved the secret on this "
+                            "connection (or came out of order)")
+        self._received += 1
+        return loads(data)
+
+    async def send(self, writer: asyncio.StreamWriter, message) -> None:
+        writer.write(self.frame(message))
+        await writer.drain()
+
+
+def _session_key(secret: bytes, node_challenge: bytes, front_challenge: bytes) -> bytes:
+    return hmac.new(secret, PROTOCOL + b"|session|" + node_challenge + front_challenge, hashlib.sha256).digest()
 
 
 # --- the handshake ----------------------------------------------------------------------------
@@ -187,7 +231,7 @@ async def _raw(reader: asyncio.StreamReader, want: int) -> bytes:
     return await reader.readexactly(size)
 
 
-async def prove_as_node(reader, writer, secret: bytes) -> None:
+async def prove_as_node(reader, writer, secret: bytes) -> Session:
     """The node's side: challenge the front, check its proof, prove itself; AuthFailed when the front fails."""
     challenge = os.urandom(CHALLENGE_BYTES)
     await _exchange(writer, challenge)
@@ -195,9 +239,10 @@ async def prove_as_node(reader, writer, secret: bytes) -> None:
     if not hmac.compare_digest(answer[:32], _proof(secret, b"front", challenge)):
         raise AuthFailed("the front's proof does not match this node's secret")
     await _exchange(writer, _proof(secret, b"node", answer[32:]))
+    return Session(_session_key(secret, challenge, answer[32:]), b"node>front", b"front>node")
 
 
-async def prove_as_front(reader, writer, secret: bytes) -> None:
+async def prove_as_front(reader, writer, secret: bytes) -> Session:
     """The front's side: answer the node's challenge, challenge it back; AuthFailed when the node fails."""
     challenge = await _raw(reader, CHALLENGE_BYTES)
     mine = os.urandom(CHALLENGE_BYTES)
@@ -208,8 +253,5 @@ async def prove_as_front(reader, writer, secret: bytes) -> None:
         raise AuthFailed("the node closed the connection: it refused this front's secret") from None
     if not hmac.compare_digest(answer, _proof(secret, b"node", mine)):
         raise AuthFailed("the node's proof does not match this front's secret")
+    return Session(_session_key(secret, challenge, mine), b"front>node", b"node>front")
 
-
-async def send(writer: asyncio.StreamWriter, message) -> None:
-    writer.write(dumps(message))
-    await writer.drain()
