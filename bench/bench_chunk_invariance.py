@@ -1,10 +1,11 @@
 """Does llama.cpp give the same bits for a prompt however it was cut into chunks? (issue 20, item 1)
 
-The prefix cache keeps blocks of prefill_chunk_size (256) tokens because a hit must return exactly the tokens a miss
-returns: a prompt resumed after its cached blocks runs the very chunks it would have run from the start. A finer
-block (vLLM's 16 tokens) lets a shorter shared prefix hit, but then a prompt resumes mid-chunk: its KV for the first
-h tokens came from another prompt's run (that prompt's first chunk held other tokens after them), and its own chunks
-start at h, not at multiples of 256. This measures whether that changes any bit.
+The prefix cache kept blocks of prefill_chunk_size (256) tokens because a hit must return exactly the tokens a miss
+returns: a prompt resumed after its cached blocks ran the very chunks it would have run from the start. A finer
+block (vLLM's 16 tokens, what it keeps now on the strength of this measurement and each worker's warm-up proof,
+plugins/llamacpp/syshax_llamacpp/prefix.py) lets a shorter shared prefix hit, but then a prompt resumes mid-chunk:
+its KV for the first h tokens came from another prompt's run (that prompt's first chunk held other tokens after
+them), and its own chunks start at h, not at multiples of 256. This measures whether that changes any bit.
 
 For each h = 16·k below the prompt's length: run a different prompt that shares the first h tokens (its first
 chunk of 256), keep the KV of those h tokens, run our prompt from h in chunks of 256 ("free"), or in a first chunk

@@ -12,8 +12,9 @@ first, every load, stopped; then syshaxd, every load, stopped. The loads:
 * chat: 8 conversations x 6 turns behind a shared 512-token system prompt, each turn resending
   the whole history (32-token user messages, 64-token answers); TTFT per turn in its own table;
 * staggered finish: 48 requests at concurrency 8 whose max_tokens run from 128 to 256 in a
-  shuffled order, so batch slots free in scattered order, with unique 100-token prompts and
-  with one 100-token prompt repeated.
+  shuffled order, so batch slots free in scattered order, with unique 100-token prompts,
+  with one 100-token prompt repeated, and with a shared 128-token prefix (about 100 words)
+  before a unique 32-token tail.
 
 Per load and server: output tokens/s, TTFT p50, TPOT p50, and the ratio syshaxd / llama-server
 (throughput: higher is better for syshaxd; latency: lower is). Prompts are exact in the model's
@@ -22,6 +23,7 @@ tokens (syshaxd/bench/prompts.py), the same on both servers; outputs are forced 
     .venv/bin/python bench/bench_peers.py            # the issue's loads, about 10 minutes on 2 quiet cores
     .venv/bin/python bench/bench_peers.py --quick    # fewer and shorter requests: a smoke test
     .venv/bin/python bench/bench_peers.py --repack off   # both servers with plain kernels (weight repacking off)
+    .venv/bin/python bench/bench_peers.py --load chat --load shared   # only the loads whose names hold these
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import aiohttp  # noqa: E402
 from syshaxd.bench.chat import build_conversations, run_conversations  # noqa: E402
 from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
 from syshaxd.bench.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
+from syshaxd.bench.prompts import GGUFTokenizer, Prompt, PromptBuilder, default_tokenizer_path  # noqa: E402
 from syshaxd.bench.report import level_summary, write_json  # noqa: E402
 from syshaxd.bench.resources import ResourceSampler, describe_machine  # noqa: E402
 
@@ -64,7 +66,9 @@ class Load:
     """One workload, run the same way on both servers."""
 
     name: str
-    kind: str  # "unique", "repeated" (one prompt for every request), "chat", "staggered", "staggered-repeated"
+    # "unique", "repeated" (one prompt for every request), "chat", "staggered", "staggered-repeated",
+    # "staggered-shared" (one prefix of prefix_len tokens before each request's unique tail)
+    kind: str
     concurrency: int
     requests: int  # conversations for chat
     input_len: int  # per user message for chat
@@ -72,6 +76,7 @@ class Load:
     output_max: int | None = None  # staggered: the longest max_tokens
     system_len: int = 0  # chat
     turns: int = 1  # chat
+    prefix_len: int = 0  # staggered-shared
 
 
 def loads(quick: bool) -> list[Load]:
@@ -86,6 +91,7 @@ def loads(quick: bool) -> list[Load]:
         Load(f"chat 8x{turns}", "chat", 8, 8, 32, 8 if quick else 64, system_len=512, turns=turns),
         Load("staggered unique c=8", "staggered", 8, n, 100, lo, hi),
         Load("staggered repeated c=8", "staggered-repeated", 8, n, 100, lo, hi),
+        Load("staggered shared-prefix c=8", "staggered-shared", 8, n, 160, lo, hi, prefix_len=128),
     ]
 
 
@@ -101,6 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the llama-server binary (default: what ../shared/tools/llama-server.sh prints, built there"
                    " the first time)")
     p.add_argument("--only", choices=(PEER, OURS), help="run one server only (the ratios are then missing)")
+    p.add_argument("--load", action="append", default=[], metavar="TEXT",
+                   help="run only the loads whose names contain TEXT (repeatable; default: every load)")
     p.add_argument("--repack", choices=("auto", "on", "off"), default="auto",
                    help="weight repacking on both servers: syshaxd's repack key; llama-server's --repack / --no-repack"
                    " (auto: its default, on) (default: auto)")
@@ -215,7 +223,9 @@ class Workloads:
     def __init__(self, args: argparse.Namespace):
         self.builder = PromptBuilder(GGUFTokenizer(args.model))
         self.seed = args.seed
-        self.loads = loads(args.quick)
+        self.loads = [ld for ld in loads(args.quick) if not args.load or any(t in ld.name for t in args.load)]
+        if not self.loads:
+            raise SystemExit(f"bench_peers: no load's name contains {' or '.join(map(repr, args.load))}")
         self.inputs = {ld.name: self._inputs(i, ld) for i, ld in enumerate(self.loads)}
         self.warmup = [self.builder.build(32, self._seed(99, k)) for k in range(2)]
 
@@ -228,6 +238,10 @@ class Workloads:
                                        turns=ld.turns, seed=self.seed, user_seed=lambda k: self._seed(i, k))
         if ld.kind in ("repeated", "staggered-repeated"):
             prompts = [self.builder.build(ld.input_len, self._seed(i, 0))] * ld.requests
+        elif ld.kind == "staggered-shared":
+            prefix = self.builder.build(ld.prefix_len, self._seed(i, 0))
+            prompts = [Prompt(prefix.text + self.builder.build(ld.input_len - ld.prefix_len, self._seed(i, k + 2)).text,
+                              ld.input_len, self._seed(i, k + 2)) for k in range(ld.requests)]
         else:
             prompts = [self.builder.build(ld.input_len, self._seed(i, k)) for k in range(ld.requests)]
         if ld.output_max is None:
@@ -412,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(rows))
     print()
-    print(format_turns(work, results))
+    if any(ld.kind == "chat" for ld in work.loads):
+        print(format_turns(work, results))
     notes = [f"{label}: {shlex.join(info['argv'])}" for label, info in servers.items()]
     print("\n" + "\n".join(notes))
     print(f"\nwhole run {document['wall_s']:.0f} s; figures: {args.json}")

@@ -240,7 +240,8 @@ def _print_status(st: dict) -> None:
         print(f"prefix cache: {pc.blocks} of {pc.capacity_blocks} blocks of {pc.block_tokens} tokens "
               f"({pc.bytes / 2**20:.0f} of {pc.capacity_bytes / 2**20:.0f} MiB), {pc.held} in use; "
               f"{pc.hits} of {pc.queries} prompt tokens hit ({rate}); stored {pc.stored}, evicted {pc.evictions}"
-              + (f", refused {pc.refused}" if pc.refused else ""))
+              + (f", refused {pc.refused}" if pc.refused else "")
+              + (f"; {pc.prompts} of {pc.capacity_prompts} whole prompts kept" if pc.capacity_prompts else ""))
     shown = {f.name for f in dataclasses.fields(SchedulerStatus)} | {
         "version", "pid", "uptime_s", "draining", "drain_reason", "model", "listen", "config_source", "http_active"}
     for key, value in st.items():  # whatever else the daemon reports

@@ -66,6 +66,7 @@ class Config:
     cpu_affinity: str = ""  # cpulists, ";" between workers ("0-3;4-7"); CUSTOM_CPU_AFFINITY overrides it
     prefill_chunk_size: int = 256  # prompt tokens per step, so a long prompt does not stall the batch
     prefix_cache_mb: int = 512  # prompt KV kept for reuse (automatic prefix caching) in /dev/shm; 0: off
+    prefix_block_tokens: int = 16  # a shared prefix is reused in steps of this many tokens (vLLM's block)
     repack: str = "auto"  # llama.cpp's repacked weight kernels (llama-server's --repack): auto, on, off
 
     # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring
@@ -135,6 +136,10 @@ class Config:
 
     def model_dir_path(self) -> Path:
         return Path(self.model_dir).expanduser()
+
+    def prefix_block(self) -> int:
+        """The prefix cache's block: prefix_block_tokens, or the prefill chunk where that is smaller."""
+        return min(self.prefix_block_tokens, self.prefill_chunk_size)
 
 
 KEYS: dict[str, dataclasses.Field] = {f.name: f for f in fields(Config) if f.name != "source"}
@@ -211,6 +216,11 @@ def _validate(cfg: Config) -> None:
     at_least("prefill_chunk_size", 1)
     at_least("ring_size_mb", 1)
     at_least("prefix_cache_mb", 0)
+    at_least("prefix_block_tokens", 1)
+    if cfg.prefill_chunk_size % cfg.prefix_block():
+        raise ConfigError(f"prefix_block_tokens: {cfg.prefix_block_tokens} does not divide prefill_chunk_size "
+                          f"({cfg.prefill_chunk_size}); a cached block must never straddle two prompt chunks. "
+                          "Choose a divisor, e.g. 16 with a chunk of 256")
     at_least("handoff_timeout", 0.0)
     for key in ("cpu_engine", "prefill_engine"):
         if not getattr(cfg, key):

@@ -27,6 +27,6 @@ def create_store(plan: PrefixStorePlan) -> BlockStore:
     """The prefix cache's block store in /dev/shm, after removing any that daemons killed with -9 left."""
     for stale in block_store.sweep_stale():
         log.warning("removed a prefix cache left by a daemon that is gone: %s", stale)
-    log.info("prefix cache: %d blocks of %d tokens (%d MiB)", plan.n_slots, plan.block_tokens,
-             plan.n_slots * plan.slot_bytes // 2**20)
-    return BlockStore.create(plan.instance, plan.n_slots, plan.slot_bytes)
+    log.info("prefix cache: %d blocks of %d tokens and %d whole prompts' last chunks (%d MiB)", plan.n_slots,
+             plan.block_tokens, plan.n_wide, (plan.n_slots * plan.slot_bytes + plan.n_wide * plan.wide_bytes) // 2**20)
+    return BlockStore.create(plan.instance, plan.n_slots, plan.slot_bytes, plan.n_wide, plan.wide_bytes)

@@ -50,12 +50,16 @@ class RingPlan:
 
 @dataclass(frozen=True)
 class PrefixStorePlan:
-    """The prefix cache's block store: its instance, and slots of one block's KV record each."""
+    """The prefix cache's block store: its instance, slots of one block's KV record each, and wide slots of one
+    prompt chunk's KV record and its last token's logits each (a whole prompt's last chunk)."""
 
     instance: str
     n_slots: int
     slot_bytes: int
-    block_tokens: int  # the prefill chunk size
+    n_wide: int
+    wide_bytes: int
+    block_tokens: int  # prefix_block_tokens, or the chunk when that is smaller
+    chunk_tokens: int  # the prefill chunk size
 
 
 @dataclass
@@ -67,9 +71,17 @@ class Engines:
     prefix: PrefixStorePlan | None = None  # likewise
 
 
+# the share of prefix_cache_mb kept for whole prompts' last chunks (a repeated prompt then runs nothing)
+WIDE_SHARE = 0.25
+
+
+def _page_round(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
 def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixStorePlan | None:
-    """Slots for prefix_cache_mb of blocks of prefill_chunk_size tokens (f16 KV, as llama.cpp keeps it), each
-    with room for one token's logits."""
+    """prefix_cache_mb of slots, f16 KV as llama.cpp keeps it: a quarter in wide slots of prefill_chunk_size
+    tokens with one token's logits, the rest in slots of one block of prefix_block_tokens."""
     from syshaxd.sdk.gguf.header import GGUFError, fingerprint_from_gguf, n_vocab_from_gguf
     from syshaxd.sdk.kv.record import DType, record_size
 
@@ -82,13 +94,17 @@ def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixSto
         # the engines will say what is wrong with the file, through /health and the log
         log.warning("no prefix cache: cannot size it from %s (%s)", model_path.name, exc)
         return None
-    # a block's record, and room for the logits of a whole prompt's last token (float32)
-    slot = -(-(record_size(fingerprint, cfg.prefill_chunk_size, DType.F16) + 4 * n_vocab) // 4096) * 4096
-    n_slots = cfg.prefix_cache_mb * 1024 * 1024 // slot
+    chunk, block = cfg.prefill_chunk_size, cfg.prefix_block()
+    budget = cfg.prefix_cache_mb * 1024 * 1024
+    wide = _page_round(record_size(fingerprint, chunk, DType.F16) + 4 * n_vocab)
+    slot = _page_round(record_size(fingerprint, block, DType.F16))
+    n_wide = max(1, int(budget * WIDE_SHARE) // wide)
+    n_slots = (budget - n_wide * wide) // slot
     if n_slots < 1:
-        raise PlanError(f"prefix_cache_mb: {cfg.prefix_cache_mb} MiB holds no block of {cfg.prefill_chunk_size} "
-                        f"tokens ({slot / 2**20:.1f} MiB); raise it, lower prefill_chunk_size, or set 0")
-    return PrefixStorePlan(instance, n_slots, slot, cfg.prefill_chunk_size)
+        raise PlanError(f"prefix_cache_mb: {cfg.prefix_cache_mb} MiB holds no prompt chunk of {chunk} tokens with its "
+                        f"logits ({wide / 2**20:.1f} MiB) beside a block of {block} tokens; raise it, lower "
+                        "prefill_chunk_size, or set 0")
+    return PrefixStorePlan(instance, n_slots, slot, n_wide, wide, block, chunk)
 
 
 def _with_prefix_store(engines: Engines, cfg: Config, model_path: Path, instance: str) -> Engines:

@@ -1,16 +1,22 @@
 """Automatic prefix caching: which prompt blocks the block store holds, who uses each, which goes next.
 
-vLLM's scheme, for llama.cpp engines: a prompt's tokens are cut into blocks of `block_tokens`
-(the prefill chunk size); block j is known by a hash chained over blocks 0..j, so a block matches
-only when everything before it matches too. A new prompt reuses its longest run of cached blocks
-from the start, and the engine evaluates the rest from that chunk boundary -- the chunks a prompt
-without any cache would run from there, so a hit gives the tokens a miss gives.
+vLLM's scheme, for llama.cpp engines: a prompt's tokens are cut into blocks of `block_tokens` (16 by
+default, dividing the prefill chunk); block j is known by a hash chained over blocks 0..j, so a block
+matches only when everything before it matches too. A new prompt reuses its longest run of cached
+blocks from the start, and the engine evaluates the rest. The engine decides how much of that run it
+can resume after and still give the tokens a miss gives (a prompt chunk's bits do not depend on where
+it starts once it holds enough tokens; the engine proves that at its warm-up), and which of its new
+blocks it can keep (plugins/llamacpp/syshax_llamacpp/prefix.py).
+
+A whole prompt is kept too: its last chunk (from the last multiple of the chunk size before its last
+token) with its last token's logits, in a wide slot of its own, so that the same prompt again runs
+nothing at all.
 
 The daemon's KV ledger owns this index; the engine workers only read and write the slots it names
 (kv/block_store.py). A block is held by each request planned to read or write it, from the plan until
 the engine reports (Cached) or the request ends; a held block is never evicted. Blocks nobody holds
-wait in LRU order and go when a slot is needed. A hash matched by mistake costs nothing but time: the
-engine checks each record's checksum and token ids before using it.
+wait in LRU order and go when a slot of their size is needed. A hash matched by mistake costs nothing
+but time: the engine checks each record's checksum and token ids before using it.
 """
 
 from __future__ import annotations
@@ -33,15 +39,17 @@ class PrefixStatus:
 
     block_tokens: int
     capacity_blocks: int
-    capacity_bytes: int
+    capacity_bytes: int  # block slots and wide slots together
     blocks: int  # blocks cached and usable
-    bytes: int
+    bytes: int  # of the blocks and whole prompts kept
     held: int  # blocks a request is reading or writing now
     queries: int  # prompt tokens looked up
     hits: int  # of those, tokens whose KV an engine took from the cache
     stored: int  # blocks written
     evictions: int
     refused: int  # blocks an engine found unusable (never seen in a sound run)
+    capacity_prompts: int = 0  # wide slots: whole prompts' last chunks with their logits
+    prompts: int = 0  # whole prompts kept
 
 
 @dataclass(eq=False)
@@ -52,14 +60,30 @@ class _Block:
     checksum: int = 0
     dead: bool = False  # found unusable: out of the index, its slot freed when unheld
     holders: set[str] = field(default_factory=set)
+    wide: bool = False  # a whole prompt's last chunk and logits, in a wide slot
 
 
-def final_key(tokens, block_tokens: int, keys: list[int]) -> int:
+class _Slots:
+    """One size of slot: the free ones, and the ready blocks nobody holds, least recently used first."""
+
+    def __init__(self, first: int, n: int, nbytes: int) -> None:
+        self.n = n
+        self.nbytes = nbytes
+        self.free = list(range(first + n - 1, first - 1, -1))
+        self.idle: OrderedDict[int, _Block] = OrderedDict()
+
+
+def final_key(tokens, chunk_tokens: int, block_tokens: int, keys: list[int]) -> int:
     """The key of a whole prompt: its blocks before the chunk holding its last token, and that chunk's tokens."""
     ids = np.asarray(tokens, dtype=np.int32)
-    start = (len(ids) - 1) // block_tokens * block_tokens
+    start = final_start(len(ids), chunk_tokens)
     parent = keys[start // block_tokens - 1] if start else 0
     return xxhash.xxh3_64_intdigest(b"final" + parent.to_bytes(8, "little") + ids[start:].tobytes())
+
+
+def final_start(n_tokens: int, chunk_tokens: int) -> int:
+    """Where the chunk that holds a prompt's last token starts, as a prompt run from the start cuts it."""
+    return (n_tokens - 1) // chunk_tokens * chunk_tokens
 
 
 def block_keys(tokens, block_tokens: int) -> list[int]:
@@ -73,22 +97,27 @@ def block_keys(tokens, block_tokens: int) -> list[int]:
 
 
 class PrefixCache:
-    def __init__(self, n_slots: int, block_tokens: int, slot_bytes: int) -> None:
-        self.n_slots = n_slots
+    def __init__(self, n_slots: int, block_tokens: int, slot_bytes: int, *, chunk_tokens: int | None = None,
+                 n_wide: int = 0, wide_bytes: int = 0) -> None:
+        """n_slots block slots (0..n_slots-1), then n_wide wide slots for whole prompts; with no wide slots,
+        whole prompts take block slots (the index's tests size every slot alike)."""
         self.block_tokens = block_tokens
-        self.slot_bytes = slot_bytes
+        self.chunk_tokens = chunk_tokens or block_tokens
+        if self.chunk_tokens % block_tokens:
+            raise ValueError(f"a block of {block_tokens} tokens does not divide a chunk of {self.chunk_tokens}")
+        self._blocks = _Slots(0, n_slots, slot_bytes)
+        self._wide = _Slots(n_slots, n_wide, wide_bytes) if n_wide else self._blocks
         self._by_key: dict[int, _Block] = {}
         self._by_slot: dict[int, _Block] = {}
-        self._free = list(range(n_slots - 1, -1, -1))
-        self._idle: OrderedDict[int, _Block] = OrderedDict()  # ready, unheld blocks, least recently used first
         self._held: dict[str, list[_Block]] = {}  # request id -> the blocks its plan holds
         self.queries = self.hits = self.stored_blocks = self.evictions = self.refused = 0
 
     def plan(self, request_id: str, tokens) -> PrefixPlan:
         """The cached blocks the prompt starts with, and free slots for its other whole blocks (held for it).
 
-        Blocks stop before the chunk that holds the prompt's last token: its logits give the first token.
-        That chunk and those logits are kept as one more entry, for this very prompt (`final`).
+        Blocks stop before the block that holds the prompt's last token: its logits give the first token.
+        The chunk holding that token and those logits are kept as one more entry, for this very prompt
+        (`final`), usable once the hits reach that chunk's start.
         """
         c = self.block_tokens
         keys = block_keys(tokens, c)
@@ -105,24 +134,26 @@ class PrefixCache:
         for block in hits:  # held first: making room for this prompt's new blocks must not evict them
             self._hold(block, request_id, held)
         # the whole prompt (its last chunk and last token's logits), when every block before that chunk is cached
+        before = final_start(len(tokens), self.chunk_tokens) // c
+        key = final_key(tokens, self.chunk_tokens, c, keys)
         final, final_store = None, -1
-        whole = self._by_key.get(final_key(tokens, c, keys))
-        if whole is not None and len(hits) == usable:
+        whole = self._by_key.get(key)
+        if whole is not None and len(hits) >= before:
             self._hold(whole, request_id, held)
             final = (whole.slot, whole.checksum if whole.ready else 0)
         stores = []
         for index in range(len(hits), len(keys)):
             if keys[index] in self._by_key:
                 continue  # cached, or being written for another request
-            slot = self._new_block(keys[index], request_id, held)
+            slot = self._new_block(keys[index], request_id, held, self._blocks)
             if slot < 0:
                 break  # every slot is in use: the rest of this prompt is not kept
             stores.append((index, slot))
-        if whole is None and all(key in self._by_key for key in keys[:usable]):
-            final_store = self._new_block(final_key(tokens, c, keys), request_id, held)
+        if whole is None and all(k in self._by_key for k in keys[:before]):
+            final_store = self._new_block(key, request_id, held, self._wide, wide=True)
         self.queries += len(tokens)
-        return PrefixPlan(c, tuple((b.slot, b.checksum if b.ready else 0) for b in hits), tuple(stores), final,
-                          final_store)
+        return PrefixPlan(c, self.chunk_tokens, tuple((b.slot, b.checksum if b.ready else 0) for b in hits),
+                          tuple(stores), final, final_store)
 
     def cached(self, event: Cached) -> None:
         """The engine wrote the blocks it reports, took `hit_tokens` from the cache, and needs no block of the
@@ -150,42 +181,49 @@ class PrefixCache:
             if block.holders:
                 continue
             if block.ready and not block.dead:
-                self._idle[block.key] = block
-                self._idle.move_to_end(block.key)
+                idle = self._pool(block).idle
+                idle[block.key] = block
+                idle.move_to_end(block.key)
             else:  # never written (its writer did not report it), or unusable
                 self._drop(block)
 
     def status(self) -> PrefixStatus:
-        ready = sum(1 for b in self._by_key.values() if b.ready)
+        ready = [b for b in self._by_key.values() if b.ready]
+        wide = sum(1 for b in ready if b.wide)
         held = sum(1 for b in self._by_slot.values() if b.holders)
-        return PrefixStatus(self.block_tokens, self.n_slots, self.n_slots * self.slot_bytes, ready,
-                            ready * self.slot_bytes, held, self.queries, self.hits, self.stored_blocks,
-                            self.evictions, self.refused)
+        pools = [self._blocks] + ([self._wide] if self._wide is not self._blocks else [])
+        return PrefixStatus(self.block_tokens, self._blocks.n, sum(p.n * p.nbytes for p in pools),
+                            len(ready) - wide, sum(self._pool(b).nbytes for b in ready), held, self.queries,
+                            self.hits, self.stored_blocks, self.evictions, self.refused,
+                            self._wide.n if self._wide is not self._blocks else 0, wide)
 
     # --- slots --------------------------------------------------------------------------------
+
+    def _pool(self, block: _Block) -> _Slots:
+        return self._wide if block.wide else self._blocks
 
     def _hold(self, block: _Block, request_id: str, held: list) -> None:
         if request_id not in block.holders:
             block.holders.add(request_id)
             held.append(block)
-        self._idle.pop(block.key, None)
+        self._pool(block).idle.pop(block.key, None)
 
-    def _new_block(self, key: int, request_id: str, held: list) -> int:
-        """A slot for a block the request will write (held for it); -1 when every slot is in use."""
-        slot = self._take_slot()
+    def _new_block(self, key: int, request_id: str, held: list, pool: _Slots, wide: bool = False) -> int:
+        """A slot for a block the request will write (held for it); -1 when every slot of its size is in use."""
+        slot = self._take_slot(pool)
         if slot is None:
             return -1
-        block = _Block(key, slot)
+        block = _Block(key, slot, wide=wide)
         self._by_key[key] = self._by_slot[slot] = block
         self._hold(block, request_id, held)
         return slot
 
-    def _take_slot(self) -> int | None:
-        if self._free:
-            return self._free.pop()
-        if not self._idle:
+    def _take_slot(self, pool: _Slots) -> int | None:
+        if pool.free:
+            return pool.free.pop()
+        if not pool.idle:
             return None
-        _, block = self._idle.popitem(last=False)
+        _, block = pool.idle.popitem(last=False)
         self.evictions += 1
         del self._by_key[block.key]
         del self._by_slot[block.slot]
@@ -196,4 +234,4 @@ class PrefixCache:
             del self._by_key[block.key]
         if self._by_slot.get(block.slot) is block:
             del self._by_slot[block.slot]
-            self._free.append(block.slot)
+            self._pool(block).free.append(block.slot)

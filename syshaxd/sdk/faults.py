@@ -8,6 +8,12 @@ each in its EngineSpec; the worker then kills itself with SIGSEGV at that point:
   POINT:repacked    only while the engine runs other kernels than plain ones, so that the supervisor's
                     fallback to plain kernels is what makes it serve
 
+and one fault that kills nothing:
+
+  chunking          the warm-up's proof that a prompt chunk's bits do not depend on where it starts
+                    fails, as on a CPU whose kernels do depend on it (the prefix cache then resumes
+                    only at whole prompt chunks)
+
 This is how the tests prove the fallback and crash-loop paths on CPUs whose kernels do not crash.
 """
 
@@ -18,6 +24,7 @@ import resource
 import signal
 
 POINTS = ("warmup", "decode")
+PROOFS = ("chunking",)
 CONDITIONS = ("", "repacked")
 
 
@@ -29,11 +36,18 @@ def parse(text: str) -> str:
     """The fault as given, checked: "" or POINT or POINT:repacked."""
     if not text:
         return ""
+    if text in PROOFS:
+        return text
     point, _, condition = text.partition(":")
     if point not in POINTS or condition not in CONDITIONS:
         raise FaultError(f"SYSHAX_FAULT={text!r}: expected one of {', '.join(POINTS)}, optionally followed by "
-                         "':repacked'")
+                         f"':repacked', or one of {', '.join(PROOFS)}")
     return text
+
+
+def fails_proof(fault: str, proof: str) -> bool:
+    """Whether `fault` makes this warm-up proof fail."""
+    return fault == proof
 
 
 def crash_at(fault: str, point: str, kernels: str) -> None:

@@ -151,19 +151,21 @@ class KVHandle:
 class PrefixPlan:
     """What the daemon's prefix cache holds of a prompt, and where the engine may keep more of it.
 
-    The prompt is cut into blocks of `block_tokens` (the prefill chunk size, so a prompt resumed after
-    the cached blocks runs the very chunks it would have run from the start). `hits` are the slots of
-    blocks 0..len(hits)-1, each with the checksum its record was sealed with; `stores` pairs a block
-    index with a slot the engine may write that block's record into once the prompt has run.
+    The prompt is cut into blocks of `block_tokens`, which divide the prefill chunk (`chunk_tokens`).
+    `hits` are the slots of blocks 0..len(hits)-1, each with the checksum its record was sealed with;
+    `stores` pairs a block index with a slot the engine may write that block's record into once the
+    prompt has run. The engine decides how many hits it can resume after and which stores it can
+    write with the bits a miss would give (plugins/llamacpp/syshax_llamacpp/prefix.py).
     """
 
     block_tokens: int
+    chunk_tokens: int
     # (slot, checksum) of blocks 0, 1, ...; checksum 0: being written for another request when planned
     hits: tuple[tuple[int, int], ...] = ()
     stores: tuple[tuple[int, int], ...] = ()  # (block index, slot)
-    # The whole prompt, cached: its last chunk's KV and its last token's logits (slot, checksum), when the
-    # plan's hits are every block before that chunk -- a prompt seen before runs nothing at all; or a slot
-    # to keep this prompt so in (-1: none)
+    # The whole prompt, cached: its last chunk's KV (from the last multiple of chunk_tokens before its last
+    # token) and its last token's logits (slot, checksum), when the plan's hits reach that chunk -- a prompt
+    # seen before runs nothing at all; or a slot to keep this prompt so in (-1: none)
     final: tuple[int, int] | None = None
     final_store: int = -1
 

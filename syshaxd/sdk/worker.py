@@ -90,7 +90,7 @@ def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -
         engine.close()
         return
     log.info("warm-up passed in %.2fs (kernels: %s)", time.monotonic() - started, kernels)
-    conn.send(WorkerReady(info))
+    conn.send(WorkerReady(info | engine.info()))  # with what the warm-up found out
     try:
         _loop(conn, engine, spec.fault, kernels)
     except (EOFError, BrokenPipeError, ConnectionResetError):

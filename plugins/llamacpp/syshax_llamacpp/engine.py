@@ -13,6 +13,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from syshaxd.sdk import faults
 from syshaxd.sdk.gguf.quantize import ensure_quantized
 from syshaxd.sdk.admission import admit
 from syshaxd.sdk.gguf.vocab import Vocab
@@ -28,6 +29,11 @@ from syshaxd.sdk.gguf.header import fingerprint_from_gguf
 from syshax_llamacpp.codec import StateBuffer, StateImportError, export_seq, widen_streams
 
 log = logging.getLogger(__name__)
+
+# The shortest prompt chunk whose bits llama.cpp's CPU kernels keep wherever it starts (measured on AVX-512:
+# 64 and more keep them, 63 and fewer do not; bench/bench_chunk_invariance.py). Each worker proves it at its
+# warm-up before a prefix cache hit relies on it.
+EXACT_RESUME = 64
 
 
 def _graph_observer(on_graph: Callable[[], None]):
@@ -157,6 +163,9 @@ class LlamaCppEngine:
             from syshax_llamacpp.handoff import KVPort
 
             self.port = KVPort(spec.ring, str(path), n_stream=self.max_seqs, timeout=spec.handoff_timeout)
+        # a prompt chunk of this many tokens or more gives the same bits wherever it starts (proved at the
+        # warm-up; 0: not proved, so a prefix cache hit resumes only at a multiple of the chunk)
+        self.exact_resume = 0
         self.store = None  # the daemon's prefix cache: blocks of prompt KV, shared by its workers
         if spec.prefix_store:
             from syshaxd.sdk.kv.block_store import BlockStore
@@ -196,6 +205,7 @@ class LlamaCppEngine:
             "repack": self.spec.repack,
             "kernels": self.kernels.kernels,
             "kernels_why": self.kernels.why,
+            "exact_resume_tokens": self.exact_resume,
         }
 
     def fallback(self) -> tuple[dict, str]:
@@ -205,7 +215,8 @@ class LlamaCppEngine:
 
     def warm_up(self) -> None:
         """One full prompt chunk, a state export and import into every batch stream, and one full decode batch:
-        what serving runs, so that kernels which crash on this CPU crash here, before the worker says ready."""
+        what serving runs, so that kernels which crash on this CPU crash here, before the worker says ready.
+        With a prefix cache, then the proof that the prompt's bits do not depend on where its chunks start."""
         n = min(self.chunk, self.seq_ctx - 1)  # room for the decode step's token after it
         # token ids spread over the vocabulary: a prompt's rows as any text gives them
         tokens = [(7 + 31 * i) % self.n_vocab for i in range(n)]
@@ -213,28 +224,68 @@ class LlamaCppEngine:
         b.n_tokens = 0
         for pos, token in enumerate(tokens):
             self._add(b, token, pos, 0, pos == n - 1)
+        reference = None
         try:
             if llama_cpp.llama_decode(self.prefill_ctx, b) != 0:
                 raise RuntimeError(f"warm-up: llama_decode of a {n}-token prompt chunk failed")
             size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
             buf = self._state.ensure(size + 4 * self.max_seqs)
             export_seq(self.prefill_ctx, 0, self._state)
-            if not self.decodes:
-                return
-            size = widen_streams(buf, size, self.max_seqs)
-            self.batch.n_tokens = 0
-            for stream in range(self.max_seqs):
-                got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, stream)
-                if got != size:
-                    raise RuntimeError(f"warm-up: the prompt's state did not import into stream {stream}")
-                self._add(self.batch, tokens[stream % n], n, stream, True)
-            if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
-                raise RuntimeError(f"warm-up: llama_decode of a {self.max_seqs}-row decode batch failed")
+            reference = (buf[:size].copy(), np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(self.prefill_ctx, n - 1), (self.n_vocab,)).copy())
+            if self.decodes:
+                size = widen_streams(buf, size, self.max_seqs)
+                self.batch.n_tokens = 0
+                for stream in range(self.max_seqs):
+                    got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, stream)
+                    if got != size:
+                        raise RuntimeError(f"warm-up: the prompt's state did not import into stream {stream}")
+                    self._add(self.batch, tokens[stream % n], n, stream, True)
+                if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
+                    raise RuntimeError(f"warm-up: llama_decode of a {self.max_seqs}-row decode batch failed")
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
             if self.decodes:
                 for stream in range(self.max_seqs):
                     llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
+        # a decoder fed through the ring (hetero) runs few prompts of its own: whole chunks do for those, and its
+        # restarts stay short
+        if self.store is not None and reference is not None and not (self.port is not None and self.decodes):
+            self.exact_resume = self._prove_chunking(tokens, *reference)
+
+    def _prove_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> int:
+        """EXACT_RESUME if the warm-up prompt, run again in chunks of that many tokens or more that start off
+        every grid (16 + EXACT_RESUME, then the middle, then the last EXACT_RESUME), gives the very bytes of KV
+        and last logits it gave in one chunk; else 0, and the prefix cache resumes only at whole chunks."""
+        m, n = EXACT_RESUME, len(tokens)
+        if n < 2 * m:
+            log.info("prefix cache: a chunk of %d tokens is too short to resume inside it; hits resume at whole "
+                     "chunks", self.chunk)
+            return 0
+        cuts = [0, m + 16, n - m, n] if n - m - (m + 16) >= m else [0, n - m, n]
+        b = self.prefill_batch
+        try:
+            for start, end in zip(cuts, cuts[1:]):
+                b.n_tokens = 0
+                for pos in range(start, end):
+                    self._add(b, tokens[pos], pos, 0, pos == n - 1)
+                if llama_cpp.llama_decode(self.prefill_ctx, b) != 0:
+                    raise RuntimeError(f"warm-up: llama_decode of a {end - start}-token prompt chunk failed")
+            again = export_seq(self.prefill_ctx, 0, self._state)
+            same = (np.array_equal(again, state) and np.array_equal(np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(self.prefill_ctx, b.n_tokens - 1), (self.n_vocab,)), logits))
+        finally:
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        if faults.fails_proof(self.spec.fault, "chunking"):
+            same = False
+        sizes = ", ".join(str(e - s) for s, e in zip(cuts, cuts[1:]))
+        if not same:
+            log.warning("prefix cache: a %d-token prompt run in chunks of %s tokens gave other bits than in one "
+                        "chunk on this CPU; hits resume only at multiples of %d tokens", n, sizes, self.chunk)
+            return 0
+        log.info("prefix cache: a %d-token prompt gives the same bits in chunks of %s tokens as in one; hits resume "
+                 "after any block where %d tokens or more are left to the chunk's end", n, sizes, m)
+        return m
 
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> list:
         rid = request.request_id
@@ -254,13 +305,14 @@ class LlamaCppEngine:
         seq = _Sequence(request=request, prompt=prompt, max_tokens=max_tokens, started=time.monotonic(),
                         handling=handling)
         plan = handling.prefix
-        if (plan is not None and self.store is not None and plan.block_tokens == self.chunk
+        if (plan is not None and self.store is not None and plan.chunk_tokens == self.chunk
                 and not handling.resume_tokens):
             # the records written by now are checked now, so the answer's usage can say what is reused; the plan's
             # records are held for this request until it reports, and those written meanwhile are checked when
             # its prompt runs
             seq.found = prefix.find(self.store, self.fingerprint, plan, prompt, self.n_vocab, written_only=True)
-            seq.cached, seq.hit_tokens = True, sum(r.n_tokens for r in seq.found.records)
+            seq.cached = True
+            seq.hit_tokens = sum(r.n_tokens for r in prefix.usable(seq.found, plan, len(prompt), self.exact_resume))
         accepted = Accepted(rid, len(prompt), max_tokens, cached_tokens=seq.hit_tokens)
         if not self._needs_slot(seq):
             # a prompt only handed on runs in the prompt context and holds no batch slot: it starts at once,
@@ -327,7 +379,9 @@ class LlamaCppEngine:
         else:
             b = self.prefill_batch
             b.n_tokens = 0
-            take = min(len(seq.pending), self.chunk)
+            # up to the next multiple of the chunk: a prompt resumed after cached blocks then runs the chunks a
+            # prompt run from the start runs
+            take = min(len(seq.pending), self.chunk - seq.n_past % self.chunk)
             start = seq.n_past
             every = seq.prompt_lp is not None  # echo's prompt logprobs: logits for every position
             for _ in range(take):
@@ -374,7 +428,7 @@ class LlamaCppEngine:
         found = seq.found = prefix.find(self.store, self.fingerprint, seq.handling.prefix, seq.prompt, self.n_vocab,
                                         seq.found)
         seq.hit_tokens = 0
-        blocks = found.records
+        blocks = prefix.usable(found, seq.handling.prefix, len(seq.prompt), self.exact_resume)
         if not blocks:
             return None
         try:
@@ -402,7 +456,8 @@ class LlamaCppEngine:
             if state_bytes is None:
                 state_bytes = export_seq(self.prefill_ctx, 0, self._state)
             stored = prefix.store_blocks(self.store, self.fingerprint, plan, state_bytes, seq.prompt,
-                                         logits if plan.final_store >= 0 else None)
+                                         logits if plan.final_store >= 0 else None, seq.hit_tokens,
+                                         self.exact_resume)
         refused = tuple(seq.found.refused) if seq.found is not None else ()
         return [Cached(seq.request.request_id, tuple(stored), refused, seq.hit_tokens)]
 

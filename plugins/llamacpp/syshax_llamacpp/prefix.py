@@ -4,6 +4,20 @@ The daemon plans which slots of the block store hold the prompt's first blocks a
 (engine/prefix_cache.py); each slot holds one block as a neutral KV record. Nothing here trusts the
 plan: a block is used only when its record's checksum is the one reported when it was written and
 its token ids and positions are exactly those of the prompt at that place.
+
+A hit must give the tokens a miss gives. A miss runs its prompt in chunks on the grid of the chunk
+size (0, 256, 512, ...); a hit resumes after its cached blocks with a first chunk up to the next grid
+point, then runs the miss's chunks. llama.cpp's CPU kernels give a token the same bits in any chunk
+of `exact_resume` tokens or more, wherever it starts (64 on the CPUs measured,
+bench/bench_chunk_invariance.py); a shorter chunk gives other bits. The engine proves this at its
+warm-up (exact_resume 0 where it does not hold). So:
+
+* a hit resumes after n blocks only where the first chunk it then runs starts on the grid (the miss's
+  own chunk) or holds exact_resume tokens or more (`resumable`);
+* a run keeps a block only if the chunk that computed it held exact_resume tokens or more -- with no
+  proof, only a whole chunk -- so that every kept block holds the bits any exact run gives
+  (`kept_until`). A whole prompt's last chunk is kept with its logits whatever its size: only this
+  very prompt reads it, after the blocks before that chunk.
 """
 
 from __future__ import annotations
@@ -68,31 +82,76 @@ def find(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan, pro
     `found`: what an earlier look checked already (held for the request since, so not read again); this
     one goes on after it. A block planned while it was being written (checksum 0) counts when it is
     complete by now; one that is not yet ends the run quietly. written_only: end at the first such block.
+    The whole prompt, when planned and its record checks out, ends the run after the blocks before its
+    chunk.
     """
     found = found if found is not None else Found()
-    c = plan.block_tokens
     if found.refused or found.whole is not None:
         return found  # a refusal ends the run; a whole prompt is all there is
-    for j in range(len(found.blocks), len(plan.hits)):
+    before = (len(prompt) - 1) // plan.chunk_tokens * plan.chunk_tokens // plan.block_tokens
+    if plan.final is not None:
+        if not _read_blocks(store, fingerprint, plan, prompt, found, min(before, len(plan.hits)), written_only):
+            return found
+        if len(found.blocks) >= before:
+            slot, checksum = plan.final
+            if written_only and not checksum:
+                return found  # the run's own look tries it again
+            start = before * plan.block_tokens
+            record, why, view = _read(store, slot, 4 * n_vocab, fingerprint, checksum, prompt, start, len(prompt))
+            if not why:
+                # written before the record's seal, so a record that checks out has its logits
+                del found.blocks[before:]
+                found.whole = (record, np.frombuffer(view, np.float32, n_vocab, len(view) - 4 * n_vocab).copy())
+                return found
+            _refuse(found, slot, checksum, "the whole prompt", why)
+            if found.refused:
+                return found
+    _read_blocks(store, fingerprint, plan, prompt, found, len(plan.hits), written_only)
+    return found
+
+
+def _read_blocks(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan, prompt: list[int],
+                 found: Found, upto: int, written_only: bool) -> bool:
+    """Check the planned blocks after those found, up to block `upto`; False where the run ended before."""
+    c = plan.block_tokens
+    for j in range(len(found.blocks), upto):
         slot, checksum = plan.hits[j]
         if written_only and not checksum:
-            return found
+            return False
         record, why, _ = _read(store, slot, 0, fingerprint, checksum, prompt, j * c, (j + 1) * c)
         if why:
-            return _refuse(found, slot, checksum, f"block {j}", why)
+            _refuse(found, slot, checksum, f"block {j}", why)
+            return False
         found.blocks.append(record)
-    if plan.final is None or len(found.blocks) != (len(prompt) - 1) // c:
-        return found
-    slot, checksum = plan.final
-    if written_only and not checksum:
-        return found
-    record, why, view = _read(store, slot, 4 * n_vocab, fingerprint, checksum, prompt, len(found.blocks) * c,
-                              len(prompt))
-    if why:
-        return _refuse(found, slot, checksum, "the whole prompt", why)
-    # written before the record's seal, so a record that checks out has its logits
-    found.whole = (record, np.frombuffer(view, np.float32, n_vocab, len(view) - 4 * n_vocab).copy())
-    return found
+    return True
+
+
+def resumable(n_blocks: int, block: int, n_prompt: int, chunk: int, exact_resume: int) -> int:
+    """How many of a prompt's first n_blocks cached blocks a run can resume after and give a miss's bits: the
+    most whose first chunk then starts on the chunk grid or holds exact_resume tokens or more."""
+    for n in range(n_blocks, 0, -1):
+        start = n * block
+        if start % chunk == 0:
+            return n
+        end = min((start // chunk + 1) * chunk, n_prompt)
+        if exact_resume and end - start >= exact_resume:
+            return n
+    return 0
+
+
+def kept_until(start: int, n_prompt: int, chunk: int, exact_resume: int) -> int:
+    """Where the blocks a run from `start` may keep end: the prompt's end, or the start of its last chunk
+    when that chunk is short (under exact_resume tokens, or under a whole chunk with no proof)."""
+    last = max(start, (n_prompt - 1) // chunk * chunk)
+    return n_prompt if n_prompt - last >= (exact_resume or chunk) else last
+
+
+def usable(found: Found, plan: PrefixPlan, n_prompt: int, exact_resume: int) -> list[KVRecord]:
+    """The found records a run takes: the whole prompt with the blocks before it, or the blocks it can resume
+    after (`resumable`)."""
+    if found.whole is not None:
+        return found.records
+    return found.blocks[:resumable(len(found.blocks), plan.block_tokens, n_prompt, plan.chunk_tokens, exact_resume)]
 
 
 def _read(store: BlockStore, slot: int, tail: int, fingerprint: ModelFingerprint, checksum: int, prompt: list[int],
@@ -127,31 +186,34 @@ def import_blocks(ctx, seq_id: int, blocks: list[KVRecord], fingerprint: ModelFi
 
 
 def store_blocks(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan, state_bytes,
-                 prompt: list[int], logits: np.ndarray | None) -> list[tuple[int, int]]:
-    """Write the planned blocks of a prompt whose KV the state holds, and the whole prompt's last chunk with
-    its last token's logits when planned; (slot, checksum) of each written."""
+                 prompt: list[int], logits: np.ndarray | None, start: int, exact_resume: int) -> list[tuple[int, int]]:
+    """Write the planned blocks of a prompt whose KV the state holds and which its run from token `start`
+    computed in chunks long enough (`kept_until`), and the whole prompt's last chunk with its last token's
+    logits when planned; (slot, checksum) of each written."""
     state = parse_seq_state(state_bytes, fingerprint)
     c = plan.block_tokens
     order = np.argsort(state.positions, kind="stable")  # cells are in position order, but need not be
     if not np.array_equal(state.positions[order], np.arange(state.n_tokens)) or state.n_tokens != len(prompt):
         log.warning("prefix cache: the prompt's KV is not positions 0..%d; nothing kept", len(prompt) - 1)
         return []
-    spans = [(slot, index * c, (index + 1) * c) for index, slot in plan.stores]
+    until = kept_until(start, len(prompt), plan.chunk_tokens, exact_resume)
+    spans = [(slot, index * c, (index + 1) * c) for index, slot in plan.stores
+             if index * c >= start and (index + 1) * c <= until]
     if plan.final_store >= 0 and logits is not None:
-        spans.append((plan.final_store, (len(prompt) - 1) // c * c, len(prompt)))
+        spans.append((plan.final_store, (len(prompt) - 1) // plan.chunk_tokens * plan.chunk_tokens, len(prompt)))
     stored = []
-    for slot, start, end in spans:
-        rows = order[start:end]
+    for slot, first, end in spans:
+        rows = order[first:end]
         block: SeqState = replace(state, positions=state.positions[rows], k=[k[rows] for k in state.k],
                                   v=[v[rows] for v in state.v])
         view = store.slot(slot)
-        logits_at = len(view) - 4 * len(logits) if logits is not None else len(view)
+        logits_at = len(view) - 4 * len(logits) if slot == plan.final_store else len(view)
         try:
             if slot == plan.final_store:  # the logits first: a reader trusts them once the record checks out
                 np.frombuffer(view, np.float32, len(logits), logits_at)[:] = logits
-            encode_state_into(view[:logits_at], fingerprint, block, prompt[start:end])
+            encode_state_into(view[:logits_at], fingerprint, block, prompt[first:end])
         except ValueError as exc:  # a KV cache type wider than the store was sized for
-            log.warning("prefix cache: tokens %d..%d do not fit their slot (%s); not kept", start, end - 1, exc)
+            log.warning("prefix cache: tokens %d..%d do not fit their slot (%s); not kept", first, end - 1, exc)
             break
-        stored.append((slot, decode(view, verify=False).checksum))
+        stored.append((slot, decode(view[:logits_at], verify=False).checksum))
     return stored
