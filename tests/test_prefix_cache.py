@@ -399,7 +399,9 @@ def fine(default_model, tmp_path_factory):
 
 
 def test_a_100_word_shared_prefix_hits_and_every_hit_returns_the_tokens_a_miss_returns(fine):
-    assert "hits resume after any block" in fine.log()  # the warm-up proved chunks of 64 tokens exact here
+    # the warm-up proved chunks of 64 tokens exact on this CPU (else hits resume at whole chunks: still exact)
+    proved = "hits resume after any block" in fine.log()
+    assert proved or "gave other bits than in one chunk" in fine.log()
     client = connect(fine)
     text = token_ids(fine, long_text(80))
     shared = token_ids(fine, "Read the list, then answer. " + long_text(11))[:130]  # 100 words or so
@@ -417,7 +419,10 @@ def test_a_100_word_shared_prefix_hits_and_every_hit_returns_the_tokens_a_miss_r
             cached_tokens, n = got[2], got[3]
             # a whole prompt; or whole blocks ending at a chunk's start, or leaving 64 tokens or more to run
             assert (cached_tokens == n or cached_tokens % 256 == 0
-                    or (cached_tokens % 16 == 0 and min(n, cached_tokens // 256 * 256 + 256) - cached_tokens >= 64))
+                    or (proved and cached_tokens % 16 == 0
+                        and min(n, cached_tokens // 256 * 256 + 256) - cached_tokens >= 64))
+    if not proved:
+        return
     shared_hits = [one[2] for one in shortest_first[-6:]]
     assert shared_hits[0] == 0 and all(h >= 64 for h in shared_hits[1:])  # the first one wrote it
     assert any(0 < one[2] < one[3] and one[2] % 256 for one in shortest_first)  # resumed inside a chunk
