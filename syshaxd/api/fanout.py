@@ -15,19 +15,27 @@ class Fanout:
     def __init__(self, streams: list[RequestStream]) -> None:
         self.streams = streams
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._tasks = [asyncio.get_running_loop().create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+        # one choice (the usual request) is read directly: no task and queue between it and the reader per token
+        self._tasks = [asyncio.get_running_loop().create_task(self._pump(i, s)) for i, s in enumerate(streams)] \
+            if len(streams) > 1 else []
 
     async def _pump(self, index: int, stream: RequestStream) -> None:
         while True:
-            try:
-                event = await stream.next_event()
-            except Exception as exc:  # never leave the reader waiting on a choice nobody feeds
-                event = Delta(stream.request_id, "", 0, "error", f"reading the engine failed: {exc}")
+            event = await self._read(stream)
             self._queue.put_nowait((index, event))
             if isinstance(event, Rejected) or (isinstance(event, Delta) and event.finish_reason):
                 return
 
+    @staticmethod
+    async def _read(stream: RequestStream) -> Event:
+        try:
+            return await stream.next_event()
+        except Exception as exc:  # never leave the reader waiting on a choice nobody feeds
+            return Delta(stream.request_id, "", 0, "error", f"reading the engine failed: {exc}")
+
     async def next_event(self) -> tuple[int, Event]:
+        if not self._tasks:
+            return 0, await self._read(self.streams[0])
         return await self._queue.get()
 
     @property

@@ -53,7 +53,8 @@ async def next_event(request: web.Request, stream, deadline: float | None):
         if deadline is not None:
             timeout = min(timeout, max(deadline - time.monotonic(), 0.0))
         try:
-            return await asyncio.wait_for(stream.next_event(), timeout)
+            async with asyncio.timeout(timeout):  # no task per call, as wait_for would make: this runs per token
+                return await stream.next_event()
         except asyncio.TimeoutError:
             if _client_gone(request):
                 return None
@@ -270,6 +271,13 @@ def _typed(event: dict) -> bytes:
     return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
 
 
+async def write_within(resp: web.StreamResponse, data: bytes, timeout: float) -> None:
+    """resp.write(data), given up with TimeoutError after `timeout` seconds (a client that stops reading). Unlike
+    asyncio.wait_for it makes no task per write: a stream writes once per token."""
+    async with asyncio.timeout(timeout):
+        await resp.write(data)
+
+
 async def stream_sse(request: web.Request, fan: Fanout, request_id: str,
                      events: AsyncIterator[bytes]) -> web.StreamResponse:
     """Server-sent events from `events`. The headers wait for its first event (an error before it is a proper
@@ -281,10 +289,10 @@ async def stream_sse(request: web.Request, fan: Fanout, request_id: str,
     await resp.prepare(request)
     timeout = request.app[STATE].config.client_timeout
     try:
-        await asyncio.wait_for(resp.write(first), timeout)
+        await write_within(resp, first, timeout)
         async for data in events:
             # a write waits while the client's socket buffers are full: a client that stops reading is let go
-            await asyncio.wait_for(resp.write(data), timeout)
+            await write_within(resp, data, timeout)
         await resp.write_eof()
     except ClientGone:
         log.info("%s: client left mid-stream", request_id)

@@ -15,7 +15,7 @@ from syshaxd.api.completion_shapes import CompletionExchange
 from syshaxd.api.exchange import Exchange
 from syshaxd.api.fanout import Fanout
 from syshaxd.api.generation import (ClientGone, admitted, engine_failed, next_event, prepared, read_body, rejected,
-                                    route_of, run)
+                                    route_of, run, write_within)
 from syshaxd.api.keys import MODEL_NAME, STATE, VOCAB
 from syshaxd.api.tools import ToolStream
 from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion
@@ -114,7 +114,7 @@ async def _respond_stream(request, fan: Fanout, accepted: list[Accepted], ex: Ex
 
     async def send(data: bytes) -> None:
         # a write waits while the client's socket buffers are full: a client that stops reading is let go
-        await asyncio.wait_for(resp.write(data), timeout)
+        await write_within(resp, data, timeout)
 
     n = 0
     left = len(ex.choices)
