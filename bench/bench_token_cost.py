@@ -1,0 +1,115 @@
+"""What one streamed token costs at concurrency 1: syshaxd against llama-server, in one run (issue 20, item 2).
+
+Both servers as bench_peers.py starts them (same GGUF, threads, slots, flash attention), one at a time. Each
+streams the same unique 128-token prompts at concurrency 1, 256 tokens forced out, after one warm-up request.
+Per server: TPOT p50 and output tokens/s as the client sees them, and the CPU seconds per output token of each
+of its processes (/proc/PID/stat: utime + stime, read before and after the level). llama-server is one
+process; syshaxd is the daemon (HTTP, scheduling, SSE) and its engine worker (llama_decode, sampling, the
+pipe). On 2 cores the worker's two llama.cpp threads take both, so every millisecond of daemon CPU per token
+is taken from them; that is the part this measures beside the peer.
+
+    .venv/bin/python bench/bench_token_cost.py [--requests 8] [--repack auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import aiohttp  # noqa: E402
+
+import bench_peers  # noqa: E402
+from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
+from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
+from syshaxd.bench.report import level_summary  # noqa: E402
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """pid and its descendants, with their names (syshaxd's worker is a child of the daemon)."""
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            out[p] = Path(f"/proc/{p}/comm").read_text().strip()
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+async def measure(server, prompts, out_len: int) -> dict:
+    async with aiohttp.ClientSession() as session:
+        model = (await list_models(session, server.url))[0]
+        client = StreamingClient(server.url, model, out_len)
+        await run_level(client, session, prompts[:1], 1)
+        tree = process_tree(server.process.pid)
+        before = {p: cpu_seconds(p) for p in tree}
+        started = time.perf_counter()
+        run = await run_level(client, session, prompts[1:], 1, output_len=out_len)
+        wall = time.perf_counter() - started
+        spent = {p: cpu_seconds(p) - before[p] for p in tree}
+    summary = level_summary(run, out_len, None)
+    tokens = sum(r.output_tokens for r in run.records)
+    busy = {f"{tree[p]}[{p}]": 1000 * s / tokens for p, s in spent.items() if s > 0}
+    return {"tok_s": tokens / wall, "tpot_p50_ms": 1000 * summary["tpot_s"]["median"], "cpu_ms_per_token": busy,
+            "total_cpu_ms_per_token": sum(busy.values())}
+
+
+async def main_async(args) -> None:
+    builder = PromptBuilder(GGUFTokenizer(args.model))
+    prompts = [builder.build(128, 7_000 + k) for k in range(args.requests + 1)]
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_token_cost-"))
+    results = {}
+    for label in (bench_peers.PEER, bench_peers.OURS):
+        server = await (bench_peers.start_peer(args, args.binary, log_dir) if label == bench_peers.PEER
+                        else bench_peers.start_ours(args, log_dir))
+        try:
+            results[label] = await measure(server, prompts, 256)
+        finally:
+            await server.stop()
+    print(f"c=1, {args.requests} requests of 128 tokens in and 256 out, {args.threads} threads each, repack "
+          f"{args.repack}:\n")
+    print("| server | tok/s | TPOT p50 ms | CPU ms per token (per process) | CPU ms per token (all) |")
+    print("|---|---:|---:|---|---:|")
+    for label, r in results.items():
+        per = ", ".join(f"{name} {ms:.2f}" for name, ms in r["cpu_ms_per_token"].items())
+        print(f"| {label} | {r['tok_s']:.1f} | {r['tpot_p50_ms']:.2f} | {per} | {r['total_cpu_ms_per_token']:.2f} |")
+    ours, peer = results[bench_peers.OURS], results[bench_peers.PEER]
+    print(f"\nsyshaxd / llama-server: tok/s {ours['tok_s'] / peer['tok_s']:.2f}x, "
+          f"TPOT {ours['tpot_p50_ms'] / peer['tpot_p50_ms']:.2f}x")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=8, help="measured requests per server (default: 8)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repack", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--llama-server", dest="binary", metavar="PATH", help="the llama-server binary (default: "
+                   "what ../shared/tools/llama-server.sh prints)")
+    args = p.parse_args()
+    args.model = bench_peers.default_tokenizer_path()
+    args.n_ctx = 2048
+    args.binary = bench_peers.find_llama_server(args.binary)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ.pop("CUSTOM_CPU_AFFINITY", None)
+    asyncio.run(main_async(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
