@@ -1,0 +1,68 @@
+"""Does a prompt keep its alone text when it joins a batch that is already decoding? (issue 20's "concurrent == alone")
+
+The llama.cpp engine, in-process (no daemon, no pipe): each prompt is run alone, greedily; then every pair
+(X, A) is run with X submitted first, so that A's prompt runs while X decodes and A then joins X's batch
+in the next KV stream; and with A first. Prints, per prompt A, how many partners changed its text.
+
+Found on 2026-12-04 (AMD EPYC AVX-512, SmolLM2-135M q4_0, repacking on, flash attention): prompts under
+256 tokens kept their text with every partner; one 305-token prompt lost it (at its second token) with 7 of 9
+partners when it joined second, and both 345-token prompts with 4 of 9 when they started first. Not explained
+yet; a guess is that the batch's padded KV length, or where a sequence's cells land in its stream, changes how
+the CPU flash-attention kernel sums once a sequence holds more than 256 cells.
+
+    .venv/bin/python bench/bench_concurrent_exactness.py [--tokens 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "plugins" / "llamacpp"), str(REPO / "tests")]
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+from syshax_llamacpp.engine import LlamaCppEngine  # noqa: E402
+from syshaxd.bench.prompts import default_tokenizer_path  # noqa: E402
+from syshaxd.sdk.types import Delta, EngineSpec, GenerateRequest, SamplingParams  # noqa: E402
+
+from test_prefix_cache import long_text  # noqa: E402  (the prefix cache test's text, where it was seen)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=12, help="greedy tokens per request (default: 12)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    engine = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_path=str(default_tokenizer_path()),
+                                       model_name="m", n_ctx=2048, max_batch_size=8, threads=args.threads))
+    engine.warm_up()
+    text = list(engine.vocab.tokenize(long_text(60), add_special=True))
+    questions = (" Which item is blue?", " Where is the violin?")
+    tails = [list(engine.vocab.tokenize(q, add_special=True)) for q in questions]
+    prompts = [tuple(text[:n] + tail) for n in (144, 176, 208, 300, 340) for tail in tails]
+
+    def run(batch: list[tuple[int, ...]]) -> list[str]:
+        outs: dict[str, list[str]] = {f"r{i}": [] for i in range(len(batch))}
+        for i, prompt in enumerate(batch):
+            engine.submit(GenerateRequest(f"r{i}", args.tokens, SamplingParams(temperature=0.0), prompt_tokens=prompt))
+        while engine.has_work():
+            for event in engine.step():
+                if isinstance(event, Delta):
+                    outs[event.request_id].append(event.text)
+        return ["".join(outs[f"r{i}"]) for i in range(len(batch))]
+
+    alone = [run([prompt])[0] for prompt in prompts]
+    print(f"{len(prompts)} prompts, {args.tokens} greedy tokens; partners that changed a prompt's text:")
+    print("| prompt tokens | joining second | starting first |\n|---:|---:|---:|")
+    for a, prompt in enumerate(prompts):
+        second = sum(run([x, prompt])[1] != alone[a] for j, x in enumerate(prompts) if j != a)
+        first = sum(run([prompt, x])[0] != alone[a] for j, x in enumerate(prompts) if j != a)
+        print(f"| {len(prompt)} | {second} of {len(prompts) - 1} | {first} of {len(prompts) - 1} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
