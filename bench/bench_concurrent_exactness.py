@@ -8,7 +8,11 @@ Found on 2026-12-04 (AMD EPYC AVX-512, SmolLM2-135M q4_0, repacking on, flash at
 256 tokens kept their text with every partner; one 305-token prompt lost it (at its second token) with 7 of 9
 partners when it joined second, and both 345-token prompts with 4 of 9 when they started first. Not explained
 yet; a guess is that the batch's padded KV length, or where a sequence's cells land in its stream, changes how
-the CPU flash-attention kernel sums once a sequence holds more than 256 cells.
+the CPU flash-attention kernel sums once a sequence holds more than 256 cells. It was that: with one query
+row and 512 KV cells or more, ggml's CPU flash attention splits the KV among threads (ops.cpp,
+use_split_kv_path); with two streams in the ubatch it does not. The engine now decodes a lone sequence past
+256 tokens beside a one-token padding row in the next stream (engine._pad_stream): every prompt here keeps
+its text with every partner, in both orders.
 
     .venv/bin/python bench/bench_concurrent_exactness.py [--tokens 12]
 """

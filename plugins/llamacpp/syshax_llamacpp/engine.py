@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 # warm-up before a prefix cache hit relies on it.
 EXACT_RESUME = 64
 
+# A lone decoding sequence's KV length (cells) from which llama.cpp's CPU flash attention splits the KV among
+# its threads (ggml-cpu/ops.cpp: use_split_kv_path, nek1 >= 512; the length is the cells padded to 256)
+SPLIT_KV_FROM = 256
+
 
 def _graph_observer(on_graph: Callable[[], None]):
     """llama.cpp's eval callback, asking to see only each graph's output node and calling on_graph there."""
@@ -346,12 +350,20 @@ class LlamaCppEngine:
         rows = []
         self.batch.n_tokens = 0
         # in stream order: with the streams one consecutive run, llama.cpp takes the batch in one ubatch
-        for seq in sorted((s for s in self.active.values() if s.next_token is not None), key=lambda s: s.seq_id):
+        decoding = sorted((s for s in self.active.values() if s.next_token is not None), key=lambda s: s.seq_id)
+        pad = self._pad_stream(decoding)
+        for seq in decoding:
+            if 0 <= pad < seq.seq_id:
+                self._add(self.batch, seq.next_token, 0, pad, False)
             rows.append((seq, self._add(self.batch, seq.next_token, seq.n_past, seq.seq_id, True)))
+            if pad > seq.seq_id:
+                self._add(self.batch, seq.next_token, 0, pad, False)
             seq.n_past += 1
             seq.next_token = None
         if rows:
             rc = llama_cpp.llama_decode(self.ctx, self.batch)
+            if pad >= 0:
+                llama_cpp.llama_memory_seq_rm(self.memory, pad, -1, -1)
             self.counters["steps"] += 1
             if rc != 0:
                 return self._fail(rc, [seq for seq, _ in rows])
@@ -365,6 +377,26 @@ class LlamaCppEngine:
             deltas += self._prefill_chunk(seq)
         self._count(len(deltas))
         return deltas
+
+    def _pad_stream(self, decoding: list[_Sequence]) -> int:
+        """A free stream next to a lone decoding sequence's, for a one-token row beside it; -1 when none is needed.
+
+        With one query row in the ubatch and 512 KV cells or more (a sequence past 256 tokens), llama.cpp's CPU
+        flash attention splits the KV among its threads and sums the parts (ops.cpp, use_split_kv_path); with
+        two streams in the ubatch it walks every row's KV in order. The two sum differently, so a sequence
+        decoded alone would get other bits than in a batch (bench/bench_concurrent_exactness.py): a row in a
+        second stream keeps a lone sequence on the batch's path, and its text the same alone or not. The price,
+        measured here: a lone step past 256 tokens takes about 0.9 ms more (8.75 against 7.85 ms)."""
+        # the KV length llama.cpp attends over is the stream's cells padded to 256, so the split starts past 256
+        # tokens; below that a padding row would only cost time (about 2 ms a step here: two rows take another
+        # matmul path than one)
+        if len(decoding) != 1 or self.max_seqs < 2 or decoding[0].n_past + 1 <= SPLIT_KV_FROM:
+            return -1
+        stream = decoding[0].seq_id
+        for pad in (stream + 1, stream - 1):
+            if 0 <= pad < self.max_seqs and pad not in self.streams.busy:
+                return pad
+        return -1
 
     def _prefill_chunk(self, seq: _Sequence) -> list:
         """Feed the next chunk of seq's prompt to the prefill context; at its end, hand it over."""
