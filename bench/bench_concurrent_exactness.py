@@ -15,13 +15,19 @@ use_split_kv_path); with two streams in the ubatch it does not. The engine now d
 its text with every partner, in both orders.
 
     .venv/bin/python bench/bench_concurrent_exactness.py [--tokens 12]
+    .venv/bin/python bench/bench_concurrent_exactness.py --step-cost   # what the padding row costs
+
+--step-cost: a lone sequence's decode step time, in-process, over positions 300 to 500, with the padding row
+and without it (alternating, 4 requests each): the engine's own per-token time, with no daemon, pipe or HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +35,7 @@ sys.path[:0] = [str(REPO), str(REPO / "plugins" / "llamacpp"), str(REPO / "tests
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 from syshax_llamacpp.engine import LlamaCppEngine  # noqa: E402
-from syshaxd.bench.prompts import default_tokenizer_path  # noqa: E402
+from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 from syshaxd.sdk.types import Delta, EngineSpec, GenerateRequest, SamplingParams  # noqa: E402
 
 from test_prefix_cache import long_text  # noqa: E402  (the prefix cache test's text, where it was seen)
@@ -39,10 +45,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=12, help="greedy tokens per request (default: 12)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--step-cost", action="store_true", help="time a lone sequence's steps with and without the "
+                   "padding row instead")
     args = p.parse_args()
     engine = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_path=str(default_tokenizer_path()),
                                        model_name="m", n_ctx=2048, max_batch_size=8, threads=args.threads))
     engine.warm_up()
+    if args.step_cost:
+        return step_cost(engine)
     text = list(engine.vocab.tokenize(long_text(60), add_special=True))
     questions = (" Which item is blue?", " Where is the violin?")
     tails = [list(engine.vocab.tokenize(q, add_special=True)) for q in questions]
@@ -65,6 +75,28 @@ def main() -> int:
         second = sum(run([x, prompt])[1] != alone[a] for j, x in enumerate(prompts) if j != a)
         first = sum(run([prompt, x])[0] != alone[a] for j, x in enumerate(prompts) if j != a)
         print(f"| {len(prompt)} | {second} of {len(prompts) - 1} | {first} of {len(prompts) - 1} |")
+    return 0
+
+
+def step_cost(engine: LlamaCppEngine) -> int:
+    """Median step time of a lone 300-token prompt's 200 greedy tokens, padding row on and off in turn."""
+    builder = PromptBuilder(GGUFTokenizer(default_tokenizer_path()))
+    with_pad = engine._pad_stream
+    medians: dict[str, list[float]] = {"with the padding row": [], "without it": []}
+    for k in range(8):
+        label = "with the padding row" if k % 2 == 0 else "without it"
+        engine._pad_stream = with_pad if k % 2 == 0 else (lambda decoding: -1)
+        prompt = engine.vocab.tokenize(builder.build(300, 9000 + k // 2).text, add_special=False)
+        engine.submit(GenerateRequest(f"r{k}", 200, SamplingParams(temperature=0.0), prompt_tokens=tuple(prompt)))
+        steps = []
+        while engine.has_work():
+            started = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - started)
+        medians[label].append(1000 * statistics.median(steps[5:]))  # after the prompt's chunks
+    for label, values in medians.items():
+        print(f"lone step, positions 300-500, {label}: median {statistics.median(values):.2f} ms "
+              f"(per request: {', '.join(f'{v:.2f}' for v in values)})")
     return 0
 
 

@@ -3,7 +3,7 @@
 Both servers as bench_peers.py starts them (same GGUF, threads, slots, flash attention), one at a time. Each
 streams the same unique 128-token prompts at concurrency 1, 256 tokens forced out, after one warm-up request.
 Per server: TPOT p50 and output tokens/s as the client sees them, and the CPU seconds per output token of each
-of its processes (/proc/PID/stat: utime + stime, read before and after the level). llama-server is one
+of its processes (user + system CPU time, read before and after the level). llama-server is one
 process; syshaxd is the daemon (HTTP, scheduling, SSE) and its engine worker (llama_decode, sampling, the
 pipe). On 2 cores the worker's two llama.cpp threads take both, so every millisecond of daemon CPU per token
 is taken from them; that is the part this measures beside the peer.
@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import aiohttp  # noqa: E402
+import psutil  # noqa: E402
 
 import bench_peers  # noqa: E402
 from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
@@ -33,23 +34,15 @@ from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
 from syshaxd.bench.report import level_summary  # noqa: E402
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The server's process and its descendants (syshaxd's worker is a child of the daemon)."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
 
 
-def process_tree(pid: int) -> dict[int, str]:
-    """pid and its descendants, with their names (syshaxd's worker is a child of the daemon)."""
-    out, todo = {}, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            out[p] = Path(f"/proc/{p}/comm").read_text().strip()
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out
+def cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
 
 
 async def measure(server, prompts, out_len: int) -> dict:
@@ -58,14 +51,14 @@ async def measure(server, prompts, out_len: int) -> dict:
         client = StreamingClient(server.url, model, out_len)
         await run_level(client, session, prompts[:1], 1)
         tree = process_tree(server.process.pid)
-        before = {p: cpu_seconds(p) for p in tree}
+        before = [cpu_seconds(p) for p in tree]
         started = time.perf_counter()
         run = await run_level(client, session, prompts[1:], 1, output_len=out_len)
         wall = time.perf_counter() - started
-        spent = {p: cpu_seconds(p) - before[p] for p in tree}
+        spent = [cpu_seconds(p) - b for p, b in zip(tree, before)]
     summary = level_summary(run, out_len, None)
     tokens = sum(r.output_tokens for r in run.records)
-    busy = {f"{tree[p]}[{p}]": 1000 * s / tokens for p, s in spent.items() if s > 0}
+    busy = {f"{p.name()}[{p.pid}]": 1000 * s / tokens for p, s in zip(tree, spent) if s > 0}
     return {"tok_s": tokens / wall, "tpot_p50_ms": 1000 * summary["tpot_s"]["median"], "cpu_ms_per_token": busy,
             "total_cpu_ms_per_token": sum(busy.values())}
 
