@@ -14,7 +14,12 @@ use_split_kv_path); with two streams in the ubatch it does not. The engine now d
 256 tokens beside a one-token padding row in the next stream (engine._pad_stream): every prompt here keeps
 its text with every partner, in both orders.
 
-    .venv/bin/python bench/bench_concurrent_exactness.py [--tokens 12]
+Since then mk/llama-wheel.sh builds llama.cpp with that split turned off, and the engine's warm-up proves
+which kind of llama.cpp it loaded (engine._proves_lone): with the built one, no padding row, and every
+prompt here keeps its text with every partner as well. --padding on/off forces the row either way (off with a
+stock llama-cpp-python shows the split's effect again).
+
+    .venv/bin/python bench/bench_concurrent_exactness.py [--tokens 12] [--padding proved|on|off]
     .venv/bin/python bench/bench_concurrent_exactness.py --step-cost   # what the padding row costs
 
 --step-cost: a lone sequence's decode step time, in-process, over positions 300 to 500, with the padding row
@@ -45,12 +50,18 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=12, help="greedy tokens per request (default: 12)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--padding", choices=("proved", "on", "off"), default="proved",
+                   help="a lone long sequence's padding row: as the warm-up proved (default), or forced")
     p.add_argument("--step-cost", action="store_true", help="time a lone sequence's steps with and without the "
                    "padding row instead")
     args = p.parse_args()
     engine = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_path=str(default_tokenizer_path()),
                                        model_name="m", n_ctx=2048, max_batch_size=8, threads=args.threads))
     engine.warm_up()
+    if args.padding != "proved":
+        engine.pad_lone = args.padding == "on"
+    print(f"padding row for a lone sequence past 256 tokens: {'on' if engine.pad_lone else 'off'} "
+          f"({'forced' if args.padding != 'proved' else 'as the warm-up proved'})")
     if args.step_cost:
         return step_cost(engine)
     text = list(engine.vocab.tokenize(long_text(60), add_special=True))
@@ -81,11 +92,10 @@ def main() -> int:
 def step_cost(engine: LlamaCppEngine) -> int:
     """Median step time of a lone 300-token prompt's 200 greedy tokens, padding row on and off in turn."""
     builder = PromptBuilder(GGUFTokenizer(default_tokenizer_path()))
-    with_pad = engine._pad_stream
     medians: dict[str, list[float]] = {"with the padding row": [], "without it": []}
     for k in range(8):
         label = "with the padding row" if k % 2 == 0 else "without it"
-        engine._pad_stream = with_pad if k % 2 == 0 else (lambda decoding: -1)
+        engine.pad_lone = k % 2 == 0  # what the warm-up proved aside: as with a stock llama.cpp, or not
         prompt = engine.vocab.tokenize(builder.build(300, 9000 + k // 2).text, add_special=False)
         engine.submit(GenerateRequest(f"r{k}", 200, SamplingParams(temperature=0.0), prompt_tokens=tuple(prompt)))
         steps = []

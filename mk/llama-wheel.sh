@@ -14,6 +14,13 @@
 # decode (ggml-org/llama.cpp#20824). Weight repacking (AVX2/AVX-512 kernels) stays in; the engine
 # chooses it at run time (config key `repack`).
 #
+# One line of llama.cpp is changed before the build: its CPU flash attention no longer splits a lone
+# query row's KV among the threads (ggml-cpu/ops.cpp, use_split_kv_path: one sequence decoding alone
+# past 256 tokens). That path sums the KV in another order than the one every batched row takes, so a
+# request decoded alone got other bits than the same request beside others. The engine proves at its
+# warm-up which way its llama.cpp sums (plugins/llamacpp/syshax_llamacpp/engine.py, _proves_lone) and,
+# with a llama.cpp that still splits, keeps a lone sequence on the batched path with a padding row.
+#
 # Cache: $SYSHAX_WHEEL_CACHE (default ~/.cache/syshax/wheels). About 5 minutes on 2 cores.
 set -euo pipefail
 VERSION=0.3.36
@@ -30,7 +37,10 @@ fi
 features=$(grep -m1 -E '^(flags|Features)[[:space:]]*:' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | tr ' ' '\n' | sort | tr '\n' ' ')
 compiler=$( (${CC:-cc} --version 2>/dev/null || true) | head -1)
 pyver=$("$PYTHON" -c 'import sys; print("%d%d" % sys.version_info[:2])')
-key=$(printf '%s\n' "$VERSION" "$arch" "$features" "$compiler" "$cmake_args" "$pyver" | sha256sum | cut -c1-16)
+# the one change to llama.cpp's source (see above): what the line says, and what it says after
+SPLIT_KV_FROM='const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1)'
+SPLIT_KV_TO='const bool use_split_kv_path = false \&\& !use_ref \&\& (neq1 == 1 \&\& neq3 == 1)'
+key=$(printf '%s\n' "$VERSION" "$arch" "$features" "$compiler" "$cmake_args" "$pyver" "$SPLIT_KV_TO" | sha256sum | cut -c1-16)
 dir=$CACHE/llama-cpp-python-$VERSION-$arch-$key
 
 wheel() { ls "$dir"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -1; }
@@ -41,11 +51,18 @@ work=$(mktemp -d "$CACHE/build.XXXX")
 trap 'rm -rf "$work"' EXIT
 echo "mk/llama-wheel.sh: building llama-cpp-python $VERSION for this CPU ($arch, key $key); about 5 minutes" >&2
 # --no-cache-dir: neither take a wheel built for another CPU from pip's cache nor put this one there
+"$PYTHON" -m pip download -q --no-deps --no-cache-dir --no-binary :all: -d "$work" "llama-cpp-python==$VERSION" >&2
+tar xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
+src=$work/llama_cpp_python-$VERSION
+ops=$src/vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp
+sed -i "s/$SPLIT_KV_FROM/$SPLIT_KV_TO/" "$ops"
+grep -q "use_split_kv_path = false" "$ops" || {
+  echo "mk/llama-wheel.sh: $ops no longer has the line this script changes (use_split_kv_path); update it" >&2
+  exit 1; }
 CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-  "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python \
-  -w "$work" "llama-cpp-python==$VERSION" >&2
+  "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir -w "$work" "$src" >&2
 mkdir -p "$dir"
 mv "$work"/llama_cpp_python-"$VERSION"-*.whl "$dir"/
-printf 'key inputs:\n  arch %s\n  cmake %s\n  compiler %s\n  python %s\n  features %s\n' \
-  "$arch" "$cmake_args" "$compiler" "$pyver" "$features" > "$dir/BUILD-INFO"
+printf 'key inputs:\n  arch %s\n  cmake %s\n  compiler %s\n  python %s\n  source change %s\n  features %s\n' \
+  "$arch" "$cmake_args" "$compiler" "$pyver" "$SPLIT_KV_TO" "$features" > "$dir/BUILD-INFO"
 wheel

@@ -432,14 +432,34 @@ def test_concurrent_hits_inside_chunks_return_what_each_prompt_returns_alone(fin
     client = connect(fine)
     text = token_ids(fine, long_text(60))
     tails = [token_ids(fine, q) for q in (" Which item is blue?", " Where is the violin?")]
-    # over 256 tokens too: a lone sequence there decodes beside a padding row, so that flash attention sums its
-    # KV as in a batch (engine._pad_stream; before, the 305-token "blue" prompt changed its text here)
+    # over 256 tokens too, where a stock llama.cpp's flash attention sums a lone row's KV otherwise than a batched
+    # row's: mk/llama-wheel.sh builds one that does not (before, the 305-token "blue" prompt changed its text here)
+    assert "gets the bits it gets in a batch: it decodes without a padding row" in fine.log()
     prompts = [text[:n] + tail for n in (96, 144, 208, 300, 340) for tail in tails]
     alone = [complete(client, p, cache_prompt=False, max_tokens=12)[:2] for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda p: complete(client, p, max_tokens=12), prompts * 2))
     assert [t[:2] for t in together] == alone * 2
     assert sum(t[2] for t in together) > 0
+
+
+def test_with_a_llama_cpp_that_splits_a_lone_rows_attention_a_long_lone_sequence_keeps_its_text_beside_others(
+        default_model, tmp_path):
+    """Fault injection: the warm-up's lone-row proof fails, as with a stock llama.cpp; a lone sequence past 256
+    tokens then decodes beside a padding row (engine._pad_stream), and its text is the one it gets in a batch."""
+    d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024},
+                     env={"SYSHAX_FAULT": "lone"})
+    try:
+        assert "a lone sequence past 256 tokens decodes beside a padding row" in d.log()
+        client = connect(d)
+        text = token_ids(d, long_text(60))
+        prompts = [text[:n] + token_ids(d, " Which item is blue?") for n in (270, 300, 340)]
+        alone = [complete(client, p, cache_prompt=False, max_tokens=24)[:2] for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: complete(client, p, cache_prompt=False, max_tokens=24), prompts))
+        assert [t[:2] for t in together] == alone
+    finally:
+        assert d.stop() == 0
 
 
 def test_where_the_warm_up_cannot_prove_chunking_exact_hits_resume_only_at_whole_chunks(default_model, tmp_path):

@@ -8,11 +8,13 @@ each in its EngineSpec; the worker then kills itself with SIGSEGV at that point:
   POINT:repacked    only while the engine runs other kernels than plain ones, so that the supervisor's
                     fallback to plain kernels is what makes it serve
 
-and one fault that kills nothing:
+and faults that kill nothing:
 
   chunking          the warm-up's proof that a prompt chunk's bits do not depend on where it starts
                     fails, as on a CPU whose kernels do depend on it (the prefix cache then resumes
                     only at whole prompt chunks)
+  lone              the warm-up's proof that a row decoded alone sums its attention as a batched row does
+                    fails, as with a stock llama.cpp (a lone long sequence then decodes beside a padding row)
 
 This is how the tests prove the fallback and crash-loop paths on CPUs whose kernels do not crash.
 """
@@ -24,7 +26,7 @@ import resource
 import signal
 
 POINTS = ("warmup", "decode")
-PROOFS = ("chunking",)
+PROOFS = ("chunking", "lone")
 CONDITIONS = ("", "repacked")
 
 

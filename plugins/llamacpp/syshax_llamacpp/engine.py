@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 # warm-up before a prefix cache hit relies on it.
 EXACT_RESUME = 64
 
-# A lone decoding sequence's KV length (cells) from which llama.cpp's CPU flash attention splits the KV among
-# its threads (ggml-cpu/ops.cpp: use_split_kv_path, nek1 >= 512; the length is the cells padded to 256)
+# A lone decoding sequence's KV length (cells) from which a stock llama.cpp's CPU flash attention splits the KV
+# among its threads (ggml-cpu/ops.cpp: use_split_kv_path, nek1 >= 512; the length is the cells padded to 256).
+# mk/llama-wheel.sh builds llama.cpp without that split; the warm-up proves which kind is loaded (_proves_lone).
 SPLIT_KV_FROM = 256
 
 
@@ -170,6 +171,9 @@ class LlamaCppEngine:
         # a prompt chunk of this many tokens or more gives the same bits wherever it starts (proved at the
         # warm-up; 0: not proved, so a prefix cache hit resumes only at a multiple of the chunk)
         self.exact_resume = 0
+        # a lone decoding sequence past SPLIT_KV_FROM tokens decodes beside a padding row, so that its attention
+        # sums as in a batch; False once the warm-up proved this llama.cpp sums a lone row that way anyway
+        self.pad_lone = True
         self.store = None  # the daemon's prefix cache: blocks of prompt KV, shared by its workers
         if spec.prefix_store:
             from syshaxd.sdk.kv.block_store import BlockStore
@@ -210,6 +214,7 @@ class LlamaCppEngine:
             "kernels": self.kernels.kernels,
             "kernels_why": self.kernels.why,
             "exact_resume_tokens": self.exact_resume,
+            "lone_padding": self.pad_lone,
         }
 
     def fallback(self) -> tuple[dict, str]:
@@ -247,6 +252,8 @@ class LlamaCppEngine:
                     self._add(self.batch, tokens[stream % n], n, stream, True)
                 if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
                     raise RuntimeError(f"warm-up: llama_decode of a {self.max_seqs}-row decode batch failed")
+                if self.max_seqs > 1:
+                    self.pad_lone = not self._proves_lone(tokens[0], n)
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
             if self.decodes:
@@ -256,6 +263,34 @@ class LlamaCppEngine:
         # restarts stay short
         if self.store is not None and reference is not None and not (self.port is not None and self.decodes):
             self.exact_resume = self._prove_chunking(tokens, *reference)
+
+    def _proves_lone(self, token: int, n: int) -> bool:
+        """Whether a row decoded alone gets the bits the same row got in the full batch just decoded (stream 0's,
+        `token` at position n after n cells): true with a llama.cpp that never splits a lone row's attention among
+        its threads (mk/llama-wheel.sh's build), false with a stock one. Only a KV past SPLIT_KV_FROM cells can
+        tell the two apart; with a shorter warm-up prompt it is not proved, and a lone sequence keeps its padding
+        row."""
+        if n + 1 <= SPLIT_KV_FROM:
+            log.info("a lone sequence decodes beside a padding row (a %d-token warm-up cannot prove it need not)", n)
+            return False
+        batched = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, 0), (self.n_vocab,)).copy()
+        for stream in range(1, self.max_seqs):
+            llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self.memory, 0, n, -1)
+        self.batch.n_tokens = 0
+        self._add(self.batch, token, n, 0, True)
+        if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
+            raise RuntimeError("warm-up: llama_decode of a lone row failed")
+        alone = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, 0), (self.n_vocab,))
+        same = np.array_equal(alone, batched) and not faults.fails_proof(self.spec.fault, "lone")
+        if same:
+            log.info("a lone sequence past %d tokens gets the bits it gets in a batch: it decodes without a padding "
+                     "row", SPLIT_KV_FROM)
+        else:
+            log.warning("this llama.cpp splits a lone row's attention among its threads (not built by "
+                        "mk/llama-wheel.sh?): a lone sequence past %d tokens decodes beside a padding row, about "
+                        "1 ms a step, so that its text is the one it gets beside others", SPLIT_KV_FROM)
+        return same
 
     def _prove_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> int:
         """EXACT_RESUME if the warm-up prompt, run again in chunks of that many tokens or more that start off
@@ -381,8 +416,9 @@ class LlamaCppEngine:
     def _pad_stream(self, decoding: list[_Sequence]) -> int:
         """A free stream next to a lone decoding sequence's, for a one-token row beside it; -1 when none is needed.
 
-        With one query row in the ubatch and 512 KV cells or more (a sequence past 256 tokens), llama.cpp's CPU
-        flash attention splits the KV among its threads and sums the parts (ops.cpp, use_split_kv_path); with
+        Only with a stock llama.cpp (pad_lone: the warm-up's proof, _proves_lone; mk/llama-wheel.sh builds one that
+        never splits). With one query row in the ubatch and 512 KV cells or more (a sequence past 256 tokens), its
+        CPU flash attention splits the KV among its threads and sums the parts (ops.cpp, use_split_kv_path); with
         two streams in the ubatch it walks every row's KV in order. The two sum differently, so a sequence
         decoded alone would get other bits than in a batch (bench/bench_concurrent_exactness.py): a row in a
         second stream keeps a lone sequence on the batch's path, and its text the same alone or not. The price,
@@ -390,7 +426,7 @@ class LlamaCppEngine:
         # the KV length llama.cpp attends over is the stream's cells padded to 256, so the split starts past 256
         # tokens; below that a padding row would only cost time (about 2 ms a step here: two rows take another
         # matmul path than one)
-        if len(decoding) != 1 or self.max_seqs < 2 or decoding[0].n_past + 1 <= SPLIT_KV_FROM:
+        if not self.pad_lone or len(decoding) != 1 or self.max_seqs < 2 or decoding[0].n_past + 1 <= SPLIT_KV_FROM:
             return -1
         stream = decoding[0].seq_id
         for pad in (stream + 1, stream - 1):
