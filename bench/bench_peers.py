@@ -4,8 +4,13 @@ llama-server (C++, slots, continuous batching, prompt cache) is the strongest CP
 peer; it is built from the very llama.cpp that llama-cpp-python 0.3.36 vendors by
 ../shared/tools/llama-server.sh (once, about 5 minutes; cached after). Both servers
 get the same GGUF, the same thread count, 8 parallel sequences, the same context per
-sequence and flash attention. They run one at a time, never both at once: llama-server
-first, every load, stopped; then syshaxd, every load, stopped. The loads:
+sequence and flash attention. Both are started, and only one of them is loaded at any time:
+each load runs on one server, then on the other, the first alternating from load to
+load and round to round (--rounds N runs every load N times, each round with prompts
+of its own seed, so that no round finds the one before it in a cache). This machine's
+speed drifts by 10 % and more within minutes; side by side in time, both servers see
+the same drift, where running every load on one server and then on the other made the
+second server's figures up to 20 % worse or better than a repeat gave. The loads:
 
 * short, unique prompts: 128 tokens in, 256 forced out, at concurrency 1, 8, 16;
 * short, one prompt repeated: the same 128-token prompt at concurrency 8 (a prompt cache's case);
@@ -17,13 +22,15 @@ first, every load, stopped; then syshaxd, every load, stopped. The loads:
   before a unique 32-token tail.
 
 Per load and server: output tokens/s, TTFT p50, TPOT p50, and the ratio syshaxd / llama-server
-(throughput: higher is better for syshaxd; latency: lower is). Prompts are exact in the model's
+(throughput: higher is better for syshaxd; latency: lower is); with rounds, the median of the rounds'
+figures and of their ratios, and each round's tok/s ratio. Prompts are exact in the model's
 tokens (syshaxd/bench/prompts.py), the same on both servers; outputs are forced (ignore_eos).
 
     .venv/bin/python bench/bench_peers.py            # the issue's loads, about 10 minutes on 2 quiet cores
     .venv/bin/python bench/bench_peers.py --quick    # fewer and shorter requests: a smoke test
     .venv/bin/python bench/bench_peers.py --repack off   # both servers with plain kernels (weight repacking off)
     .venv/bin/python bench/bench_peers.py --load chat --load shared   # only the loads whose names hold these
+    .venv/bin/python bench/bench_peers.py --rounds 3   # every load 3 times on each server, interleaved
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import os
 import random
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -106,6 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-server", metavar="PATH",
                    help="the llama-server binary (default: what ../shared/tools/llama-server.sh prints, built there"
                    " the first time)")
+    p.add_argument("--rounds", type=int, default=1, help="run every load this many times on each server, "
+                   "interleaved, each round with prompts of its own (default: 1)")
     p.add_argument("--only", choices=(PEER, OURS), help="run one server only (the ratios are then missing)")
     p.add_argument("--load", action="append", default=[], metavar="TEXT",
                    help="run only the loads whose names contain TEXT (repeatable; default: every load)")
@@ -120,6 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--model: {args.model} is not a file; prepare the default model (make run) or give a GGUF")
     if args.threads < 1:
         p.error(f"--threads: {args.threads} is not allowed; it must be at least 1")
+    if args.rounds < 1:
+        p.error(f"--rounds: {args.rounds} is not allowed; it must be at least 1")
     need = max(ld.system_len + ld.turns * (ld.input_len + (ld.output_max or ld.output_len)) + 16 * ld.turns
                for ld in loads(args.quick))
     if args.n_ctx < need:
@@ -218,11 +230,12 @@ async def start_ours(args: argparse.Namespace, log_dir: Path) -> Server:
 
 
 class Workloads:
-    """The prompts of every load, built once with the model's tokenizer: both servers get the very same."""
+    """The prompts of every load in one round, built once with the model's tokenizer: both servers get the very
+    same. Each round has a seed of its own."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.builder = PromptBuilder(GGUFTokenizer(args.model))
-        self.seed = args.seed
+    def __init__(self, args: argparse.Namespace, round_index: int = 0, builder: PromptBuilder | None = None):
+        self.builder = builder or PromptBuilder(GGUFTokenizer(args.model))
+        self.seed = args.seed + 7919 * round_index
         self.loads = [ld for ld in loads(args.quick) if not args.load or any(t in ld.name for t in args.load)]
         if not self.loads:
             raise SystemExit(f"bench_peers: no load's name contains {' or '.join(map(repr, args.load))}")
@@ -253,62 +266,73 @@ class Workloads:
         return prompts, lengths
 
 
-async def bench_server(server: Server, work: Workloads, sample_interval: float = 0.5) -> dict[str, dict]:
-    """Every load against one server; the level summary of each, by load name."""
-    results = {}
-    connector = aiohttp.TCPConnector(limit=64, limit_per_host=64)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        (model, *_) = await list_models(session, server.url) or ["default"]
-        server.info["model"] = model
-        warm = StreamingClient(server.url, model, 8)
-        await run_level(warm, session, work.warmup, len(work.warmup))
-        for ld in work.loads:
-            print(f"  [{server.label}] {ld.name}: {ld.requests}{f' x {ld.turns} turns' if ld.kind == 'chat' else ''}"
-                  " requests ...", end="", flush=True)
-            sampler = ResourceSampler(server.process.pid, sample_interval).start()
-            try:
-                if ld.kind == "chat":
-                    client = StreamingClient(server.url, model, ld.output_len, endpoint="chat")
-                    run = await run_conversations(client, session, work.inputs[ld.name], ld.concurrency)
-                    expected = ld.output_len
-                else:
-                    prompts, lengths = work.inputs[ld.name]
-                    client = StreamingClient(server.url, model, ld.output_len)
-                    run = await run_level(client, session, prompts, ld.concurrency, output_len=lengths)
-                    expected = lengths if isinstance(lengths, int) else None
-            finally:
-                resources = sampler.stop()
-            summary = level_summary(run, expected, resources)
-            summary["load"] = ld.name
-            results[ld.name] = summary
-            print(f" {summary['output_throughput_tok_s']:.1f} tok/s, {summary['completed']}/{summary['sent']} ok"
-                  f"{', ' + str(summary['retries']) + ' retried' if summary['retries'] else ''}", flush=True)
-            if server.process.poll() is not None:
-                raise RuntimeError(f"{server.label} exited with {server.process.returncode} during {ld.name}")
-    return results
+async def warm_up(server: Server, session: aiohttp.ClientSession, work: Workloads) -> None:
+    (model, *_) = await list_models(session, server.url) or ["default"]
+    server.info["model"] = model
+    warm = StreamingClient(server.url, model, 8)
+    await run_level(warm, session, work.warmup, len(work.warmup))
+
+
+async def run_load(server: Server, session: aiohttp.ClientSession, work: Workloads, ld: Load, tag: str,
+                   sample_interval: float = 0.5) -> dict:
+    """One load against one server: its level summary."""
+    model = server.info["model"]
+    print(f"  [{server.label}{tag}] {ld.name}: {ld.requests}{f' x {ld.turns} turns' if ld.kind == 'chat' else ''}"
+          " requests ...", end="", flush=True)
+    sampler = ResourceSampler(server.process.pid, sample_interval).start()
+    try:
+        if ld.kind == "chat":
+            client = StreamingClient(server.url, model, ld.output_len, endpoint="chat")
+            run = await run_conversations(client, session, work.inputs[ld.name], ld.concurrency)
+            expected = ld.output_len
+        else:
+            prompts, lengths = work.inputs[ld.name]
+            client = StreamingClient(server.url, model, ld.output_len)
+            run = await run_level(client, session, prompts, ld.concurrency, output_len=lengths)
+            expected = lengths if isinstance(lengths, int) else None
+    finally:
+        resources = sampler.stop()
+    summary = level_summary(run, expected, resources)
+    summary["load"] = ld.name
+    print(f" {summary['output_throughput_tok_s']:.1f} tok/s, {summary['completed']}/{summary['sent']} ok"
+          f"{', ' + str(summary['retries']) + ' retried' if summary['retries'] else ''}", flush=True)
+    if server.process.poll() is not None:
+        raise RuntimeError(f"{server.label} exited with {server.process.returncode} during {ld.name}")
+    return summary
 
 
 def _ratio(ours: float | None, peer: float | None) -> float | None:
     return ours / peer if ours is not None and peer else None
 
 
-def summary_rows(work: Workloads, results: dict[str, dict[str, dict]]) -> list[dict]:
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summary_rows(loads_run: list[Load], results: dict[str, dict[str, list[dict]]]) -> list[dict]:
+    """Per load: each server's figures (the median over rounds) and the ratios (the median of the rounds' ratios:
+    each round's two runs were side by side in time)."""
     rows = []
-    for ld in work.loads:
-        peer, ours = results.get(PEER, {}).get(ld.name), results.get(OURS, {}).get(ld.name)
-        row = {"load": ld.name, "concurrency": ld.concurrency,
-               "requests": ld.requests * ld.turns, "shape": asdict(ld)}
+    for ld in loads_run:
+        peer, ours = results.get(PEER, {}).get(ld.name, []), results.get(OURS, {}).get(ld.name, [])
+        row = {"load": ld.name, "concurrency": ld.concurrency, "requests": ld.requests * ld.turns,
+               "rounds": max(len(peer), len(ours)), "shape": asdict(ld)}
         for key, pick in (("tok_s", lambda lv: lv["output_throughput_tok_s"]),
                           ("ttft_p50_s", lambda lv: lv["ttft_s"]["median"]),
                           ("tpot_p50_s", lambda lv: lv["tpot_s"]["median"])):
-            row[f"peer_{key}"] = pick(peer) if peer else None
-            row[f"ours_{key}"] = pick(ours) if ours else None
-            row[f"ratio_{key}"] = _ratio(row[f"ours_{key}"], row[f"peer_{key}"])
-        for side, lv in (("peer", peer), ("ours", ours)):
-            row[f"{side}_ok"] = f"{lv['completed']}/{lv['sent']}" if lv else None
-            row[f"{side}_retries"] = lv["retries"] if lv else None
-            row[f"{side}_other_cpu_percent"] = (((lv or {}).get("resources") or {}).get("other_cpu_percent")
-                                                or {}).get("mean")
+            row[f"peer_{key}"] = _median([pick(lv) for lv in peer])
+            row[f"ours_{key}"] = _median([pick(lv) for lv in ours])
+            per_round = [_ratio(pick(o), pick(p)) for p, o in zip(peer, ours)]
+            row[f"ratio_{key}"] = _median(per_round)
+            if key == "tok_s":
+                row["ratio_tok_s_rounds"] = per_round
+        for side, levels in (("peer", peer), ("ours", ours)):
+            row[f"{side}_ok"] = (f"{sum(lv['completed'] for lv in levels)}/{sum(lv['sent'] for lv in levels)}"
+                                 if levels else None)
+            row[f"{side}_retries"] = sum(lv["retries"] for lv in levels) if levels else None
+            row[f"{side}_other_cpu_percent"] = _median([((lv.get("resources") or {}).get("other_cpu_percent")
+                                                          or {}).get("mean") for lv in levels])
         rows.append(row)
     return rows
 
@@ -323,7 +347,7 @@ def _ms(seconds: float | None) -> float | None:
 
 def format_table(rows: list[dict]) -> str:
     """One markdown table: both servers and syshaxd / llama-server per load."""
-    header = ["load", "requests", f"{PEER} tok/s", f"{OURS} tok/s", "tok/s ratio",
+    header = ["load", "requests", f"{PEER} tok/s", f"{OURS} tok/s", "tok/s ratio", "per round",
               f"{PEER} TTFT p50 ms", f"{OURS} TTFT p50 ms", "TTFT ratio",
               f"{PEER} TPOT p50 ms", f"{OURS} TPOT p50 ms", "TPOT ratio", "ok (peer / ours)", "retried (peer / ours)",
               "other CPU % (peer / ours)"]
@@ -331,6 +355,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         cells = [r["load"], str(r["requests"]),
                  _fmt(r["peer_tok_s"], "{:.1f}"), _fmt(r["ours_tok_s"], "{:.1f}"), _fmt(r["ratio_tok_s"], "{:.2f}x"),
+                 " ".join(_fmt(x, "{:.2f}") for x in r["ratio_tok_s_rounds"]) or "-",
                  _fmt(_ms(r["peer_ttft_p50_s"]), "{:.1f}"), _fmt(_ms(r["ours_ttft_p50_s"]), "{:.1f}"),
                  _fmt(r["ratio_ttft_p50_s"], "{:.2f}x"),
                  _fmt(_ms(r["peer_tpot_p50_s"]), "{:.2f}"), _fmt(_ms(r["ours_tpot_p50_s"]), "{:.2f}"),
@@ -342,17 +367,18 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_turns(work: Workloads, results: dict[str, dict[str, dict]]) -> str:
-    """The chat load's TTFT p50 per turn on each server, as markdown."""
-    chat = next(ld for ld in work.loads if ld.kind == "chat")
+def format_turns(loads_run: list[Load], results: dict[str, dict[str, list[dict]]]) -> str:
+    """The chat load's TTFT p50 per turn on each server (the median over rounds), as markdown."""
+    chat = next(ld for ld in loads_run if ld.kind == "chat")
     header = ["server", *(f"turn {t}" for t in range(1, chat.turns + 1))]
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * chat.turns]
     per_server = {}
     for label in (PEER, OURS):
-        level = results.get(label, {}).get(chat.name)
-        if level is None:
+        levels = results.get(label, {}).get(chat.name)
+        if not levels:
             continue
-        per_server[label] = {row["turn"]: row["ttft_s"]["median"] for row in level.get("turns", ())}
+        per_server[label] = {t: _median([row["ttft_s"]["median"] for lv in levels for row in lv.get("turns", ())
+                                         if row["turn"] == t]) for t in range(1, chat.turns + 1)}
         lines.append("| " + " | ".join([label, *(_fmt(None if per_server[label].get(t) is None
                                                        else per_server[label][t] * 1000, "{:.1f}")
                                                   for t in range(1, chat.turns + 1))]) + " |")
@@ -362,19 +388,33 @@ def format_turns(work: Workloads, results: dict[str, dict[str, dict]]) -> str:
     return f"chat ({chat.requests} conversations x {chat.turns} turns, {chat.system_len}-token system prompt), TTFT p50 ms per turn:\n" + "\n".join(lines)
 
 
-async def run_all(args: argparse.Namespace, binary: str | None, work: Workloads, log_dir: Path,
-                  servers: dict[str, dict]) -> dict[str, dict[str, dict]]:
-    results: dict[str, dict[str, dict]] = {}
-    for label in (PEER, OURS):
-        if args.only and label != args.only:
-            continue
-        print(f"starting {label} ...", flush=True)
-        server = await (start_peer(args, binary, log_dir) if label == PEER else start_ours(args, log_dir))
-        servers[label] = server.info
-        print(f"  {label} ready at {server.url} after {server.info['startup_s']:.1f} s", flush=True)
-        try:
-            results[label] = await bench_server(server, work)
-        finally:
+async def run_all(args: argparse.Namespace, binary: str | None, rounds: list[Workloads], log_dir: Path,
+                  servers: dict[str, dict]) -> dict[str, dict[str, list[dict]]]:
+    """Both servers up; every load of every round on each, one server loaded at a time, the first alternating."""
+    labels = [label for label in (PEER, OURS) if not args.only or label == args.only]
+    results: dict[str, dict[str, list[dict]]] = {label: {} for label in labels}
+    started: dict[str, Server] = {}
+    try:
+        for label in labels:
+            print(f"starting {label} ...", flush=True)
+            server = await (start_peer(args, binary, log_dir) if label == PEER else start_ours(args, log_dir))
+            started[label] = server
+            servers[label] = server.info
+            print(f"  {label} ready at {server.url} after {server.info['startup_s']:.1f} s", flush=True)
+        connector = aiohttp.TCPConnector(limit=64, limit_per_host=64)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for server in started.values():
+                await warm_up(server, session, rounds[0])
+            for i, ld in enumerate(rounds[0].loads):
+                for r, work in enumerate(rounds):
+                    order = labels if (i + r) % 2 == 0 else labels[::-1]
+                    for label in order:
+                        tag = f", round {r + 1}" if len(rounds) > 1 else ""
+                        summary = await run_load(started[label], session, work, ld, tag)
+                        summary["round"] = r + 1
+                        results[label].setdefault(ld.name, []).append(summary)
+    finally:
+        for server in started.values():
             await server.stop()
     return results
 
@@ -397,14 +437,15 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench_peers-", dir=args.json.parent))
     print(f"model {args.model}, {args.threads} threads each, {PARALLEL} parallel sequences of {args.n_ctx} tokens;"
           f" llama-server {binary}; logs in {log_dir}", flush=True)
-    work = Workloads(args)
+    first = Workloads(args)
+    rounds = [first, *(Workloads(args, r, first.builder) for r in range(1, args.rounds))]
     servers: dict[str, dict] = {}
     try:
-        results = asyncio.run(run_all(args, binary, work, log_dir, servers))
+        results = asyncio.run(run_all(args, binary, rounds, log_dir, servers))
     except KeyboardInterrupt:
         print(f"\nbench_peers: interrupted; servers stopped; logs in {log_dir}", file=sys.stderr)
         return 130
-    rows = summary_rows(work, results)
+    rows = summary_rows(first.loads, results)
     document = {
         "schema": SCHEMA,
         "started_at": started_at,
@@ -412,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - t0,
         "argv": sys.argv,
         "settings": {"model": str(args.model), "threads": args.threads, "parallel": PARALLEL, "n_ctx": args.n_ctx,
-                     "repack": args.repack, "quick": args.quick, "seed": args.seed, "llama_server": binary,
-                     "loads": [asdict(ld) for ld in work.loads]},
+                     "repack": args.repack, "quick": args.quick, "seed": args.seed, "rounds": args.rounds,
+                     "llama_server": binary, "loads": [asdict(ld) for ld in first.loads]},
         "machine": describe_machine(),
         "servers": servers,
         "summary": rows,
@@ -426,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(rows))
     print()
-    if any(ld.kind == "chat" for ld in work.loads):
-        print(format_turns(work, results))
+    if any(ld.kind == "chat" for ld in first.loads):
+        print(format_turns(first.loads, results))
     notes = [f"{label}: {shlex.join(info['argv'])}" for label, info in servers.items()]
     print("\n" + "\n".join(notes))
     print(f"\nwhole run {document['wall_s']:.0f} s; figures: {args.json}")
