@@ -1,0 +1,124 @@
+"""Can speculative decoding keep greedy output exact on llama.cpp's CPU kernels? (issue 20, item 4)
+
+n-gram / prompt-lookup speculation (llama-server's --spec-type ngram-*, vLLM's [ngram]) guesses the next k tokens
+and checks them in one llama_decode of k + 1 rows of one sequence. Its output equals plain decoding only if each of
+those rows gets the bits that row gets when it is decoded alone, one token per llama_decode.
+
+This measures that, in-process on the default model, with the engine's context settings (one KV stream per slot,
+flash attention): a prompt's KV in stream 0, then its next `--tokens` greedy tokens decoded one row at a time
+(the reference: every row's logits); then, from the same prompt KV, the first k + 1 of those very tokens (a perfect
+guess) in one llama_decode, for each k. Per k: how many of the k + 1 rows gave the reference's logits bit for bit,
+the largest logit difference, whether every row's greedy token is still the reference's, and what the call
+costs against one row's: a guess of k tokens pays only where the tokens it gets accepted per call outweigh that.
+
+Found on 2026-12-04 (AMD EPYC with AVX-512, SmolLM2-135M q4_0, repacking on, this repo's llama.cpp build): every
+row of a guess up to 39 tokens got the one-row bits (exact; bench_chunk_invariance.py puts the kernels' edge at 64
+rows), but the call cost about as much as its rows one by one: 1.7x one row's time for 2 rows, 2.6x for 4,
+4.2x for 8. So n-gram speculation can be token-exact here, and it pays only where most guesses are right (over
+70 % of them at k = 1); it is not built (issue 20's closing note).
+
+    .venv/bin/python bench/bench_verify_rows.py [--prompt 200] [--tokens 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "plugins" / "llamacpp")]
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import llama_cpp  # noqa: E402
+
+from syshax_llamacpp.engine import LlamaCppEngine  # noqa: E402
+from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
+from syshaxd.sdk.types import EngineSpec  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt", type=int, default=200, help="prompt tokens (default: 200)")
+    p.add_argument("--tokens", type=int, default=24, help="greedy tokens decoded one at a time (default: 24)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    engine = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_path=str(default_tokenizer_path()),
+                                       model_name="m", n_ctx=2048, max_batch_size=8, threads=args.threads))
+    engine.warm_up()
+    n_vocab = engine.n_vocab
+    # the batch context's twin with room for a whole guess in one call
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = engine.seq_ctx * 8
+    cparams.n_batch = cparams.n_ubatch = max(64, args.tokens + 1)
+    cparams.n_seq_max = 8
+    cparams.kv_unified = False
+    cparams.n_threads = cparams.n_threads_batch = args.threads
+    cparams.flash_attn_type = 1
+    cparams.no_perf = True
+    ctx = llama_cpp.llama_init_from_model(engine.model, cparams)
+    memory = llama_cpp.llama_get_memory(ctx)
+    batch = llama_cpp.llama_batch_init(cparams.n_batch, 0, 1)
+
+    builder = PromptBuilder(GGUFTokenizer(default_tokenizer_path()))
+    prompt = list(engine.vocab.tokenize(builder.build(args.prompt, 21).text, add_special=False))
+    n = len(prompt)
+
+    def decode(rows: list[tuple[int, int, bool]]) -> float:
+        batch.n_tokens = 0
+        for token, pos, logits in rows:
+            engine._add(batch, token, pos, 0, logits)
+        started = time.perf_counter()
+        assert llama_cpp.llama_decode(ctx, batch) == 0
+        return time.perf_counter() - started
+
+    def logits(i: int) -> np.ndarray:
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), (n_vocab,)).copy()
+
+    def load_prompt() -> np.ndarray:
+        llama_cpp.llama_memory_seq_rm(memory, 0, -1, -1)
+        for start in range(0, n, 64):  # chunks of 64: the prompt's KV the same every time
+            batch.n_tokens = 0
+            for pos in range(start, min(start + 64, n)):
+                engine._add(batch, prompt[pos], pos, 0, pos == n - 1)
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+        return logits(batch.n_tokens - 1)
+
+    first = int(np.argmax(load_prompt()))
+    tokens, reference, one_row = [first], [], []
+    for j in range(args.tokens):  # one row per llama_decode: plain greedy decoding
+        one_row.append(decode([(tokens[j], n + j, True)]))
+        reference.append(logits(0))
+        tokens.append(int(np.argmax(reference[-1])))
+    print(f"{n}-token prompt, {args.tokens} greedy tokens; the first k + 1 of them checked in one llama_decode "
+          f"(a perfect guess of k tokens), against one row per call ({1000 * statistics.median(one_row):.2f} ms "
+          f"each, median):\n")
+    print("| k | rows with the same bits | largest logit difference | greedy tokens unchanged | the call's time / one "
+          "row's (median of 5) |")
+    print("|---:|---:|---:|---|---:|")
+    for k in (1, 2, 3, 4, 7, 15, args.tokens - 1):
+        if k >= args.tokens:
+            continue
+        times = []
+        for _ in range(5):
+            load_prompt()
+            times.append(decode([(tokens[j], n + j, True) for j in range(k + 1)]))
+        got = [logits(j) for j in range(k + 1)]
+        same = sum(np.array_equal(g, r) for g, r in zip(got, reference))
+        diff = max(float(np.max(np.abs(g - r))) for g, r in zip(got, reference))
+        kept = all(int(np.argmax(g)) == tokens[j + 1] for j, g in enumerate(got))
+        cost = statistics.median(times) / statistics.median(one_row)
+        print(f"| {k} | {same} of {k + 1} | {diff:.3g} | {'yes' if kept else 'no'} | {cost:.2f}x |")
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
