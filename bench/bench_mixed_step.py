@@ -103,7 +103,8 @@ def main() -> int:
 
     print(f"{PROMPT}-token prompts decoding, one chunk of C prompt tokens; median of {args.repeats}, "
           f"{args.threads} threads, repack {engine.kernels.kernels}\n")
-    print("| R rows | C tokens | separate: decode + chunk ms | mixed ms | mixed / separate | graphs in the mixed call |")
+    print("| R rows | C tokens | separate: decode + chunk ms | mixed ms | mixed / separate "
+          "| graphs in the mixed call |")
     print("|---:|---:|---:|---:|---:|---:|")
     def fill_mixed(rows: int, c: int) -> None:
         mixed_batch.n_tokens = 0
