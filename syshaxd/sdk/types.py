@@ -342,6 +342,7 @@ class EngineStats:
     decode_errors: int = 0
     stream_moves: int = 0  # sequences moved between KV streams to keep the decode batch one ubatch
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache instead of being evaluated
+    padded_steps: int = 0  # decode steps in which a lone sequence had a padding row beside it (llama.cpp)
 
 
 @dataclass(frozen=True)

@@ -172,8 +172,9 @@ class LlamaCppEngine:
         # warm-up; 0: not proved, so a prefix cache hit resumes only at a multiple of the chunk)
         self.exact_resume = 0
         # a lone decoding sequence past SPLIT_KV_FROM tokens decodes beside a padding row, so that its attention
-        # sums as in a batch; False once the warm-up proved this llama.cpp sums a lone row that way anyway
-        self.pad_lone = True
+        # sums as in a batch; False once the warm-up proved this llama.cpp sums a lone row that way anyway, and
+        # where nothing decodes or one slot is all there is (a sequence is then always alone)
+        self.pad_lone = self.decodes and self.max_seqs > 1
         self.store = None  # the daemon's prefix cache: blocks of prompt KV, shared by its workers
         if spec.prefix_store:
             from syshaxd.sdk.kv.block_store import BlockStore
@@ -187,7 +188,7 @@ class LlamaCppEngine:
         self.active: dict[str, _Sequence] = {}  # request_id -> sequence holding a seq_id
         self.queued: dict[str, _Sequence] = {}  # request_id -> sequence waiting for a slot
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "decode_errors": 0,
-                         "stream_moves": 0, "cached_tokens": 0}
+                         "stream_moves": 0, "cached_tokens": 0, "padded_steps": 0}
         self._rate = TokenRate()
         log.info(
             "llama.cpp engine built: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d, kernels %s",
@@ -252,7 +253,7 @@ class LlamaCppEngine:
                     self._add(self.batch, tokens[stream % n], n, stream, True)
                 if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
                     raise RuntimeError(f"warm-up: llama_decode of a {self.max_seqs}-row decode batch failed")
-                if self.max_seqs > 1:
+                if self.pad_lone:
                     self.pad_lone = not self._proves_lone(tokens[0], n)
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
@@ -288,8 +289,8 @@ class LlamaCppEngine:
                      "row", SPLIT_KV_FROM)
         else:
             log.warning("this llama.cpp splits a lone row's attention among its threads (not built by "
-                        "mk/llama-wheel.sh?): a lone sequence past %d tokens decodes beside a padding row, about "
-                        "1 ms a step, so that its text is the one it gets beside others", SPLIT_KV_FROM)
+                        "mk/llama-wheel.sh?): a lone sequence past %d tokens decodes beside a padding row, 1 to 2 "
+                        "ms a step, so that its text is the one it gets beside others", SPLIT_KV_FROM)
         return same
 
     def _prove_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> int:
@@ -399,6 +400,7 @@ class LlamaCppEngine:
             rc = llama_cpp.llama_decode(self.ctx, self.batch)
             if pad >= 0:
                 llama_cpp.llama_memory_seq_rm(self.memory, pad, -1, -1)
+                self.counters["padded_steps"] += 1
             self.counters["steps"] += 1
             if rc != 0:
                 return self._fail(rc, [seq for seq, _ in rows])
@@ -421,12 +423,12 @@ class LlamaCppEngine:
         CPU flash attention splits the KV among its threads and sums the parts (ops.cpp, use_split_kv_path); with
         two streams in the ubatch it walks every row's KV in order. The two sum differently, so a sequence
         decoded alone would get other bits than in a batch (bench/bench_concurrent_exactness.py): a row in a
-        second stream keeps a lone sequence on the batch's path, and its text the same alone or not. The price,
-        measured here: a lone step past 256 tokens takes about 0.9 ms more (8.75 against 7.85 ms)."""
+        second stream keeps a lone sequence on the batch's path, and its text the same alone or not. The price:
+        a lone step past 256 tokens takes 1 to 2 ms more (bench/bench_concurrent_exactness.py --step-cost)."""
         # the KV length llama.cpp attends over is the stream's cells padded to 256, so the split starts past 256
         # tokens; below that a padding row would only cost time (about 2 ms a step here: two rows take another
         # matmul path than one)
-        if not self.pad_lone or len(decoding) != 1 or self.max_seqs < 2 or decoding[0].n_past + 1 <= SPLIT_KV_FROM:
+        if not self.pad_lone or len(decoding) != 1 or decoding[0].n_past + 1 <= SPLIT_KV_FROM:
             return -1
         stream = decoding[0].seq_id
         for pad in (stream + 1, stream - 1):
