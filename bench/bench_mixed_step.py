@@ -55,14 +55,7 @@ def main() -> int:
     def twin(cb_eval=None):
         """The batch context's twin with room for a chunk beside the rows (a graph counter costs a Python call per
         graph node: it goes on a twin of its own, whose calls are not timed)."""
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = engine.seq_ctx * SLOTS
-        cparams.n_batch = cparams.n_ubatch = SLOTS + max(chunks)
-        cparams.n_seq_max = SLOTS
-        cparams.kv_unified = False
-        cparams.n_threads = cparams.n_threads_batch = args.threads
-        cparams.flash_attn_type = 1
-        cparams.no_perf = True
+        cparams = engine.batch_params(SLOTS + max(chunks))
         if cb_eval is not None:
             cparams.cb_eval = cb_eval
         ctx = llama_cpp.llama_init_from_model(engine.model, cparams)

@@ -266,11 +266,12 @@ class Workloads:
         return prompts, lengths
 
 
-async def warm_up(server: Server, session: aiohttp.ClientSession, work: Workloads) -> None:
+async def warm_up(server: Server, session: aiohttp.ClientSession, prompts: list[Prompt]) -> None:
+    """Learn the server's model name (server.info["model"]) and run the prompts at once, 8 tokens each."""
     (model, *_) = await list_models(session, server.url) or ["default"]
     server.info["model"] = model
     warm = StreamingClient(server.url, model, 8)
-    await run_level(warm, session, work.warmup, len(work.warmup))
+    await run_level(warm, session, prompts, len(prompts))
 
 
 async def run_load(server: Server, session: aiohttp.ClientSession, work: Workloads, ld: Load, tag: str,
@@ -404,7 +405,7 @@ async def run_all(args: argparse.Namespace, binary: str | None, rounds: list[Wor
         connector = aiohttp.TCPConnector(limit=64, limit_per_host=64)
         async with aiohttp.ClientSession(connector=connector) as session:
             for server in started.values():
-                await warm_up(server, session, rounds[0])
+                await warm_up(server, session, rounds[0].warmup)
             for i, ld in enumerate(rounds[0].loads):
                 for r, work in enumerate(rounds):
                     order = labels if (i + r) % 2 == 0 else labels[::-1]

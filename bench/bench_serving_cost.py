@@ -45,7 +45,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "plugins" / "llam
 import aiohttp  # noqa: E402
 
 import bench_peers  # noqa: E402
-from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
+from syshaxd.bench.client import StreamingClient, run_level  # noqa: E402
 from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
 from syshaxd.bench.report import level_summary  # noqa: E402
 
@@ -106,9 +106,7 @@ async def served(args, builder: PromptBuilder) -> dict:
         servers[bench_peers.OURS] = await bench_peers.start_ours(args, log_dir)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
             for server in servers.values():
-                server.info["model"] = (await list_models(session, server.url))[0]
-                await run_level(StreamingClient(server.url, server.info["model"], 8), session,
-                                [builder.build(32, 1), builder.build(32, 2)], 2)
+                await bench_peers.warm_up(server, session, [builder.build(32, 1), builder.build(32, 2)])
             peer_warm = len(re.findall(r"\|\s+eval time", Path(servers[bench_peers.PEER].info["log"]).read_text()))
             for r in range(args.rounds):
                 order = list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]

@@ -53,14 +53,7 @@ def main() -> int:
     engine.warm_up()
     n_vocab = engine.n_vocab
     # the batch context's twin with room for a whole guess in one call
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = engine.seq_ctx * 8
-    cparams.n_batch = cparams.n_ubatch = max(64, args.tokens + 1)
-    cparams.n_seq_max = 8
-    cparams.kv_unified = False
-    cparams.n_threads = cparams.n_threads_batch = args.threads
-    cparams.flash_attn_type = 1
-    cparams.no_perf = True
+    cparams = engine.batch_params(max(64, args.tokens + 1))
     ctx = llama_cpp.llama_init_from_model(engine.model, cparams)
     memory = llama_cpp.llama_get_memory(ctx)
     batch = llama_cpp.llama_batch_init(cparams.n_batch, 0, 1)

@@ -118,25 +118,8 @@ class LlamaCppEngine:
         self.chunk = spec.prefill_chunk_size
         # the batch context only ever decodes one token per sequence
         self.n_batch = self.max_seqs
-        cparams = llama_cpp.llama_context_default_params()
         self.seq_ctx = min(spec.n_ctx, self.n_ctx_train)
-        cparams.n_ctx = self.seq_ctx * self.max_seqs
-        cparams.n_batch = self.n_batch
-        cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = self.max_seqs
-        # One KV stream per slot, each of n_ctx cells. In a unified cache a finished sequence
-        # leaves holes that the others' next tokens fill, so a sequence's cells stop being in
-        # position order and the attention sums round differently than for the request alone
-        # (measured: 9 of 16 staggered requests kept their alone-text unified, 16 of 16 split;
-        # decode speed is the same once prompts run in their own context, below).
-        cparams.kv_unified = False
-        cparams.n_threads = spec.threads
-        cparams.n_threads_batch = spec.threads
-        cparams.no_perf = True
-        # Flash attention walks a sequence's own cells in order; the plain path sums over all
-        # cells of the batch, so neighbours change the rounding (measured: 16 prompts batched
-        # 8 at a time kept 16/16 of their alone-text with it, 7/16 without).
-        cparams.flash_attn_type = 1
+        cparams = self.batch_params(self.n_batch)
         if on_graph is not None:
             self._eval_callback = _graph_observer(on_graph)  # kept: llama.cpp holds only the pointer
             cparams.cb_eval = self._eval_callback
@@ -194,6 +177,27 @@ class LlamaCppEngine:
             "llama.cpp engine built: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d, kernels %s",
             path.name, self.n_ctx, self.max_seqs, self.chunk, spec.threads, self.kernels.kernels,
         )
+
+    def batch_params(self, n_batch: int):
+        """The batch context's parameters, with room for n_batch tokens per llama_decode (the benches under bench/
+        build twins of it with more room)."""
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = self.seq_ctx * self.max_seqs
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_seq_max = self.max_seqs
+        # One KV stream per slot, each of n_ctx cells. In a unified cache a finished sequence
+        # leaves holes that the others' next tokens fill, so a sequence's cells stop being in
+        # position order and the attention sums round differently than for the request alone
+        # (measured: 9 of 16 staggered requests kept their alone-text unified, 16 of 16 split;
+        # decode speed is the same once prompts run in their own context, below).
+        cparams.kv_unified = False
+        cparams.n_threads = cparams.n_threads_batch = self.spec.threads
+        cparams.no_perf = True
+        # Flash attention walks a sequence's own cells in order; the plain path sums over all
+        # cells of the batch, so neighbours change the rounding (measured: 16 prompts batched
+        # 8 at a time kept 16/16 of their alone-text with it, 7/16 without).
+        cparams.flash_attn_type = 1
+        return cparams
 
     # --- Engine protocol ------------------------------------------------------------------
 
