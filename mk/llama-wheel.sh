@@ -14,12 +14,12 @@
 # decode (ggml-org/llama.cpp#20824). Weight repacking (AVX2/AVX-512 kernels) stays in; the engine
 # chooses it at run time (config key `repack`).
 #
-# One line of llama.cpp is changed before the build: its CPU flash attention no longer splits a lone
-# query row's KV among the threads (ggml-cpu/ops.cpp, use_split_kv_path: one sequence decoding alone
-# past 256 tokens). That path sums the KV in another order than the one every batched row takes, so a
-# request decoded alone got other bits than the same request beside others. The engine proves at its
-# warm-up which way its llama.cpp sums (plugins/llamacpp/syshax_llamacpp/engine.py, _proves_lone) and,
-# with a llama.cpp that still splits, keeps a lone sequence on the batched path with a padding row.
+# llama.cpp's CPU flash attention is changed before the build (mk/llama-patch.py says what and why): a lone
+# row's KV is no longer split among the threads, so a request decoded alone gets the bits it gets beside
+# others; and with SYSHAX_FA_TILED=1 every query row takes the tiled path, a decode step's too, so a token's KV
+# has the same bits from a prompt chunk of any size or a decode step, and the prefix cache can keep what a
+# request generated. The engine proves at its warm-up which kind of llama.cpp it loaded
+# (plugins/llamacpp/syshax_llamacpp/engine.py: _proves_lone, _proves_rows) and does without what it cannot prove.
 #
 # Cache: $SYSHAX_WHEEL_CACHE (default ~/.cache/syshax/wheels). About 5 minutes on 2 cores.
 set -euo pipefail
@@ -37,10 +37,10 @@ fi
 features=$(grep -m1 -E '^(flags|Features)[[:space:]]*:' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | tr ' ' '\n' | sort | tr '\n' ' ')
 compiler=$( (${CC:-cc} --version 2>/dev/null || true) | head -1)
 pyver=$("$PYTHON" -c 'import sys; print("%d%d" % sys.version_info[:2])')
-# the one change to llama.cpp's source (see above): what the line says, and what it says after
-SPLIT_KV_FROM='const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1)'
-SPLIT_KV_TO='const bool use_split_kv_path = false \&\& !use_ref \&\& (neq1 == 1 \&\& neq3 == 1)'
-key=$(printf '%s\n' "$VERSION" "$arch" "$features" "$compiler" "$cmake_args" "$pyver" "$SPLIT_KV_TO" | sha256sum | cut -c1-16)
+# the changes to llama.cpp's source (see above): the script that makes them is part of the key
+patch=$(dirname "$0")/llama-patch.py
+patch_sum=$(sha256sum "$patch" | cut -c1-16)
+key=$(printf '%s\n' "$VERSION" "$arch" "$features" "$compiler" "$cmake_args" "$pyver" "$patch_sum" | sha256sum | cut -c1-16)
 dir=$CACHE/llama-cpp-python-$VERSION-$arch-$key
 
 wheel() { ls "$dir"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -1; }
@@ -54,15 +54,11 @@ echo "mk/llama-wheel.sh: building llama-cpp-python $VERSION for this CPU ($arch,
 "$PYTHON" -m pip download -q --no-deps --no-cache-dir --no-binary :all: -d "$work" "llama-cpp-python==$VERSION" >&2
 tar xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src=$work/llama_cpp_python-$VERSION
-ops=$src/vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp
-sed -i "s/$SPLIT_KV_FROM/$SPLIT_KV_TO/" "$ops"
-grep -q "use_split_kv_path = false" "$ops" || {
-  echo "mk/llama-wheel.sh: $ops no longer has the line this script changes (use_split_kv_path); update it" >&2
-  exit 1; }
+"$PYTHON" "$patch" "$src" >&2
 CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir -w "$work" "$src" >&2
 mkdir -p "$dir"
 mv "$work"/llama_cpp_python-"$VERSION"-*.whl "$dir"/
-printf 'key inputs:\n  arch %s\n  cmake %s\n  compiler %s\n  python %s\n  source change %s\n  features %s\n' \
-  "$arch" "$cmake_args" "$compiler" "$pyver" "$SPLIT_KV_TO" "$features" > "$dir/BUILD-INFO"
+printf 'key inputs:\n  arch %s\n  cmake %s\n  compiler %s\n  python %s\n  source changes mk/llama-patch.py %s\n  features %s\n' \
+  "$arch" "$cmake_args" "$compiler" "$pyver" "$patch_sum" "$features" > "$dir/BUILD-INFO"
 wheel

@@ -67,6 +67,7 @@ class Config:
     prefill_chunk_size: int = 256  # prompt tokens per step, so a long prompt does not stall the batch
     prefix_cache_mb: int = 512  # prompt KV kept for reuse (automatic prefix caching) in /dev/shm; 0: off
     prefix_block_tokens: int = 16  # a shared prefix is reused in steps of this many tokens (vLLM's block)
+    keep_generated_tokens: int = 512  # of each answer, kept in the prefix cache for a chat's next turn; 0: none
     repack: str = "auto"  # llama.cpp's repacked weight kernels (llama-server's --repack): auto, on, off
 
     # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring
@@ -217,6 +218,7 @@ def _validate(cfg: Config) -> None:
     at_least("ring_size_mb", 1)
     at_least("prefix_cache_mb", 0)
     at_least("prefix_block_tokens", 1)
+    at_least("keep_generated_tokens", 0)
     if cfg.prefill_chunk_size % cfg.prefix_block():
         raise ConfigError(f"prefix_block_tokens: {cfg.prefix_block_tokens} does not divide prefill_chunk_size "
                           f"({cfg.prefill_chunk_size}); a cached block must never straddle two prompt chunks. "

@@ -128,7 +128,7 @@ class Service:
         # the one owner of the ring's records and the prefix cache's blocks: every worker reports to it
         ledger = KVLedger(ring, prefix=PrefixCache(prefix.n_slots, prefix.block_tokens, prefix.slot_bytes,
                                                    chunk_tokens=prefix.chunk_tokens, n_wide=prefix.n_wide,
-                                                   wide_bytes=prefix.wide_bytes)
+                                                   wide_bytes=prefix.wide_bytes, keep_tokens=prefix.keep_tokens)
                           if prefix is not None else None)
         self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
                                      ledger, on_failed=self._worker_failed) for name, spec in engines.workers]

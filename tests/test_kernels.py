@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from conftest import MODEL_NAME, http_json, start_daemon, wait_for
-from syshax_llamacpp.kernels import KernelChoice, choose, cpu_flags, extra_buffer_types, read_cpu_flags
+from syshax_llamacpp.kernels import (KernelChoice, choose, cpu_flags, extra_buffer_types, read_cpu_flags,
+                                     tiles_decode_cheaply)
 from syshaxd.config import ConfigError, from_mapping
 from syshaxd.sdk import faults
 
@@ -26,6 +27,13 @@ GRAVITON = frozenset("fp asimd sve i8mm".split())
 
 # --- the choice, for CPUs and builds this machine is not ------------------------------------------
 
+
+
+def test_every_rows_attention_is_tiled_only_where_k_packs_in_vectors():
+    # mk/llama-patch.py packs K with AVX-512, or AVX2 with F16C; elsewhere a decode step's tiled attention costs more
+    assert tiles_decode_cheaply(ZEN4) and tiles_decode_cheaply(SAPPHIRE_RAPIDS)
+    assert tiles_decode_cheaply(frozenset("avx avx2 f16c fma".split()))  # Haswell
+    assert not tiles_decode_cheaply(frozenset("avx avx2 fma".split())) and not tiles_decode_cheaply(GRAVITON)
 
 def test_cpu_flags_are_read_from_x86_and_arm_cpuinfo():
     x86 = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 amx_int8 amx_tile\nbogomips\t: 1\n"

@@ -59,6 +59,7 @@ def test_rpm_holds_the_unit_config_and_entry_points(built_rpm):
         "/usr/bin/syshax",
         "/usr/lib/systemd/system/syshaxd.service",
         "/usr/libexec/syshax/llama-wheel.sh",  # builds llama-cpp-python for the host (the spec says why)
+        "/usr/libexec/syshax/llama-patch.py",  # the changes it makes to llama.cpp's source first
         "/etc/syshax/syshax.toml",
         "/var/lib/syshax",
         "/usr/share/doc/syshax/README.md",  # the unit's Documentation=

@@ -131,6 +131,39 @@ def test_blocks_smaller_than_a_chunk_hit_inside_it_and_whole_prompts_take_wide_s
     assert cache.status().prompts == 2 and cache.plan("g", prompt).final is None
 
 
+def test_what_a_request_generates_is_kept_in_slots_held_for_it_and_the_slots_it_did_not_fill_are_freed():
+    cache = PrefixCache(n_slots=8, block_tokens=4, slot_bytes=64, keep_tokens=8)
+    prompt = list(range(100, 110))  # two whole blocks and 2 tokens
+    plan = cache.plan("a", prompt, generate=20)
+    assert len(plan.keeps) == 2  # blocks 2..6 may fill; keep_tokens 8 caps them at 2
+    assert not set(plan.keeps) & ({slot for _, slot in plan.stores} | {plan.final_store})
+    assert cache.plan("x", [7, 7], generate=2).keeps == ()  # 2 tokens + 1 generated: no whole block after
+    cache.release("x")
+    assert PrefixCache(8, 4, 64).plan("y", prompt, generate=20).keeps == ()  # keep_tokens 0: nothing kept
+    written(cache, "a", plan)  # the prompt's report: its keeps stay held until the request ends
+    history = prompt + [200 + i for i in range(7)]  # 17 tokens in the KV at its end: blocks 2 and 3 are new
+    keys = block_keys(history, 4)
+    cache.cached(Cached("a", generated=((plan.keeps[0], keys[2], 7), (plan.keeps[1], keys[3], 8))))
+    cache.release("a")  # its last Delta
+    status = cache.status()
+    assert status.generated == 2 and status.stored == 5 and status.held == 0
+    turn = cache.plan("b", history + [300, 301, 302])  # the answer sent back, and more
+    assert turn.hits[2:] == ((plan.keeps[0], 7), (plan.keeps[1], 8)) and hit_tokens(turn) == 16
+    cache.release("b")
+    # a block another request kept meanwhile wins; slots not written, or not written first, are freed
+    twin = cache.plan("c", prompt, generate=20)
+    cache.cached(Cached("c", generated=((twin.keeps[0], keys[2], 9),)))
+    cache.release("c")
+    assert cache.status().generated == 2
+    assert cache.plan("d", history).hits[2] == (plan.keeps[0], 7)
+    cache.release("d")
+    # nothing leaks: every slot can be had again (the idle blocks are evicted for it)
+    for n in range(6):
+        cache.release(f"e{n}")
+        assert len(cache.plan(f"e{n}", [50 + n] * 36).stores) == 8
+        cache.release(f"e{n}")
+
+
 def test_a_hit_resumes_only_where_its_first_chunk_gives_the_bits_a_miss_gives():
     from syshax_llamacpp.prefix import kept_until, resumable
 
@@ -146,6 +179,9 @@ def test_a_hit_resumes_only_where_its_first_chunk_gives_the_bits_a_miss_gives():
     assert kept_until(0, 330, 256, 64) == 330
     assert kept_until(80, 150, 256, 64) == 150  # resumed at 80 with 70 tokens
     assert kept_until(0, 330, 256, 0) == 256 and kept_until(0, 512, 256, 0) == 512
+    # row attention proved (exact_resume 1): any chunk gives the bits, so after any block, and every block is kept
+    assert resumable(15, 16, 600, 256, 1) == 15 and resumable(8, 16, 150, 256, 1) == 8
+    assert kept_until(0, 300, 256, 1) == 300
 
 
 # --- the block store ------------------------------------------------------------------------------
@@ -401,8 +437,10 @@ def fine(default_model, tmp_path_factory):
 
 
 def test_a_100_word_shared_prefix_hits_and_every_hit_returns_the_tokens_a_miss_returns(fine):
-    # the warm-up proved chunks of 64 tokens exact on this CPU (else hits resume at whole chunks: still exact)
+    # the warm-up proved chunks of any size exact (row attention: mk/llama-wheel.sh's llama.cpp), or of 64 tokens
+    # and more (tiled attention), on this CPU; else hits resume at whole chunks: still exact
     proved = "hits resume after any block" in fine.log()
+    rows = "what a request generates is kept" in fine.log()
     assert proved or "gave other bits than in one chunk" in fine.log()
     client = connect(fine)
     text = token_ids(fine, long_text(80))
@@ -422,7 +460,7 @@ def test_a_100_word_shared_prefix_hits_and_every_hit_returns_the_tokens_a_miss_r
             # a whole prompt; or whole blocks ending at a chunk's start, or leaving 64 tokens or more to run
             assert (cached_tokens == n or cached_tokens % 256 == 0
                     or (proved and cached_tokens % 16 == 0
-                        and min(n, cached_tokens // 256 * 256 + 256) - cached_tokens >= 64))
+                        and (rows or min(n, cached_tokens // 256 * 256 + 256) - cached_tokens >= 64)))
     if not proved:
         return
     shared_hits = [one[2] for one in shortest_first[-6:]]
@@ -444,6 +482,29 @@ def test_concurrent_hits_inside_chunks_return_what_each_prompt_returns_alone(fin
     assert [t[:2] for t in together] == alone * 2
     assert sum(t[2] for t in together) > 0
     assert fine.status()["workers"][0]["stats"]["padded_steps"] == 0  # lone sequences past 256 ran: no row
+
+
+def test_a_chats_next_turn_resumes_after_the_answer_and_returns_what_a_miss_returns(fine):
+    """What a request generated is kept (row attention, proved at the warm-up): the next turn, which sends the
+    answer back, takes its KV from the cache up to the answer's last whole block, and its tokens are a miss's."""
+    assert "what a request generates is kept" in fine.log()
+    client = connect(fine)
+    before = fine.status()["prefix_cache"]["generated"]
+    messages = [{"role": "system", "content": "You are a helpful assistant. " + long_text(8)},
+                {"role": "user", "content": "Describe the first three items in your own words."}]
+    turns = []
+    for turn in range(3):
+        r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=48, temperature=0)
+        fresh = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=48, temperature=0,
+                                               extra_body={"cache_prompt": False})
+        assert r.choices[0].message.content == fresh.choices[0].message.content, turn
+        turns.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens, r.usage.completion_tokens))
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": f"And item {turn + 4}?"}]
+    for (prompt, _, answer), (_, cached, _) in zip(turns, turns[1:]):
+        # the KV held the prompt and all but the answer's last token: every whole block of that was kept
+        assert cached >= (prompt + answer - 1) // 16 * 16, turns
+    assert fine.status()["prefix_cache"]["generated"] - before >= 2 * 48 // 16 - 2
 
 
 def padded_steps(d, at_least: int, wait: float = 5.0) -> int:
@@ -485,6 +546,25 @@ def test_with_a_llama_cpp_that_splits_a_lone_rows_attention_a_long_lone_sequence
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             together = list(pool.map(lambda p: complete(client, p, cache_prompt=False, max_tokens=24), prompts))
         assert [t[:2] for t in together] == alone
+
+
+def test_where_the_warm_up_cannot_prove_a_decode_steps_bits_nothing_generated_is_kept(default_model, tmp_path):
+    """Fault injection: the proof fails as with a stock llama.cpp (a decode step's KV has other bits than a prompt
+    chunk's); the next turn then evaluates the answer again, and still returns a miss's tokens."""
+    with faulted(default_model, tmp_path, "generated") as d:
+        assert "nothing generated is kept" in d.log()
+        client = connect(d)
+        messages = [{"role": "system", "content": "You are a helpful assistant. " + long_text(8)},
+                    {"role": "user", "content": "Describe the first item."}]
+        first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=48, temperature=0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And the second?"}]
+        turn = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0)
+        fresh = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
+                                               extra_body={"cache_prompt": False})
+        assert turn.choices[0].message.content == fresh.choices[0].message.content
+        assert turn.usage.prompt_tokens_details.cached_tokens <= first.usage.prompt_tokens  # not into the answer
+        assert d.status()["prefix_cache"]["generated"] == 0
 
 
 def test_where_the_warm_up_cannot_prove_chunking_exact_hits_resume_only_at_whole_chunks(default_model, tmp_path):

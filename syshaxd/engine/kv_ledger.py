@@ -187,9 +187,10 @@ class KVLedger:
 
     # --- the prefix cache ----------------------------------------------------------------------
 
-    def plan_prefix(self, request_id: str, tokens) -> PrefixPlan | None:
-        """The prompt's cached blocks and slots for its new ones, held for request_id; None without a cache."""
-        return self.prefix.plan(request_id, tokens) if self.prefix is not None else None
+    def plan_prefix(self, request_id: str, tokens, generate: int = 0) -> PrefixPlan | None:
+        """The prompt's cached blocks and slots for its new ones (and for blocks of up to `generate` tokens it
+        generates), held for request_id; None without a cache."""
+        return self.prefix.plan(request_id, tokens, generate) if self.prefix is not None else None
 
     def prefix_cached(self, event: Cached) -> None:
         if self.prefix is not None:

@@ -60,6 +60,7 @@ class PrefixStorePlan:
     wide_bytes: int
     block_tokens: int  # prefix_block_tokens, or the chunk when that is smaller
     chunk_tokens: int  # the prefill chunk size
+    keep_tokens: int = 0  # keep_generated_tokens in cpu mode (the workers run their own prompts there), else 0
 
 
 @dataclass
@@ -104,16 +105,18 @@ def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixSto
         raise PlanError(f"prefix_cache_mb: {cfg.prefix_cache_mb} MiB holds no prompt chunk of {chunk} tokens with its "
                         f"logits ({wide / 2**20:.1f} MiB) beside a block of {block} tokens; raise it, lower "
                         "prefill_chunk_size, or set 0")
-    return PrefixStorePlan(instance, n_slots, slot, n_wide, wide, block, chunk)
+    keep = cfg.keep_generated_tokens if cfg.mode == "cpu" else 0
+    return PrefixStorePlan(instance, n_slots, slot, n_wide, wide, block, chunk, keep)
 
 
 def _with_prefix_store(engines: Engines, cfg: Config, model_path: Path, instance: str) -> Engines:
-    """Every worker may use the prefix cache; the engines that implement it (llama.cpp) attach the store."""
+    """Every worker may use the prefix cache; the engines that implement it (llama.cpp) attach the store. Where it
+    keeps generated tokens, the workers tile every query row's attention (EngineSpec.tiled_attention)."""
     store = plan_prefix_store(cfg, model_path, instance)
     if store is None:
         return engines
-    return Engines([(name, replace(spec, prefix_store=instance)) for name, spec in engines.workers], engines.ring,
-                   store)
+    return Engines([(name, replace(spec, prefix_store=instance, tiled_attention=store.keep_tokens > 0))
+                    for name, spec in engines.workers], engines.ring, store)
 
 
 def _overrides(cfg: Config, env: dict) -> dict:

@@ -12,6 +12,12 @@ A whole prompt is kept too: its last chunk (from the last multiple of the chunk 
 token) with its last token's logits, in a wide slot of its own, so that the same prompt again runs
 nothing at all.
 
+And what a request generates, where its engine computes a token's KV with the same bits decoding as a
+prompt chunk (the engine proves that at its warm-up): the plan holds free slots for those blocks
+(`keeps`, up to `keep_tokens` of them), the engine fills them when the request ends and names each
+by its key over the prompt and the generated tokens, and the slots it did not fill are freed. A
+chat's next turn, which sends the answer back, then resumes after it, as llama-server's slot does.
+
 The daemon's KV ledger owns this index; the engine workers only read and write the slots it names
 (kv/block_store.py). A block is held by each request planned to read or write it, from the plan until
 the engine reports (Cached) or the request ends; a held block is never evicted. Blocks nobody holds
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from syshaxd.sdk.kv.block_keys import block_keys
 from syshaxd.sdk.types import Cached, PrefixPlan
 
 log = logging.getLogger(__name__)
@@ -50,6 +57,7 @@ class PrefixStatus:
     refused: int  # blocks an engine found unusable (never seen in a sound run)
     capacity_prompts: int = 0  # wide slots: whole prompts' last chunks with their logits
     prompts: int = 0  # whole prompts kept
+    generated: int = 0  # blocks of generated tokens written (of `stored`)
 
 
 @dataclass(eq=False)
@@ -86,22 +94,14 @@ def final_start(n_tokens: int, chunk_tokens: int) -> int:
     return (n_tokens - 1) // chunk_tokens * chunk_tokens
 
 
-def block_keys(tokens, block_tokens: int) -> list[int]:
-    """The chained key of each whole block of `tokens`."""
-    ids = np.asarray(tokens, dtype=np.int32)
-    keys, parent = [], 0
-    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
-        parent = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + ids[start:start + block_tokens].tobytes())
-        keys.append(parent)
-    return keys
-
-
 class PrefixCache:
     def __init__(self, n_slots: int, block_tokens: int, slot_bytes: int, *, chunk_tokens: int | None = None,
-                 n_wide: int = 0, wide_bytes: int = 0) -> None:
+                 n_wide: int = 0, wide_bytes: int = 0, keep_tokens: int = 0) -> None:
         """n_slots block slots (0..n_slots-1), then n_wide wide slots for whole prompts; with no wide slots,
-        whole prompts take block slots (the index's tests size every slot alike)."""
+        whole prompts take block slots (the index's tests size every slot alike). keep_tokens: the most generated
+        tokens a request may keep (0: none)."""
         self.block_tokens = block_tokens
+        self.keep_tokens = keep_tokens
         self.chunk_tokens = chunk_tokens or block_tokens
         if self.chunk_tokens % block_tokens:
             raise ValueError(f"a block of {block_tokens} tokens does not divide a chunk of {self.chunk_tokens}")
@@ -110,14 +110,16 @@ class PrefixCache:
         self._by_key: dict[int, _Block] = {}
         self._by_slot: dict[int, _Block] = {}
         self._held: dict[str, list[_Block]] = {}  # request id -> the blocks its plan holds
-        self.queries = self.hits = self.stored_blocks = self.evictions = self.refused = 0
+        self._keeps: dict[str, list[int]] = {}  # request id -> slots held for blocks of what it generates
+        self.queries = self.hits = self.stored_blocks = self.evictions = self.refused = self.generated = 0
 
-    def plan(self, request_id: str, tokens) -> PrefixPlan:
+    def plan(self, request_id: str, tokens, generate: int = 0) -> PrefixPlan:
         """The cached blocks the prompt starts with, and free slots for its other whole blocks (held for it).
 
         Blocks stop before the block that holds the prompt's last token: its logits give the first token.
         The chunk holding that token and those logits are kept as one more entry, for this very prompt
-        (`final`), usable once the hits reach that chunk's start.
+        (`final`), usable once the hits reach that chunk's start. `generate`: the most tokens the request may
+        generate; slots for the whole blocks they may fill, up to keep_tokens, are held for it (`keeps`).
         """
         c = self.block_tokens
         keys = block_keys(tokens, c)
@@ -153,11 +155,24 @@ class PrefixCache:
             final_store = self._new_block(key, request_id, held, self._wide, wide=True)
         self.queries += len(tokens)
         return PrefixPlan(c, self.chunk_tokens, tuple((b.slot, b.checksum if b.ready else 0) for b in hits),
-                          tuple(stores), final, final_store)
+                          tuple(stores), final, final_store, self._keep(request_id, len(tokens), generate))
+
+    def _keep(self, request_id: str, n_prompt: int, generate: int) -> tuple[int, ...]:
+        """Slots for the blocks after the prompt's whole ones that the KV of what it generates may fill (the
+        last generated token is never evaluated), up to keep_tokens' worth; held for the request."""
+        c = self.block_tokens
+        n = min((n_prompt + generate - 1) // c - n_prompt // c, self.keep_tokens // c) if generate > 0 else 0
+        slots = self._keeps.setdefault(request_id, [])
+        while len(slots) < n and (slot := self._take_slot(self._blocks)) is not None:
+            slots.append(slot)
+        return tuple(slots)
 
     def cached(self, event: Cached) -> None:
         """The engine wrote the blocks it reports, took `hit_tokens` from the cache, and needs no block of the
-        plan any more."""
+        plan any more; or, at the request's end, wrote blocks of what it generated into its `keeps` slots."""
+        if event.generated is not None:
+            self._kept(event.request_id, event.generated)
+            return
         self.hits += event.hit_tokens
         for slot, checksum in event.stored:
             block = self._by_slot.get(slot)
@@ -172,10 +187,30 @@ class PrefixCache:
                 block.dead = True
                 if self._by_key.get(block.key) is block:
                     del self._by_key[block.key]
-        self.release(event.request_id)
+        self._release_holds(event.request_id)
+
+    def _kept(self, request_id: str, generated) -> None:
+        """Index the blocks of generated tokens written into the request's keeps slots (idle from now on, as
+        blocks nobody holds); a block another request kept meanwhile wins. The slots left unwritten are freed."""
+        slots = self._keeps.pop(request_id, [])
+        for slot, key, checksum in generated:
+            if slot not in slots or key in self._by_key:
+                continue
+            slots.remove(slot)
+            block = self._by_key[key] = self._by_slot[slot] = _Block(key, slot, True, checksum)
+            self._blocks.idle[key] = block
+            self.stored_blocks += 1
+            self.generated += 1
+        self._blocks.free += slots
 
     def release(self, request_id: str) -> None:
-        """The request holds none of its blocks any more (reported, finished, cancelled, or its worker died)."""
+        """The request holds none of its blocks any more (finished, cancelled, or its worker died): its keeps slots
+        go back too."""
+        self._blocks.free += self._keeps.pop(request_id, [])
+        self._release_holds(request_id)
+
+    def _release_holds(self, request_id: str) -> None:
+        """The request holds none of its plan's blocks any more (reported on its prompt, or gone)."""
         for block in self._held.pop(request_id, ()):
             block.holders.discard(request_id)
             if block.holders:
@@ -195,7 +230,7 @@ class PrefixCache:
         return PrefixStatus(self.block_tokens, self._blocks.n, sum(p.n * p.nbytes for p in pools),
                             len(ready) - wide, sum(self._pool(b).nbytes for b in ready), held, self.queries,
                             self.hits, self.stored_blocks, self.evictions, self.refused,
-                            self._wide.n if self._wide is not self._blocks else 0, wide)
+                            self._wide.n if self._wide is not self._blocks else 0, wide, self.generated)
 
     # --- slots --------------------------------------------------------------------------------
 

@@ -187,7 +187,9 @@ class Scheduler:
                 or request.prompt_logprobs is not None  # every prompt position's logits: the prompt runs whole
                 or not worker.info.get("prefix_cache")):
             return handling
-        plan = self.ledger.plan_prefix(request.request_id, request.prompt_tokens)
+        # a worker that proved its decode steps give a prompt chunk's bits keeps what the request generates
+        generate = (request.max_tokens or request.default_max_tokens) if worker.info.get("keeps_generated") else 0
+        plan = self.ledger.plan_prefix(request.request_id, request.prompt_tokens, generate)
         return replace(handling, prefix=plan) if plan is not None else handling
 
     def servable(self, mode: str) -> None:

@@ -12,7 +12,10 @@ and faults that kill nothing:
 
   chunking          the warm-up's proof that a prompt chunk's bits do not depend on where it starts
                     fails, as on a CPU whose kernels do depend on it (the prefix cache then resumes
-                    only at whole prompt chunks)
+                    only at whole prompt chunks); the proof of `generated` with it
+  generated         the warm-up's proof that a decode step and a prompt chunk of any size give a token
+                    the same bits fails, as with a stock llama.cpp (nothing generated is then kept, and a
+                    hit resumes only where 64 prompt tokens or more are left to the chunk's end)
   lone              the warm-up's proof that a row decoded alone sums its attention as a batched row does
                     fails, as with a stock llama.cpp (a lone long sequence then decodes beside a padding row)
 
@@ -26,7 +29,7 @@ import resource
 import signal
 
 POINTS = ("warmup", "decode")
-PROOFS = ("chunking", "lone")
+PROOFS = ("chunking", "lone", "generated")
 CONDITIONS = ("", "repacked")
 
 
@@ -48,8 +51,8 @@ def parse(text: str) -> str:
 
 
 def fails_proof(fault: str, proof: str) -> bool:
-    """Whether `fault` makes this warm-up proof fail."""
-    return fault == proof
+    """Whether `fault` makes this warm-up proof fail (kernels whose chunk's bits depend on its start fail both)."""
+    return fault == proof or (fault, proof) == ("chunking", "generated")
 
 
 def crash_at(fault: str, point: str, kernels: str) -> None:

@@ -96,6 +96,9 @@ class EngineSpec:
     cache_dir: str = ""
     gpu: GpuSettings = GpuSettings()  # read by the GPU engines (vLLM) only
     prefix_store: str = ""  # the prefix cache's block store instance (kv/block_store.py); empty: no cache
+    # every query row's attention in tiles, a decode step's as a prompt chunk's, so that the prefix cache can keep
+    # generated tokens' KV (config keep_generated_tokens; the llama.cpp engine: SYSHAX_FA_TILED)
+    tiled_attention: bool = False
     repack: str = "auto"  # the llama.cpp engine's weight repacking: auto, on or off (its kernels.py)
     # Fault injection for tests (SYSHAX_FAULT in the daemon's environment; sdk/faults.py): the worker
     # kills itself with SIGSEGV at that point, as a CPU's bad kernels would. Empty in service.
@@ -168,6 +171,10 @@ class PrefixPlan:
     # seen before runs nothing at all; or a slot to keep this prompt so in (-1: none)
     final: tuple[int, int] | None = None
     final_store: int = -1
+    # Slots for blocks of the tokens the request generates, held for it until it ends: the engine writes the
+    # blocks its KV then holds after the prompt's whole blocks (block len(prompt) // block_tokens on), in order,
+    # when the bits decoding gave them are those a prompt chunk gives (a chat's next turn resumes after them)
+    keeps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -237,6 +244,10 @@ class Cached:
     stored: tuple[tuple[int, int], ...] = ()
     refused: tuple[int, ...] = ()  # hit slots whose record did not check out
     hit_tokens: int = 0  # prompt tokens whose KV the engine took from the cache
+    # None: the report on the prompt. At the request's end, before its last Delta: the blocks of generated tokens
+    # written into the plan's `keeps` slots, (slot, key, checksum), the key chained over the prompt and what
+    # was generated (sdk/kv/block_keys.py)
+    generated: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from syshaxd.sdk.rate import TokenRate
 from syshaxd.sdk.types import (Accepted, Cached, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest,
                                   Handling, Imported, Prefilled, Refusal, Rejected, TokenLogprob)
 from syshaxd.sdk.gguf.header import fingerprint_from_gguf
-from syshax_llamacpp.codec import StateBuffer, StateImportError, export_seq, widen_streams
+from syshax_llamacpp.codec import StateBuffer, StateImportError, export_seq, parse_seq_state, widen_streams
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,12 @@ log = logging.getLogger(__name__)
 # 64 and more keep them, 63 and fewer do not; bench/bench_chunk_invariance.py). Each worker proves it at its
 # warm-up before a prefix cache hit relies on it.
 EXACT_RESUME = 64
+
+# What mk/llama-wheel.sh's llama.cpp reads, once per process, to take every query row's attention in tiles, a decode
+# step's too, where llama.cpp tiles only prompt chunks of 64 tokens or more (EngineSpec.tiled_attention): then a
+# chunk of any size, and a decode step, give a token the same bits (bench/bench_decode_kv.py), which the warm-up
+# proves (_proves_decode_kv).
+TILED_ATTENTION_ENV = "SYSHAX_FA_TILED"
 
 # A lone decoding sequence's KV length (cells) from which a stock llama.cpp's CPU flash attention splits the KV
 # among its threads (ggml-cpu/ops.cpp: use_split_kv_path, nek1 >= 512; the length is the cells padded to 256).
@@ -78,6 +85,7 @@ class _Sequence:
     hit_tokens: int = 0  # prompt tokens it took from the prefix cache
     # request.prompt_logprobs: the prompt's logprobs as its chunks run (None for its first token), sent once
     prompt_lp: list | None = None
+    fed: list[int] = field(default_factory=list)  # generated tokens evaluated: in the KV after the prompt
 
 
 class LlamaCppEngine:
@@ -93,6 +101,14 @@ class LlamaCppEngine:
         """on_graph (tests, diagnostics): called for every graph llama.cpp computes on the batch context --
         once per ubatch -- through its eval callback, which costs a Python call per graph node."""
         self.spec = spec
+        flags = kernels.read_cpu_flags()
+        # every row's attention tiled where asked for and cheap on this CPU (else nothing generated is kept); set
+        # before the first graph: llama.cpp reads it once per process (a process's engines share one setting)
+        self.tiled_attention = spec.tiled_attention and kernels.tiles_decode_cheaply(flags)
+        if spec.tiled_attention and not self.tiled_attention:
+            log.info("keep_generated_tokens: this CPU has neither AVX-512 nor AVX2 with F16C, so a decode step's tiled "
+                     "attention would cost more than it saves; nothing generated is kept")
+        os.environ[TILED_ATTENTION_ENV] = "1" if self.tiled_attention else "0"
         llama_cpp.llama_backend_init()
         path = Path(spec.model_path)
         if spec.quantize:
@@ -103,7 +119,7 @@ class LlamaCppEngine:
         except (OSError, AttributeError) as exc:  # another llama-cpp-python layout: llama.cpp decides alone
             log.warning("could not list llama.cpp's CPU buffer types (%s)", exc)
             extra = None
-        self.kernels = kernels.choose(spec.repack, extra, kernels.read_cpu_flags())
+        self.kernels = kernels.choose(spec.repack, extra, flags)
         log.info("CPU kernels: %s (%s)", self.kernels.kernels, self.kernels.why)
         mparams = llama_cpp.llama_model_default_params()
         mparams.use_extra_bufts = self.kernels.use_extra_bufts
@@ -152,8 +168,11 @@ class LlamaCppEngine:
 
             self.port = KVPort(spec.ring, str(path), n_stream=self.max_seqs, timeout=spec.handoff_timeout)
         # a prompt chunk of this many tokens or more gives the same bits wherever it starts (proved at the
-        # warm-up; 0: not proved, so a prefix cache hit resumes only at a multiple of the chunk)
+        # warm-up; 0: not proved, so a prefix cache hit resumes only at a multiple of the chunk; 1: any chunk)
         self.exact_resume = 0
+        # what a request generates is kept in the prefix cache (its plan's keeps): proved at the warm-up that a
+        # decode step gives a token the bits a prompt chunk gives it (_proves_decode_kv)
+        self.keeps_generated = False
         # a lone decoding sequence past SPLIT_KV_FROM tokens decodes beside a padding row, so that its attention
         # sums as in a batch; False once the warm-up proved this llama.cpp sums a lone row that way anyway, and
         # where nothing decodes or one slot is all there is (a sequence is then always alone)
@@ -219,6 +238,7 @@ class LlamaCppEngine:
             "kernels": self.kernels.kernels,
             "kernels_why": self.kernels.why,
             "exact_resume_tokens": self.exact_resume,
+            "keeps_generated": self.keeps_generated,
             "lone_padding": self.pad_lone,
         }
 
@@ -257,6 +277,8 @@ class LlamaCppEngine:
                     self._add(self.batch, tokens[stream % n], n, stream, True)
                 if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
                     raise RuntimeError(f"warm-up: llama_decode of a {self.max_seqs}-row decode batch failed")
+                if self._tries_generated():
+                    self.keeps_generated = self._proves_decode_kv(tokens + [tokens[0]])
                 if self.pad_lone:
                     self.pad_lone = not self._proves_lone(tokens[0], n)
         finally:
@@ -266,8 +288,47 @@ class LlamaCppEngine:
                     llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
         # a decoder fed through the ring (hetero) runs few prompts of its own: whole chunks do for those, and its
         # restarts stay short
-        if self.store is not None and reference is not None and not (self.port is not None and self.decodes):
+        if self.keeps_generated:
+            self.exact_resume = 1  # a chunk of any size gives the bits, wherever it starts
+        elif self.store is not None and reference is not None and not (self.port is not None and self.decodes):
             self.exact_resume = self._prove_chunking(tokens, *reference)
+
+    def _tries_generated(self) -> bool:
+        """Whether the warm-up tries to prove that generated tokens may be kept: with a prefix cache, tiled attention
+        asked for, and prompts run here (a decoder fed through the ring runs few of its own)."""
+        return self.store is not None and self.tiled_attention and self.decodes and self.port is None
+
+    def _proves_decode_kv(self, history: list[int]) -> bool:
+        """Whether stream 0 of the decode batch just run -- its prompt from one chunk, its last token from the
+        decode step -- holds the very KV bytes, and its row the very logits, that the prefill context gives the
+        same tokens in chunks of 1, 16 and the rest: true where every query row's attention is tiled
+        (TILED_ATTENTION_ENV with mk/llama-wheel.sh's llama.cpp), so a decoded token's KV can be kept as if a prompt
+        had computed it. Leaves the prefill context empty."""
+        n = len(history)
+        batched = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, 0), (self.n_vocab,)).copy()
+        decoded = parse_seq_state(export_seq(self.ctx, 0, self._state).copy(), self.fingerprint)
+        cuts = [0, 1]  # a row alone, then 16 rows, then chunks as long as they come
+        while cuts[-1] < n:
+            cuts.append(min(n, cuts[-1] + (min(16, self.chunk) if len(cuts) == 2 else self.chunk)))
+        llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        try:
+            logits = self._run_cuts(history, cuts)
+            prompted = parse_seq_state(export_seq(self.prefill_ctx, 0, self._state), self.fingerprint)
+            same = (np.array_equal(logits, batched) and np.array_equal(decoded.positions, prompted.positions)
+                    and all(np.array_equal(a.view(np.uint16), z.view(np.uint16))
+                            for a, z in zip(decoded.k + decoded.v, prompted.k + prompted.v)))
+        finally:
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        if faults.fails_proof(self.spec.fault, "generated"):
+            same = False
+        if same:
+            sizes = ", ".join(str(e - s) for s, e in zip(cuts, cuts[1:]))
+            log.info("prefix cache: a decode step and prompt chunks of %s tokens give the same bits; what a request "
+                     "generates is kept, and hits resume after any block", sizes)
+        else:
+            log.warning("prefix cache: a decode step gives other bits than a prompt chunk here (a llama.cpp not "
+                        "built by mk/llama-wheel.sh?); nothing generated is kept")
+        return same
 
     def _proves_lone(self, token: int, n: int) -> bool:
         """Whether a row decoded alone gets the bits the same row got in the full batch just decoded (stream 0's,
@@ -307,17 +368,10 @@ class LlamaCppEngine:
                      "chunks", self.chunk)
             return 0
         cuts = [0, m + 16, n - m, n] if n - m - (m + 16) >= m else [0, n - m, n]
-        b = self.prefill_batch
         try:
-            for start, end in zip(cuts, cuts[1:]):
-                b.n_tokens = 0
-                for pos in range(start, end):
-                    self._add(b, tokens[pos], pos, 0, pos == n - 1)
-                if llama_cpp.llama_decode(self.prefill_ctx, b) != 0:
-                    raise RuntimeError(f"warm-up: llama_decode of a {end - start}-token prompt chunk failed")
+            last = self._run_cuts(tokens, cuts)
             again = export_seq(self.prefill_ctx, 0, self._state)
-            same = (np.array_equal(again, state) and np.array_equal(np.ctypeslib.as_array(
-                llama_cpp.llama_get_logits_ith(self.prefill_ctx, b.n_tokens - 1), (self.n_vocab,)), logits))
+            same = np.array_equal(again, state) and np.array_equal(last, logits)
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         if faults.fails_proof(self.spec.fault, "chunking"):
@@ -330,6 +384,18 @@ class LlamaCppEngine:
         log.info("prefix cache: a %d-token prompt gives the same bits in chunks of %s tokens as in one; hits resume "
                  "after any block where %d tokens or more are left to the chunk's end", n, sizes, m)
         return m
+
+    def _run_cuts(self, tokens: list[int], cuts: list[int]) -> np.ndarray:
+        """The warm-up's proofs: tokens into the (empty) prompt context from position 0, in the chunks between
+        consecutive cuts; a view of the last token's logits."""
+        b = self.prefill_batch
+        for start, end in zip(cuts, cuts[1:]):
+            b.n_tokens = 0
+            for pos in range(start, end):
+                self._add(b, tokens[pos], pos, 0, pos == len(tokens) - 1)
+            if llama_cpp.llama_decode(self.prefill_ctx, b) != 0:
+                raise RuntimeError(f"warm-up: llama_decode of a {end - start}-token prompt chunk failed")
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.prefill_ctx, b.n_tokens - 1), (self.n_vocab,))
 
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> list:
         rid = request.request_id
@@ -399,6 +465,7 @@ class LlamaCppEngine:
             if pad > seq.seq_id:
                 self._add(self.batch, seq.next_token, 0, pad, False)
             seq.n_past += 1
+            seq.fed.append(seq.next_token)
             seq.next_token = None
         if rows:
             rc = llama_cpp.llama_decode(self.ctx, self.batch)
@@ -410,7 +477,7 @@ class LlamaCppEngine:
                 return self._fail(rc, [seq for seq, _ in rows])
             for seq, i in rows:
                 try:
-                    deltas.append(self._emit(seq, *self._sample(seq, self.ctx, i)))
+                    deltas += self._emit(seq, *self._sample(seq, self.ctx, i))
                 except GrammarDeadEnd:
                     deltas += self._dead_end(seq)
         seq = next((s for s in self.active.values() if s.pending), None)
@@ -493,7 +560,7 @@ class LlamaCppEngine:
         got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, seq.seq_id)
         if got != size:
             return cached + self._fail(-1, [seq], "could not move the prompt's KV into the batch context")
-        return [*cached, self._emit(seq, token, lp)]
+        return [*cached, *self._emit(seq, token, lp)]
 
     def _import_hits(self, seq: _Sequence) -> np.ndarray | None:
         """Start seq's prompt from its cached blocks: their KV into the prompt context, the rest still to run.
@@ -629,7 +696,7 @@ class LlamaCppEngine:
                     return [Imported(rid, True, seconds=took, nbytes=nbytes),
                             *self._fail(-1, [seq], "the prefill engine's first token breaks the grammar")]
                 return [Imported(rid, True, seconds=took, nbytes=nbytes),
-                        self._emit(seq, handle.first_token, handle.first_logprob)]
+                        *self._emit(seq, handle.first_token, handle.first_logprob)]
         else:
             log.warning("%s: no KV record (%s); recomputing the prompt here", rid, reason)
         seq.pending = deque(seq.prompt)
@@ -675,18 +742,37 @@ class LlamaCppEngine:
         k = seq.request.logprobs
         return token, (logprobs.at(ctx, i, self.n_vocab, token, k) if k is not None else None)
 
-    def _emit(self, seq: _Sequence, token: int, lp: TokenLogprob | None = None) -> Delta:
+    def _emit(self, seq: _Sequence, token: int, lp: TokenLogprob | None = None) -> list:
+        """The Delta of a token; at the sequence's end, after the blocks of what it generated that it keeps."""
         text, finish = seq.out.token(token)
+        kept = []
         if finish is None:
             seq.next_token = token
         else:
+            kept = self._keep_generated(seq)
             self._release(seq)
             self.counters["finished"] += 1
         # the end-of-generation token that ends the text is not part of it: no logprob entry
         ended = finish == "stop" and self.vocab.is_eog(token) and not seq.request.ignore_eos
         prompt_lp, seq.prompt_lp = (tuple(seq.prompt_lp) if seq.prompt_lp is not None else None), None
-        return Delta(seq.request.request_id, text, 1, finish, tokens=(token,),
-                     logprobs=(lp,) if lp is not None and not ended else (), prompt_logprobs=prompt_lp)
+        return [*kept, Delta(seq.request.request_id, text, 1, finish, tokens=(token,),
+                             logprobs=(lp,) if lp is not None and not ended else (), prompt_logprobs=prompt_lp)]
+
+    def _keep_generated(self, seq: _Sequence) -> list:
+        """Write the blocks of the finished sequence's KV after its prompt's whole blocks -- what it generated --
+        into its plan's keeps slots, and tell the daemon (Cached, before the last Delta): a chat's next turn,
+        which sends the answer back, resumes after it."""
+        plan = seq.handling.prefix
+        if plan is None or not plan.keeps or not self.keeps_generated or seq.seq_id < 0 or not seq.fed:
+            return []  # the daemon frees the keeps slots when the request ends
+        history = seq.prompt + seq.fed
+        if len(history) != seq.n_past:
+            log.error("%s: %d tokens in the KV, %d prompt and generated; nothing generated kept",
+                      seq.request.request_id, seq.n_past, len(history))
+            return []
+        kept = prefix.store_generated(self.store, self.fingerprint, plan, export_seq(self.ctx, seq.seq_id, self._state),
+                                      history, len(seq.prompt))
+        return [Cached(seq.request.request_id, generated=tuple(kept))] if kept else []
 
     def _release(self, seq: _Sequence) -> None:
         """Remove the sequence from the KV cache and give its slot back."""

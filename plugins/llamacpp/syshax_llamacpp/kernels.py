@@ -108,3 +108,12 @@ def extra_buffer_types() -> list[str]:
         names.append(base.ggml_backend_buft_name(array[i]).decode())
         i += 1
     return names
+
+
+def tiles_decode_cheaply(flags: frozenset[str]) -> bool:
+    """Whether mk/llama-wheel.sh's llama.cpp packs K for tiled attention with vectors on this CPU (mk/llama-patch.py,
+    change 4: AVX-512, or AVX2 with F16C): only there does a decode step's tiled attention cost about what
+    llama.cpp's own row-at-a-time attention costs. Elsewhere (ARM) it packs a scalar at a time, and a decode step
+    would pay for what the prefix cache saves."""
+    return "avx512f" in flags or {"avx2", "f16c"} <= flags
+

@@ -9,8 +9,12 @@ A hit must give the tokens a miss gives. A miss runs its prompt in chunks on the
 size (0, 256, 512, ...); a hit resumes after its cached blocks with a first chunk up to the next grid
 point, then runs the miss's chunks. llama.cpp's CPU kernels give a token the same bits in any chunk
 of `exact_resume` tokens or more, wherever it starts (64 on the CPUs measured,
-bench/bench_chunk_invariance.py); a shorter chunk gives other bits. The engine proves this at its
-warm-up (exact_resume 0 where it does not hold). So:
+bench/bench_chunk_invariance.py); a shorter chunk gives other bits, because llama.cpp takes the
+attention of chunks of 64 or more in tiles and of shorter ones a row at a time. With every row's
+attention tiled (mk/llama-wheel.sh's llama.cpp, SYSHAX_FA_TILED) every chunk, and every decode
+step, gives a token the same bits (exact_resume 1, bench/bench_decode_kv.py), so what a request
+generated is kept too (`store_generated`). The engine proves which holds at its warm-up
+(exact_resume 0 where neither does). So:
 
 * a hit resumes after n blocks only where the first chunk it then runs starts on the grid (the miss's
   own chunk) or holds exact_resume tokens or more (`resumable`);
@@ -29,6 +33,7 @@ import numpy as np
 
 from syshax_llamacpp.codec import SeqState, StateBuffer, encode_state_into, import_record, parse_seq_state
 from syshaxd.sdk.types import PrefixPlan
+from syshaxd.sdk.kv.block_keys import block_keys
 from syshaxd.sdk.kv.block_store import BlockStore
 from syshaxd.sdk.kv.record import DType, KVRecord, ModelFingerprint, RecordError, decode
 
@@ -203,17 +208,52 @@ def store_blocks(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixP
         spans.append((plan.final_store, (len(prompt) - 1) // plan.chunk_tokens * plan.chunk_tokens, len(prompt)))
     stored = []
     for slot, first, end in spans:
-        rows = order[first:end]
-        block: SeqState = replace(state, positions=state.positions[rows], k=[k[rows] for k in state.k],
-                                  v=[v[rows] for v in state.v])
-        view = store.slot(slot)
-        logits_at = len(view) - 4 * len(logits) if slot == plan.final_store else len(view)
-        try:
-            if slot == plan.final_store:  # the logits first: a reader trusts them once the record checks out
-                np.frombuffer(view, np.float32, len(logits), logits_at)[:] = logits
-            encode_state_into(view[:logits_at], fingerprint, block, prompt[first:end])
-        except ValueError as exc:  # a KV cache type wider than the store was sized for
-            log.warning("prefix cache: tokens %d..%d do not fit their slot (%s); not kept", first, end - 1, exc)
+        checksum = _write(store, slot, fingerprint, state, order[first:end], prompt[first:end],
+                          logits if slot == plan.final_store else None)
+        if checksum is None:
             break
-        stored.append((slot, decode(view[:logits_at], verify=False).checksum))
+        stored.append((slot, checksum))
     return stored
+
+
+def store_generated(store: BlockStore, fingerprint: ModelFingerprint, plan: PrefixPlan, state_bytes,
+                    history: list[int], n_prompt: int) -> list[tuple[int, int, int]]:
+    """Write the whole blocks of a finished sequence's KV from the block that holds its prompt's end on -- what it
+    generated, computed by decode steps -- into the plan's keeps slots, in order; (slot, key, checksum) of each
+    written, the key chained over `history` (the prompt and the generated tokens the KV holds)."""
+    state = parse_seq_state(state_bytes, fingerprint)
+    c = plan.block_tokens
+    order = np.argsort(state.positions, kind="stable")
+    if not np.array_equal(state.positions[order], np.arange(len(history))):
+        log.warning("prefix cache: the sequence's KV is not positions 0..%d; nothing generated kept", len(history) - 1)
+        return []
+    first, last = n_prompt // c, len(history) // c
+    keys = block_keys(history[:last * c], c)
+    kept = []
+    for slot, index in zip(plan.keeps, range(first, last)):
+        span = slice(index * c, (index + 1) * c)
+        checksum = _write(store, slot, fingerprint, state, order[span], history[span], None)
+        if checksum is None:
+            break
+        kept.append((slot, keys[index], checksum))
+    return kept
+
+
+def _write(store: BlockStore, slot: int, fingerprint: ModelFingerprint, state: SeqState, rows: np.ndarray,
+           tokens: list[int], logits: np.ndarray | None) -> int | None:
+    """The state's rows (and the logits after them) as a record in the slot; its checksum, None where it does not
+    fit."""
+    block: SeqState = replace(state, positions=state.positions[rows], k=[k[rows] for k in state.k],
+                              v=[v[rows] for v in state.v])
+    view = store.slot(slot)
+    logits_at = len(view) - 4 * len(logits) if logits is not None else len(view)
+    try:
+        if logits is not None:  # the logits first: a reader trusts them once the record checks out
+            np.frombuffer(view, np.float32, len(logits), logits_at)[:] = logits
+        encode_state_into(view[:logits_at], fingerprint, block, tokens)
+    except ValueError as exc:  # a KV cache type wider than the store was sized for
+        first = int(state.positions[rows[0]])
+        log.warning("prefix cache: tokens %d..%d do not fit their slot (%s); not kept", first, first + len(rows) - 1,
+                    exc)
+        return None
+    return decode(view[:logits_at], verify=False).checksum

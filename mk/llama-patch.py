@@ -1,0 +1,233 @@
+"""The changes mk/llama-wheel.sh makes to llama.cpp's CPU flash attention (ggml-cpu/ops.cpp) before it builds.
+
+    python3 mk/llama-patch.py SOURCE_TREE      (the unpacked llama-cpp-python sdist)
+
+Each change replaces text that must occur exactly as often as said, or the script fails and names it: a new
+llama.cpp must be looked at again, never patched blindly.
+
+1. A lone query row's KV is no longer split among the threads (use_split_kv_path): that path sums the KV in
+   another order than the one every batched row takes, so a request decoded alone got other bits than the same
+   request beside others (plugins/llamacpp/syshax_llamacpp/engine.py, _proves_lone).
+2. With SYSHAX_FA_TILED=1 in a process's environment (read once, at its first flash attention), every query row
+   takes the tiled path, a decode step's lone row too, where llama.cpp tiles only prompt chunks of 64 rows or more.
+   The tiled path gives a row the same bits whatever else its tile holds, so a token's KV then has the same bits
+   whether a prompt chunk of any size or a decode step computed it: the prefix cache can keep what a request
+   generated (config keep_generated_tokens; bench/bench_decode_kv.py).
+3. So that a tile of one row costs one row, the tiled path computes the rows its tile holds instead of all 64
+   (the products, the softmax and the zeroing of its scratch). A row's arithmetic is unchanged: each element of
+   its products is the same sequence of fused multiply-adds (simd-gemm.h), whatever the number of rows.
+4. The tiled path packs a tile of K transposed (K_f32[dk][kv]) with vector loads and conversions and a transpose in
+   registers (AVX-512: 16x16, AVX2 with F16C: 8x8), where llama.cpp converts and stores one scalar at a time: 64 a
+   cell, which pays off only over many query rows, and a decode step's tile has one. The packed tile holds the same
+   floats (a half's conversion to float is exact), so the products are the same. Elsewhere (ARM) the scalar loop
+   stays, and a decode step's attention costs more with SYSHAX_FA_TILED=1.
+5. A decode step has one query row per head. Where heads share a KV head (grouped-query attention; no ALiBi, no
+   sinks, one mask for all heads) the rows of those heads make one tile, so its K and V tiles are packed once for
+   them all. Each row's arithmetic is the one it has alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+OPS = "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp"
+
+# change 4: K rows [kv_tile][DK] (halves or floats, nbk1 bytes apart) into K_f32[dk * kv_stride + kv]; false where this
+# CPU or layout has no vector way (the caller's scalar loop packs it then)
+PACK_K = r"""
+#if defined(__AVX512F__)
+static inline void syshax_transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2*i]     = _mm512_unpacklo_ps(r[2*i], r[2*i + 1]);
+        t[2*i + 1] = _mm512_unpackhi_ps(r[2*i], r[2*i + 1]);
+    }
+    for (int g = 0; g < 4; g++) {
+        const __m512d a = _mm512_castps_pd(t[4*g]),     b = _mm512_castps_pd(t[4*g + 2]);
+        const __m512d c = _mm512_castps_pd(t[4*g + 1]), d = _mm512_castps_pd(t[4*g + 3]);
+        u[4*g]     = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4*g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4*g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        u[4*g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
+        const __m512 v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
+        r[j]      = _mm512_shuffle_f32x4(v0, v2, 0x88);
+        r[j + 8]  = _mm512_shuffle_f32x4(v0, v2, 0xdd);
+        r[j + 4]  = _mm512_shuffle_f32x4(v1, v3, 0x88);
+        r[j + 12] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
+    }
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+static inline void syshax_transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2*i]     = _mm256_unpacklo_ps(r[2*i], r[2*i + 1]);
+        t[2*i + 1] = _mm256_unpackhi_ps(r[2*i], r[2*i + 1]);
+    }
+    for (int g = 0; g < 2; g++) {
+        u[4*g]     = _mm256_shuffle_ps(t[4*g],     t[4*g + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4*g + 1] = _mm256_shuffle_ps(t[4*g],     t[4*g + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4*g + 2] = _mm256_shuffle_ps(t[4*g + 1], t[4*g + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4*g + 3] = _mm256_shuffle_ps(t[4*g + 1], t[4*g + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j]     = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+        r[j + 4] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+}
+#endif
+
+static bool syshax_pack_k(const char * k_base, size_t nbk1, int kv_tile, int64_t DK, ggml_type kv_type,
+                          float * K_f32, int kv_stride) {
+#if defined(__AVX512F__)
+    const int W = 16;
+#elif defined(__AVX2__) && defined(__F16C__)
+    const int W = 8;
+#else
+    const int W = 0;
+#endif
+    if (W == 0 || DK % W != 0 || kv_stride % W != 0 || (kv_type != GGML_TYPE_F16 && kv_type != GGML_TYPE_F32)) {
+        return false;
+    }
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+    for (int tk0 = 0; tk0 < kv_tile; tk0 += W) {
+        for (int64_t d0 = 0; d0 < DK; d0 += W) {
+#if defined(__AVX512F__)
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                const char * row = k_base + (size_t)(tk0 + i) * nbk1;
+                r[i] = tk0 + i >= kv_tile ? _mm512_setzero_ps()
+                     : kv_type == GGML_TYPE_F16
+                        ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const ggml_fp16_t *)row + d0)))
+                        : _mm512_loadu_ps((const float *)row + d0);
+            }
+            syshax_transpose16(r);
+            for (int c = 0; c < 16; c++) {
+                _mm512_storeu_ps(K_f32 + (d0 + c) * kv_stride + tk0, r[c]);
+            }
+#else
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) {
+                const char * row = k_base + (size_t)(tk0 + i) * nbk1;
+                r[i] = tk0 + i >= kv_tile ? _mm256_setzero_ps()
+                     : kv_type == GGML_TYPE_F16
+                        ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const ggml_fp16_t *)row + d0)))
+                        : _mm256_loadu_ps((const float *)row + d0);
+            }
+            syshax_transpose8(r);
+            for (int c = 0; c < 8; c++) {
+                _mm256_storeu_ps(K_f32 + (d0 + c) * kv_stride + tk0, r[c]);
+            }
+#endif
+        }
+    }
+    return true;
+#else
+    GGML_UNUSED(k_base); GGML_UNUSED(nbk1); GGML_UNUSED(kv_tile); GGML_UNUSED(K_f32);
+    return false;
+#endif
+}
+
+"""
+
+CHANGES = [
+    # 1. no split of a lone row's KV
+    ("const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1)",
+     "const bool use_split_kv_path = false && !use_ref && (neq1 == 1 && neq3 == 1)", 1),
+    # 2. the switch
+    ("        bool use_tiled = !use_ref &&",
+     "        static const bool syshax_tiled = [] { const char * v = getenv(\"SYSHAX_FA_TILED\"); "
+     "return v != nullptr && v[0] == '1'; }();\n"
+     "        bool use_tiled = !use_ref &&", 1),
+    ("                                neq1 >= Q_TILE_SZ);",
+     "                                (neq1 >= Q_TILE_SZ || syshax_tiled));", 1),
+    # 5. a decode step's query rows, one per head: the heads that share a KV head (grouped-query attention) make one
+    # tile, so that its K and V tiles are converted once for all of them. Each row is computed as alone
+    ("        const int tile_rows = MIN(Q_TILE_SZ, MIN((int)(ir1 - ir), (int)(neq1 - iq1)));",
+     "        const bool heads = neq1 == 1 && rk2 > 1 && max_bias == 0.0f && sinks == nullptr &&\n"
+     "                           (mask == nullptr || mask->ne[2] == 1);\n"
+     "        const int tile_rows = heads ? (int) MIN((int64_t) MIN(Q_TILE_SZ, (int)(ir1 - ir)), rk2 - iq2 % rk2)\n"
+     "                                    : MIN(Q_TILE_SZ, MIN((int)(ir1 - ir), (int)(neq1 - iq1)));", 1),
+    ("const float * pq = (const float *) ((char *) q->data + ((iq1 + tq)*nbq1 + iq2*nbq2 + iq3*nbq3));",
+     "const float * pq = (const float *) ((char *) q->data + (heads ? iq1*nbq1 + (iq2 + tq)*nbq2\n"
+     "                                                                         "
+     ": (iq1 + tq)*nbq1 + iq2*nbq2) + iq3*nbq3);", 1),
+    ("const ggml_fp16_t * mp_row = (const ggml_fp16_t *)((const char *) mask->data + (iq1 + tq)*mask->nb[1]",
+     "const ggml_fp16_t * mp_row = (const ggml_fp16_t *)((const char *) mask->data + "
+     "(iq1 + (heads ? 0 : tq))*mask->nb[1]", 1),
+    ("            const int i1 = iq1 + tq;\n"
+     "            const int i2 = iq2;",
+     "            const int i1 = heads ? iq1 : iq1 + tq;\n"
+     "            const int i2 = heads ? iq2 + tq : iq2;", 1),
+    # 3. a tile's own rows only: its scratch (the rows and KV columns past the tile's are never read: a short KV
+    # tile's columns are set to -inf after the product, and its V rows past the tile's end to zero below)
+    ("        memset(VKQ32, 0, Q_TILE_SZ * DV * sizeof(float));\n"
+     "        memset(mask32, 0, Q_TILE_SZ * KV_TILE_SZ * sizeof(float));",
+     "        memset(VKQ32, 0, tile_rows * DV * sizeof(float));\n"
+     "        memset(mask32, 0, tile_rows * KV_TILE_SZ * sizeof(float));", 1),
+    ("            for (int tq = tile_rows; tq < Q_TILE_SZ; tq++) {\n"
+     "                memset(Q_f32 + tq * DK, 0, DK * sizeof(float));\n"
+     "            }\n", "", 1),
+    ("        memset(K_f32, 0, DK * KV_TILE_SZ * sizeof(float));\n"
+     "        memset(V32,   0, KV_TILE_SZ * DV * sizeof(float));\n", "", 1),
+    ("                    memcpy(V32 + tk * DV, v_data, DV * sizeof(float));\n"
+     "                }\n"
+     "            }\n",
+     "                    memcpy(V32 + tk * DV, v_data, DV * sizeof(float));\n"
+     "                }\n"
+     "            }\n"
+     "            if (kv_tile < KV_TILE_SZ) {\n"
+     "                memset(V32 + kv_tile * DV, 0, (KV_TILE_SZ - kv_tile) * DV * sizeof(float));\n"
+     "            }\n", 1),
+    # and its products and softmax
+    # 4. K packed transposed with vector loads, conversions and an in-register transpose, where llama.cpp converts
+    # and stores it one scalar at a time (64 a cell, paid back only over many rows: a decode step's tile has one).
+    # The packed tile is the same, so are the products
+    ("static void ggml_compute_forward_flash_attn_ext_tiled(",
+     PACK_K + "static void ggml_compute_forward_flash_attn_ext_tiled(", 1),
+    ("            // Pack K tile transposed: K_f32[dk][kv] so KV_TILE is contiguous (SIMD dim)\n"
+     "            // Zero-pad the last tile so the GEMM always operates on KV_TILE_SZ columns\n"
+     "            for (int tk = 0; tk < kv_tile; tk++) {\n",
+     "            // Pack K tile transposed: K_f32[dk][kv] so KV_TILE is contiguous (SIMD dim)\n"
+     "            // Zero-pad the last tile so the GEMM always operates on KV_TILE_SZ columns\n"
+     "            if (!syshax_pack_k((const char *)k->data + ic*nbk1 + ik2*nbk2 + ik3*nbk3, nbk1, kv_tile, DK,\n"
+     "                               kv_type, K_f32, KV_TILE_SZ))\n"
+     "            for (int tk = 0; tk < kv_tile; tk++) {\n", 1),
+    ("memset(KQ, 0, Q_TILE_SZ * KV_TILE_SZ * sizeof(float));\n"
+     "            simd_gemm(KQ, (const float *)Q_q, K_f32, Q_TILE_SZ, DK, KV_TILE_SZ);",
+     "memset(KQ, 0, tile_rows * KV_TILE_SZ * sizeof(float));\n"
+     "            simd_gemm(KQ, (const float *)Q_q, K_f32, tile_rows, DK, KV_TILE_SZ);", 1),
+    ("ggml_vec_scale_f32(Q_TILE_SZ * KV_TILE_SZ, KQ, scale);",
+     "ggml_vec_scale_f32(tile_rows * KV_TILE_SZ, KQ, scale);", 1),
+    ("                ggml_vec_tanh_f32(Q_TILE_SZ * KV_TILE_SZ, KQ, KQ);\n"
+     "                ggml_vec_scale_f32(Q_TILE_SZ * KV_TILE_SZ, KQ, logit_softcap);",
+     "                ggml_vec_tanh_f32(tile_rows * KV_TILE_SZ, KQ, KQ);\n"
+     "                ggml_vec_scale_f32(tile_rows * KV_TILE_SZ, KQ, logit_softcap);", 1),
+    # the padding of a short KV tile, the softmax, and the skipped rows' zeroing: three loops over the tile's rows
+    ("for (int tq = 0; tq < Q_TILE_SZ; tq++) {", "for (int tq = 0; tq < tile_rows; tq++) {", 3),
+    ("simd_gemm(VKQ32, KQ, V32, Q_TILE_SZ, KV_TILE_SZ, DV);",
+     "simd_gemm(VKQ32, KQ, V32, tile_rows, KV_TILE_SZ, DV);", 1),
+]
+
+
+def main() -> int:
+    ops = Path(sys.argv[1]) / OPS
+    text = ops.read_text()
+    for old, new, count in CHANGES:
+        found = text.count(old)
+        if found != count:
+            print(f"mk/llama-patch.py: {ops} holds {found} of {old!r} where {count} were expected; this llama.cpp "
+                  "needs its changes looked at again", file=sys.stderr)
+            return 1
+        text = text.replace(old, new)
+    ops.write_text("#include <cstdlib>\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""mk/llama-patch.py: the changes mk/llama-wheel.sh makes to llama.cpp before it builds.
+
+The wheel this machine built carries one vector path of the K packing (change 4: AVX-512 here, AVX2 on another
+host); the engine's warm-up proves its bits on that path only. This compiles the packing on its own for each x86
+path this CPU can run, and checks that it packs exactly what llama.cpp's scalar loop packs, at every tile size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+HARNESS = r"""
+#include <initializer_list>
+#include <immintrin.h>
+#include <cstdio>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+typedef uint16_t ggml_fp16_t;
+enum ggml_type { GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1 };
+#define GGML_UNUSED(x) (void)(x)
+#include "pack.inc"
+int main() {
+    const int DK = 64, KV = 64;
+    int bad = 0;
+    for (int type = 0; type < 2; type++)
+    for (int kv_tile : {64, 1, 7, 16, 17, 33, 63}) {
+        const size_t nbk1 = 3 * DK * (type ? 2 : 4) + 64;  // rows apart as in a KV cache of 3 heads, and more
+        char * base = (char *) malloc(nbk1 * 64);
+        for (size_t i = 0; i < nbk1 * 64 / 2; i++) ((uint16_t *) base)[i] = (uint16_t) (rand() & 0x7bff);
+        float got[DK * KV], want[DK * KV];
+        for (int i = 0; i < DK * KV; i++) got[i] = want[i] = -7.0f;
+        if (!syshax_pack_k(base, nbk1, kv_tile, DK, (ggml_type) type, got, KV)) {
+            printf("no vector path\n");
+            return 2;
+        }
+        for (int tk = 0; tk < kv_tile; tk++)  // llama.cpp's own loop
+            for (int dk = 0; dk < DK; dk++)
+                want[dk * KV + tk] = type ? _cvtsh_ss(((ggml_fp16_t *)(base + tk * nbk1))[dk])
+                                          : ((float *)(base + tk * nbk1))[dk];
+        for (int tk = 0; tk < kv_tile; tk++)
+            for (int dk = 0; dk < DK; dk++)
+                bad += memcmp(&got[dk * KV + tk], &want[dk * KV + tk], 4) != 0;
+        free(base);
+    }
+    printf("%d mismatches\n", bad);
+    return bad != 0;
+}
+"""
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.parametrize("path, flags, needs", [
+    ("avx512", ["-mavx512f", "-mf16c", "-mfma"], {"avx512f", "f16c", "fma"}),
+    ("avx2", ["-mavx2", "-mf16c", "-mfma"], {"avx2", "f16c", "fma"}),
+])
+def test_the_vector_packing_of_k_packs_what_llama_cpps_loop_packs(tmp_path, path, flags, needs):
+    if platform.machine() != "x86_64":
+        pytest.skip(f"the {path} path is x86-64's; this is {platform.machine()}")
+    if not needs <= _cpu_flags():
+        lacks = ", ".join(sorted(needs - _cpu_flags()))
+        pytest.skip(f"this CPU lacks {lacks} (/proc/cpuinfo), so cannot run the {path} path")
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler (mk/llama-wheel.sh needs one too)")
+    spec = importlib.util.spec_from_file_location("llama_patch", REPO / "mk" / "llama-patch.py")
+    patch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patch)
+    (tmp_path / "pack.inc").write_text(patch.PACK_K)
+    (tmp_path / "t.cpp").write_text(HARNESS)
+    subprocess.run([compiler, "-O2", *flags, "t.cpp", "-o", "t"], cwd=tmp_path, check=True)
+    run = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "0 mismatches", run.stdout + run.stderr
+
+
+def test_every_change_finds_its_text_in_the_llama_cpp_it_was_written_for(tmp_path):
+    """The script refuses a source where a change's text is not found as often as it expects."""
+    spec = importlib.util.spec_from_file_location("llama_patch", REPO / "mk" / "llama-patch.py")
+    patch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patch)
+    ops = tmp_path / patch.OPS
+    ops.parent.mkdir(parents=True)
+    ops.write_text("int main() { return 0; }\n")  # none of the texts
+    run = subprocess.run(["python3", str(REPO / "mk" / "llama-patch.py"), str(tmp_path)], capture_output=True,
+                         text=True)
+    assert run.returncode == 1 and "needs its changes looked at again" in run.stderr
