@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -21,15 +25,28 @@ PROMPTS = [
 N_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def reference(default_model):
-    """Each prompt run alone through llama-cpp-python itself, same model file, same attention kernel."""
-    import llama_cpp
+REFERENCE = """
+import json, sys
+import llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=2048, n_threads=2, flash_attn=True, verbose=False)
+texts = [llm.create_completion(p, max_tokens=int(sys.argv[3]), temperature=0)["choices"][0]["text"]
+         for p in json.loads(sys.argv[2])]
+print(json.dumps(texts))
+"""
 
-    llm = llama_cpp.Llama(model_path=str(default_model), n_ctx=2048, n_threads=2, flash_attn=True, verbose=False)
-    texts = [llm.create_completion(p, max_tokens=N_TOKENS, temperature=0)["choices"][0]["text"] for p in PROMPTS]
-    llm.close()
-    return texts
+
+@pytest.fixture(scope="module")
+def reference(default_model, daemon):
+    """Each prompt run alone through llama-cpp-python itself, same model file, same attention kernel: in a process
+    of its own, whose llama.cpp tiles every query row's attention where the daemon's worker does (it keeps what
+    requests generate, keep_generated_tokens: SYSHAX_FA_TILED, read once per process). Tiled and row-at-a-time
+    attention round differently, and this model's greedy text follows the rounding."""
+    tiled = "what a request generates is kept" in daemon.log()
+    run = subprocess.run([sys.executable, "-c", REFERENCE, str(default_model), json.dumps(PROMPTS), str(N_TOKENS)],
+                         env=os.environ | {"SYSHAX_FA_TILED": "1" if tiled else "0"}, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.splitlines()[-1])
 
 
 def test_eight_concurrent_requests_match_llama_cpp_alone(client, daemon, reference):
