@@ -100,11 +100,16 @@ def test_json_schema_streamed_matches_plain(client):
 @pytest.mark.parametrize("prompt", ['Return {"ok": true}.', 'Copy this JSON: {"a": 1}'])
 @pytest.mark.parametrize("temperature", [0, 0.7])
 def test_json_object_parses(client, prompt, temperature):
-    r = client.chat.completions.create(
+    # greedy once; sampled with four seeds, of which a sample may ramble inside the object past max_tokens (which
+    # ones depends on the rounding of this CPU's kernels), but most close it
+    seeds = [1] if temperature == 0 else [1, 2, 3, 4]
+    answers = [client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=40, temperature=temperature,
-        seed=1, response_format={"type": "json_object"})
-    assert r.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+        seed=seed, response_format={"type": "json_object"}).choices[0] for seed in seeds]
+    closed = [a for a in answers if a.finish_reason == "stop"]
+    assert len(closed) >= max(1, len(seeds) // 2), [a.message.content for a in answers]
+    for answer in closed:
+        assert isinstance(json.loads(answer.message.content), dict)
 
 
 def test_truncated_json_is_length(client):
