@@ -23,7 +23,7 @@ llama.cpp must be looked at again, never patched blindly.
    stays, and a decode step's attention costs more with SYSHAX_FA_TILED=1.
 5. A decode step has one query row per head. Where heads share a KV head (grouped-query attention; no ALiBi, no
    sinks, one mask for all heads) the rows of those heads make one tile, so its K and V tiles are packed once for
-   them all. Each row's arithmetic is the one it has alone.
+   them all, and the threads' chunks of such rows hold whole groups. Each row's arithmetic is the one it has alone.
 """
 
 from __future__ import annotations
@@ -164,6 +164,10 @@ CHANGES = [
      "            const int i2 = iq2;",
      "            const int i1 = heads ? iq1 : iq1 + tq;\n"
      "            const int i2 = heads ? iq2 + tq : iq2;", 1),
+    # and so that a group is not cut in two, a decode step's thread chunks hold whole groups
+    ("        const int64_t dr = (nr + nchunk - 1) / nchunk;\n",
+     "        const int64_t group = neq1 == 1 && nek2 > 0 && neq2 % nek2 == 0 ? neq2 / nek2 : 1;\n"
+     "        const int64_t dr = ((nr + nchunk - 1) / nchunk + group - 1) / group * group;\n", 1),
     # 3. a tile's own rows only: its scratch (the rows and KV columns past the tile's are never read: a short KV
     # tile's columns are set to -inf after the product, and its V rows past the tile's end to zero below)
     ("        memset(VKQ32, 0, Q_TILE_SZ * DV * sizeof(float));\n"
