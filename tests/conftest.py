@@ -150,10 +150,20 @@ def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), en
     return daemon
 
 
+# A test module's DAEMON_CONFIG, for its `daemon`. Modules whose reference is llama-cpp-python in this process
+# (llama.cpp's own attention: a decode row's V summed in halves) set STOCK_ATTENTION: a daemon that keeps what
+# requests generate tiles every row's attention (sums in floats, so that a decoded token's KV has a prompt chunk's
+# bits), which moves a logprob by a few hundredths; one that keeps nothing generated takes the same kernels as the
+# reference. test_batching.py checks a tiling daemon against a tiling llama.cpp.
+STOCK_ATTENTION = {"keep_generated_tokens": 0}
+
+
 @pytest.fixture(scope="module")
-def daemon(default_model, tmp_path_factory):
-    """One real daemon in cpu mode for a test module, stopped (and checked to stop cleanly) after it."""
-    d = start_daemon(tmp_path_factory.mktemp("daemon"), {"model": str(default_model), "model_name": MODEL_NAME})
+def daemon(default_model, tmp_path_factory, request):
+    """One real daemon in cpu mode for a test module (with the module's DAEMON_CONFIG), stopped (and checked to stop
+    cleanly) after it."""
+    config = {"model": str(default_model), "model_name": MODEL_NAME} | getattr(request.module, "DAEMON_CONFIG", {})
+    d = start_daemon(tmp_path_factory.mktemp("daemon"), config)
     yield d
     code = d.stop()
     assert code == 0, f"syshaxd exited with {code}:\n{d.log()}"

@@ -15,20 +15,10 @@ import json
 
 import pytest
 
-from conftest import MODEL_NAME, start_daemon
+from conftest import MODEL_NAME, STOCK_ATTENTION
 
-
-@pytest.fixture(scope="module")
-def daemon(default_model, tmp_path_factory):
-    """The reference below is llama-cpp-python in this process, with llama.cpp's own attention: a decode row's V
-    summed in halves. A daemon that keeps what requests generate tiles every row's attention (sums in floats, so
-    that a decoded token's KV has a prompt chunk's bits), which moves a logprob by up to about 0.02 here. This one
-    keeps nothing generated (keep_generated_tokens 0), so that both take the same kernels; test_batching.py checks
-    a tiling daemon against a tiling llama.cpp."""
-    d = start_daemon(tmp_path_factory.mktemp("daemon"), {"model": str(default_model), "model_name": MODEL_NAME,
-                                                         "keep_generated_tokens": 0})
-    yield d
-    assert d.stop() == 0, d.log()
+# the reference is llama-cpp-python in this process: the daemon takes its attention (conftest.py)
+DAEMON_CONFIG = STOCK_ATTENTION
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the test extras: pip install -e .[test]")
 
