@@ -24,10 +24,11 @@ writes bench/results/bench_decode_kv.json.
 Found on 2026-12-04 (AMD EPYC, AVX-512, 2 threads, SmolLM2-135M q4_0, --generate 60): stock, the positions of the
 prompt's first whole chunk agree and every later one differs (a decoded token, and a prompt token in a chunk under
 64 tokens, get other bits: logits up to 0.7 apart); tiled, all 360 positions and the logits agree, repacking on and
-off. Speed: prompts alike (0.98x to 1.09x with repacking off; repacking on, one run gave 0.80x to 0.85x for tiled
-and a rerun in alternating processes 0.99x to 1.23x, i.e. noise: prompt chunks of 64 tokens or more take the same
-code either way); a decode step 1.14x to 1.19x (39.3 to 40.7 ms against 34.1 to 34.4), repacking off 0.99x in one
-run. Before mk/llama-patch.py's changes 4 and 5 (K packed a scalar at a time, every head alone) it was 2.2x.
+off. Speed, one run: a decode step 1.14x tiled (39.31 against 34.44 ms) with repacking on, 0.99x (38.48 against
+38.79) with it off; prompts 0.98x to 1.09x with repacking off and 0.80x to 0.85x with it on, though prompt chunks of
+64 tokens or more take the same code either way (the settings run one after the other: repeat it before reading a
+prompt difference). Before mk/llama-patch.py's changes 4 and 5 (K packed a scalar at a time, every head alone) a
+decode step took about twice as long tiled.
 """
 
 from __future__ import annotations
