@@ -24,6 +24,12 @@ llama.cpp must be looked at again, never patched blindly.
 5. A decode step has one query row per head. Where heads share a KV head (grouped-query attention; no ALiBi, no
    sinks, one mask for all heads) the rows of those heads make one tile, so its K and V tiles are packed once for
    them all, and the threads' chunks of such rows hold whole groups. Each row's arithmetic is the one it has alone.
+6. A tile of at most 8 rows (a decode step's: a group of heads, or a short prompt chunk's rows) takes its products
+   straight from K's and V's halves, converted and (K) transposed in registers, without storing the packed K_f32 and
+   V32 tiles and loading them again; the heads of a group convert their shared mask row once. Each element of a
+   product is still simd_gemm's chain over the packed tile, one fused multiply-add per term in the same order, so
+   the bits are the same (tests/test_llama_patch.py checks both vector paths against that chain). It brings a
+   decode step with every row tiled back to llama.cpp's own cost (bench/bench_decode_step.py).
 """
 
 from __future__ import annotations
@@ -134,6 +140,159 @@ static bool syshax_pack_k(const char * k_base, size_t nbk1, int kv_tile, int64_t
 }
 
 """
+# change 6: a tile of few query rows (a decode step's: one row, or a group of heads) takes its products straight from
+# the halves of K and V, without the packed K_f32 and V32 tiles in between. Each product element is the same chain
+# of fused multiply-adds as simd_gemm's over the packed tiles (C starts at its value, then one fma per kk in order),
+# so the bits are the same; only the stores and loads of the packed tiles go.
+FEW_ROWS = r"""
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
+#define SYSHAX_FEW_ROWS 8
+#else
+#define SYSHAX_FEW_ROWS 0
+#endif
+
+// whether syshax_few_qk and syshax_few_v take a tile of `rows` query rows
+static inline bool syshax_few(int rows, int64_t DK, int64_t DV, ggml_type kv_type, int kv_stride) {
+#if defined(__AVX512F__)
+    const int W = 16;
+#else
+    const int W = 8;
+#endif
+    return rows <= SYSHAX_FEW_ROWS && kv_type == GGML_TYPE_F16 && DK % W == 0 && DV % W == 0 && kv_stride % W == 0;
+}
+
+// the cache lines of n rows of `bytes` each, `stride` apart, on their way (a prefetch never faults: past the
+// tensor's end it fetches nothing useful, and harms nothing)
+static inline void syshax_prefetch_rows(const char * p, size_t stride, int n, int64_t bytes) {
+    for (int i = 0; i < n; i++) {
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + i * stride + o);
+    }
+}
+
+// KQ[tq * kv_stride + tk] = Q[tq] . K[tk] for tk < kv_stride (0 past kv_tile), as simd_gemm over the packed tile.
+// ROWS is a constant, so that the accumulators stay in registers
+template <int ROWS>
+static void syshax_few_qk_rows(float * KQ, const float * Q, const char * k_base, size_t nbk1, int kv_tile,
+                               int64_t DK, int kv_stride) {
+#if defined(__AVX512F__)
+    for (int tk0 = 0; tk0 < kv_stride; tk0 += 16) {
+        __m512 acc[ROWS];
+        for (int tq = 0; tq < ROWS; tq++) acc[tq] = _mm512_setzero_ps();
+        syshax_prefetch_rows(k_base + (size_t)(tk0 + 16) * nbk1, nbk1, 16, DK * 2);
+        for (int64_t d0 = 0; tk0 < kv_tile && d0 < DK; d0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                r[i] = tk0 + i >= kv_tile ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256(
+                    (const __m256i *)((const ggml_fp16_t *)(k_base + (size_t)(tk0 + i) * nbk1) + d0)));
+            }
+            syshax_transpose16(r);
+            for (int c = 0; c < 16; c++) {
+                for (int tq = 0; tq < ROWS; tq++) {
+                    acc[tq] = _mm512_fmadd_ps(r[c], _mm512_set1_ps(Q[tq * DK + d0 + c]), acc[tq]);
+                }
+            }
+        }
+        for (int tq = 0; tq < ROWS; tq++) _mm512_storeu_ps(KQ + tq * kv_stride + tk0, acc[tq]);
+    }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    for (int tk0 = 0; tk0 < kv_stride; tk0 += 8) {
+        __m256 acc[ROWS];
+        for (int tq = 0; tq < ROWS; tq++) acc[tq] = _mm256_setzero_ps();
+        syshax_prefetch_rows(k_base + (size_t)(tk0 + 8) * nbk1, nbk1, 8, DK * 2);
+        for (int64_t d0 = 0; tk0 < kv_tile && d0 < DK; d0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) {
+                r[i] = tk0 + i >= kv_tile ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128(
+                    (const __m128i *)((const ggml_fp16_t *)(k_base + (size_t)(tk0 + i) * nbk1) + d0)));
+            }
+            syshax_transpose8(r);
+            for (int c = 0; c < 8; c++) {
+                for (int tq = 0; tq < ROWS; tq++) {
+                    acc[tq] = _mm256_fmadd_ps(r[c], _mm256_set1_ps(Q[tq * DK + d0 + c]), acc[tq]);
+                }
+            }
+        }
+        for (int tq = 0; tq < ROWS; tq++) _mm256_storeu_ps(KQ + tq * kv_stride + tk0, acc[tq]);
+    }
+#else
+    GGML_UNUSED(KQ); GGML_UNUSED(Q); GGML_UNUSED(k_base); GGML_UNUSED(nbk1); GGML_UNUSED(kv_tile); GGML_UNUSED(DK);
+    GGML_UNUSED(kv_stride);
+#endif
+}
+
+// VKQ[tq] += sum over tk < kv_tile of KQ[tq * kv_stride + tk] * V[tk], as simd_gemm over the packed V tile (whose
+// rows past kv_tile are zeros: their products add +0 to a sum that is never -0, and so change nothing)
+template <int ROWS>
+static void syshax_few_v_rows(float * VKQ, const float * KQ, const char * v_base, size_t nbv1, int kv_tile,
+                              int64_t DV, int kv_stride) {
+#if defined(__AVX512F__)
+    if (DV == 64 && ROWS <= 6) {  // all of a row's accumulators in registers: V is read row by row, once
+        __m512 acc[ROWS][4];
+        for (int tq = 0; tq < ROWS; tq++)
+            for (int b = 0; b < 4; b++) acc[tq][b] = _mm512_loadu_ps(VKQ + tq * DV + 16 * b);
+        for (int tk = 0; tk < kv_tile; tk++) {
+            const ggml_fp16_t * row = (const ggml_fp16_t *)(v_base + (size_t)tk * nbv1);
+            __builtin_prefetch((const char *)row + 8 * nbv1);
+            __builtin_prefetch((const char *)row + 8 * nbv1 + 64);
+            __m512 v[4];
+            for (int b = 0; b < 4; b++) v[b] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 16 * b)));
+            for (int tq = 0; tq < ROWS; tq++) {
+                const __m512 p = _mm512_set1_ps(KQ[tq * kv_stride + tk]);
+                for (int b = 0; b < 4; b++) acc[tq][b] = _mm512_fmadd_ps(v[b], p, acc[tq][b]);
+            }
+        }
+        for (int tq = 0; tq < ROWS; tq++)
+            for (int b = 0; b < 4; b++) _mm512_storeu_ps(VKQ + tq * DV + 16 * b, acc[tq][b]);
+        return;
+    }
+    for (int64_t d0 = 0; d0 < DV; d0 += 16) {
+        __m512 acc[ROWS];
+        for (int tq = 0; tq < ROWS; tq++) acc[tq] = _mm512_loadu_ps(VKQ + tq * DV + d0);
+        for (int tk = 0; tk < kv_tile; tk++) {
+            const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(
+                (const __m256i *)((const ggml_fp16_t *)(v_base + (size_t)tk * nbv1) + d0)));
+            for (int tq = 0; tq < ROWS; tq++) {
+                acc[tq] = _mm512_fmadd_ps(v, _mm512_set1_ps(KQ[tq * kv_stride + tk]), acc[tq]);
+            }
+        }
+        for (int tq = 0; tq < ROWS; tq++) _mm512_storeu_ps(VKQ + tq * DV + d0, acc[tq]);
+    }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    for (int64_t d0 = 0; d0 < DV; d0 += 8) {
+        __m256 acc[ROWS];
+        for (int tq = 0; tq < ROWS; tq++) acc[tq] = _mm256_loadu_ps(VKQ + tq * DV + d0);
+        for (int tk = 0; tk < kv_tile; tk++) {
+            const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(
+                (const __m128i *)((const ggml_fp16_t *)(v_base + (size_t)tk * nbv1) + d0)));
+            for (int tq = 0; tq < ROWS; tq++) {
+                acc[tq] = _mm256_fmadd_ps(v, _mm256_set1_ps(KQ[tq * kv_stride + tk]), acc[tq]);
+            }
+        }
+        for (int tq = 0; tq < ROWS; tq++) _mm256_storeu_ps(VKQ + tq * DV + d0, acc[tq]);
+    }
+#else
+    GGML_UNUSED(VKQ); GGML_UNUSED(KQ); GGML_UNUSED(v_base); GGML_UNUSED(nbv1); GGML_UNUSED(kv_tile); GGML_UNUSED(DV);
+    GGML_UNUSED(kv_stride);
+#endif
+}
+
+#define SYSHAX_FEW_CASES(f, ...) switch (rows) { \
+    case 1: f<1>(__VA_ARGS__); break; case 2: f<2>(__VA_ARGS__); break; case 3: f<3>(__VA_ARGS__); break; \
+    case 4: f<4>(__VA_ARGS__); break; case 5: f<5>(__VA_ARGS__); break; case 6: f<6>(__VA_ARGS__); break; \
+    case 7: f<7>(__VA_ARGS__); break; default: f<8>(__VA_ARGS__); break; }
+
+static void syshax_few_qk(float * KQ, const float * Q, int rows, const char * k_base, size_t nbk1, int kv_tile,
+                          int64_t DK, int kv_stride) {
+    SYSHAX_FEW_CASES(syshax_few_qk_rows, KQ, Q, k_base, nbk1, kv_tile, DK, kv_stride)
+}
+
+static void syshax_few_v(float * VKQ, const float * KQ, int rows, const char * v_base, size_t nbv1, int kv_tile,
+                         int64_t DV, int kv_stride) {
+    SYSHAX_FEW_CASES(syshax_few_v_rows, VKQ, KQ, v_base, nbv1, kv_tile, DV, kv_stride)
+}
+
+"""
+
 
 CHANGES = [
     # 1. no split of a lone row's KV
@@ -216,6 +375,48 @@ CHANGES = [
     ("for (int tq = 0; tq < Q_TILE_SZ; tq++) {", "for (int tq = 0; tq < tile_rows; tq++) {", 3),
     ("simd_gemm(VKQ32, KQ, V32, Q_TILE_SZ, KV_TILE_SZ, DV);",
      "simd_gemm(VKQ32, KQ, V32, tile_rows, KV_TILE_SZ, DV);", 1),
+    # 6. a tile of few rows (a decode step's) takes its products straight from the halves of K and V
+    ("static void ggml_compute_forward_flash_attn_ext_tiled(",
+     FEW_ROWS + "static void ggml_compute_forward_flash_attn_ext_tiled(", 1),
+    ("        memset(mask32, 0, tile_rows * KV_TILE_SZ * sizeof(float));\n",
+     "        memset(mask32, 0, tile_rows * KV_TILE_SZ * sizeof(float));\n"
+     "        const bool few = syshax_few(tile_rows, DK, DV, kv_type, KV_TILE_SZ);\n", 1),
+    ("            if (!syshax_pack_k(", "            if (!few && !syshax_pack_k(", 1),
+    ("memset(KQ, 0, tile_rows * KV_TILE_SZ * sizeof(float));\n"
+     "            simd_gemm(KQ, (const float *)Q_q, K_f32, tile_rows, DK, KV_TILE_SZ);",
+     "if (few) {\n"
+     "                syshax_few_qk(KQ, (const float *)Q_q, tile_rows,\n"
+     "                              (const char *)k->data + ic*nbk1 + ik2*nbk2 + ik3*nbk3, nbk1, kv_tile, DK, KV_TILE_SZ);\n"
+     "            } else {\n"
+     "            memset(KQ, 0, tile_rows * KV_TILE_SZ * sizeof(float));\n"
+     "            simd_gemm(KQ, (const float *)Q_q, K_f32, tile_rows, DK, KV_TILE_SZ);\n"
+     "            }", 1),
+    ("            for (int tk = 0; tk < kv_tile; tk++) {\n"
+     "                const char * v_data = ",
+     "            if (!few)\n"
+     "            for (int tk = 0; tk < kv_tile; tk++) {\n"
+     "                const char * v_data = ", 1),
+    ("            if (kv_tile < KV_TILE_SZ) {\n"
+     "                memset(V32 + kv_tile * DV",
+     "            if (!few && kv_tile < KV_TILE_SZ) {\n"
+     "                memset(V32 + kv_tile * DV", 1),
+    ("simd_gemm(VKQ32, KQ, V32, tile_rows, KV_TILE_SZ, DV);",
+     "if (few) {\n"
+     "                syshax_few_v(VKQ32, KQ, tile_rows, (const char *)v->data + ic*nbv1 + iv2*nbv2 + iv3*nbv3, nbv1,\n"
+     "                             kv_tile, DV, KV_TILE_SZ);\n"
+     "            } else {\n"
+     "            simd_gemm(VKQ32, KQ, V32, tile_rows, KV_TILE_SZ, DV);\n"
+     "            }", 1),
+    # and the heads of a group share one mask row: it is converted once, not once a head
+    ("                bool can_skip = true;\n"
+     "                for (int tq = 0; tq < tile_rows; tq++) {",
+     "                bool can_skip = true;\n"
+     "                for (int tq = 0; tq < (heads ? 1 : tile_rows); tq++) {", 1),
+    ("                ggml_vec_add_f32(tile_rows * KV_TILE_SZ, KQ, KQ, mask32);",
+     "                for (int tq = 0; heads && tq < tile_rows; tq++) {\n"
+     "                    ggml_vec_add_f32(KV_TILE_SZ, KQ + tq * KV_TILE_SZ, KQ + tq * KV_TILE_SZ, mask32);\n"
+     "                }\n"
+     "                if (!heads) ggml_vec_add_f32(tile_rows * KV_TILE_SZ, KQ, KQ, mask32);", 1),
 ]
 
 

@@ -87,6 +87,89 @@ def test_the_vector_packing_of_k_packs_what_llama_cpps_loop_packs(tmp_path, path
     assert run.returncode == 0 and run.stdout.strip() == "0 mismatches", run.stdout + run.stderr
 
 
+FEW_HARNESS = r"""
+#include <initializer_list>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+typedef uint16_t ggml_fp16_t;
+enum ggml_type { GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1 };
+#define GGML_UNUSED(x) (void)(x)
+#include "pack.inc"
+#include "few.inc"
+static float half(ggml_fp16_t h) { return _cvtsh_ss(h); }
+static ggml_fp16_t random_half() { return (ggml_fp16_t) (rand() & 0x3bff) | (ggml_fp16_t) ((rand() & 1) << 15); }
+int main() {
+    const int KV = 64;
+    int bad = 0;
+    for (int DK : {64, 128})
+    for (int rows = 1; rows <= SYSHAX_FEW_ROWS; rows++)
+    for (int kv_tile : {64, 1, 7, 16, 17, 33, 63}) {
+        if (!syshax_few(rows, DK, DK, GGML_TYPE_F16, KV)) { printf("no vector path\n"); return 2; }
+        const size_t nb1 = 3 * DK * 2 + 64;  // rows apart as in a KV cache of 3 heads, and more
+        ggml_fp16_t * k = (ggml_fp16_t *) malloc(nb1 * KV), * v = (ggml_fp16_t *) malloc(nb1 * KV);
+        for (size_t i = 0; i < nb1 * KV / 2; i++) { k[i] = random_half(); v[i] = random_half(); }
+        float * q = (float *) malloc(sizeof(float) * rows * DK);
+        float * kq = (float *) malloc(sizeof(float) * rows * KV), * vkq = (float *) malloc(sizeof(float) * rows * DK);
+        float * want = (float *) malloc(sizeof(float) * rows * DK);
+        for (int i = 0; i < rows * DK; i++) q[i] = (float) rand() / RAND_MAX - 0.5f;
+        syshax_few_qk(kq, q, rows, (const char *) k, nb1, kv_tile, DK, KV);
+        for (int tq = 0; tq < rows; tq++)
+            for (int tk = 0; tk < kv_tile; tk++) {  // simd_gemm's chain over the packed tile: one fma per dk, in order
+                float acc = 0.0f;
+                for (int dk = 0; dk < DK; dk++)
+                    acc = fmaf(half(((ggml_fp16_t *)((char *) k + tk * nb1))[dk]), q[tq * DK + dk], acc);
+                bad += memcmp(&acc, &kq[tq * KV + tk], 4) != 0;
+            }
+        for (int i = 0; i < rows * KV; i++) kq[i] = (float) rand() / RAND_MAX;  // softmax weights
+        for (int i = 0; i < rows * DK; i++) vkq[i] = want[i] = (float) rand() / RAND_MAX - 0.5f;
+        syshax_few_v(vkq, kq, rows, (const char *) v, nb1, kv_tile, DK, KV);
+        for (int tq = 0; tq < rows; tq++)
+            for (int dv = 0; dv < DK; dv++) {
+                float acc = want[tq * DK + dv];
+                for (int tk = 0; tk < kv_tile; tk++)
+                    acc = fmaf(half(((ggml_fp16_t *)((char *) v + tk * nb1))[dv]), kq[tq * KV + tk], acc);
+                bad += memcmp(&acc, &vkq[tq * DK + dv], 4) != 0;
+            }
+        free(k); free(v); free(q); free(kq); free(vkq); free(want);
+    }
+    printf("%d mismatches\n", bad);
+    return bad != 0;
+}
+"""
+
+
+@pytest.mark.parametrize("path, flags, needs", [
+    ("avx512", ["-mavx512f", "-mf16c", "-mfma"], {"avx512f", "f16c", "fma"}),
+    ("avx2", ["-mavx2", "-mf16c", "-mfma"], {"avx2", "f16c", "fma"}),
+])
+def test_a_few_rows_products_are_simd_gemms_chains_over_the_packed_tiles(tmp_path, path, flags, needs):
+    """Change 6: a decode step's tile takes its products straight from the halves of K and V. Each element must be
+    the chain simd_gemm computes over the packed tiles (a fused multiply-add per term, in order), which the prompt
+    path's tiles compute, or a kept token's KV would differ from a prompt chunk's."""
+    if platform.machine() != "x86_64":
+        pytest.skip(f"the {path} path is x86-64's; this is {platform.machine()}")
+    if not needs <= _cpu_flags():
+        lacks = ", ".join(sorted(needs - _cpu_flags()))
+        pytest.skip(f"this CPU lacks {lacks} (/proc/cpuinfo), so cannot run the {path} path")
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler (mk/llama-wheel.sh needs one too)")
+    spec = importlib.util.spec_from_file_location("llama_patch", REPO / "mk" / "llama-patch.py")
+    patch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patch)
+    (tmp_path / "pack.inc").write_text(patch.PACK_K)
+    (tmp_path / "few.inc").write_text(patch.FEW_ROWS)
+    (tmp_path / "t.cpp").write_text(FEW_HARNESS)
+    # -ffp-contract=off: the reference's chain is its fmaf calls, nothing the compiler fuses on its own
+    subprocess.run([compiler, "-O2", "-ffp-contract=off", *flags, "t.cpp", "-o", "t"], cwd=tmp_path, check=True)
+    run = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "0 mismatches", run.stdout + run.stderr
+
+
 def test_every_change_finds_its_text_in_the_llama_cpp_it_was_written_for(tmp_path):
     """The script refuses a source where a change's text is not found as often as it expects."""
     spec = importlib.util.spec_from_file_location("llama_patch", REPO / "mk" / "llama-patch.py")
