@@ -20,7 +20,9 @@ preempted.
 
 Found on 2026-12-04 (AMD EPYC, 2 cores, SmolLM2-135M q4_0): syshaxd's engine step 24.0 to 24.3 ms against
 llama-server's 25.9 to 26.0; as served, ITL p50 26.5 ms against 26.7; tok/s level within this machine's noise
-(rounds from 0.89x to 1.07x). syshaxd's higher TPOT at c=8 in bench_peers.py is its scheduling, not a slower step:
+(rounds from 0.89x to 1.07x). Later that day, with every query row tiled as the daemon's cpu mode runs it
+(mk/llama-patch.py change 6): engine step 24.90 ms against 25.57, ITL p50 24.81 against 26.40 (serving costs the
+daemon nothing measurable per step), 1.02x streamed and not (rounds 1.05 and 0.99). syshaxd's higher TPOT at c=8 in bench_peers.py is its scheduling, not a slower step:
 it decodes the first sequences while the others' prompts still run (TTFT 0.36x), llama-server runs every prompt
 first.
 
@@ -58,7 +60,8 @@ def engine_step(args, builder: PromptBuilder) -> float:
     from syshaxd.sdk.types import EngineSpec, GenerateRequest, SamplingParams
 
     engine = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_path=str(args.model),
-                                       model_name="m", n_ctx=args.n_ctx, max_batch_size=SLOTS, threads=args.threads))
+                                       model_name="m", n_ctx=args.n_ctx, max_batch_size=SLOTS, threads=args.threads,
+                                       tiled_attention=True))  # as syshaxd's cpu mode runs it (keep_generated_tokens)
     engine.warm_up()
     steps = []
     for k in range(SLOTS):
