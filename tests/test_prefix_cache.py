@@ -131,6 +131,25 @@ def test_blocks_smaller_than_a_chunk_hit_inside_it_and_whole_prompts_take_wide_s
     assert cache.status().prompts == 2 and cache.plan("g", prompt).final is None
 
 
+def test_the_answers_in_flight_hold_at_most_a_quarter_of_the_slots_so_cached_prompts_are_not_all_evicted():
+    cache = PrefixCache(n_slots=16, block_tokens=4, slot_bytes=64, keep_tokens=64)
+    prompts = [list(range(100 * k, 100 * k + 9)) for k in range(1, 4)]  # two whole blocks each
+    for k, prompt in enumerate(prompts):
+        written(cache, f"p{k}", cache.plan(f"p{k}", prompt))
+        cache.release(f"p{k}")
+    assert (cache.status().blocks, cache.status().prompts) == (6, 3)  # 9 of the 16 slots
+    first = cache.plan("a", [1, 2, 3], generate=100)  # would fill 25 blocks; keep_tokens allows 16
+    assert len(first.keeps) == 4  # a quarter of 16 slots
+    assert cache.plan("b", [4, 5, 6], generate=100).keeps == ()  # the quarter is taken
+    status = cache.status()
+    assert (status.blocks, status.prompts, status.evictions) == (6, 3, 0)  # free slots sufficed: nothing evicted
+    cache.release("a")
+    assert len(cache.plan("c", [7, 8, 9], generate=100).keeps) == 4  # released with the request
+    cache.release("b")
+    cache.release("c")
+    assert all(cache.plan(f"p{k}", prompt).hits for k, prompt in enumerate(prompts))
+
+
 def test_what_a_request_generates_is_kept_in_slots_held_for_it_and_the_slots_it_did_not_fill_are_freed():
     cache = PrefixCache(n_slots=8, block_tokens=4, slot_bytes=64, keep_tokens=8)
     prompt = list(range(100, 110))  # two whole blocks and 2 tokens

@@ -71,6 +71,9 @@ class _Block:
     wide: bool = False  # a whole prompt's last chunk and logits, in a wide slot
 
 
+KEEPS_SHARE = 4  # the block slots held for what requests in flight generate: at most 1 / KEEPS_SHARE of them
+
+
 class _Slots:
     """One size of slot: the free ones, and the ready blocks nobody holds, least recently used first."""
 
@@ -159,10 +162,16 @@ class PrefixCache:
 
     def _keep(self, request_id: str, n_prompt: int, generate: int) -> tuple[int, ...]:
         """Slots for the blocks after the prompt's whole ones that the KV of what it generates may fill (the
-        last generated token is never evaluated), up to keep_tokens' worth; held for the request."""
+        last generated token is never evaluated), up to keep_tokens' worth; held for the request.
+
+        Slots are held from the plan on, and taking one may evict an idle block, so all requests together hold
+        at most a quarter of the block slots this way: with a large model's blocks (2 MB for 16 tokens of an 8B
+        model) a small cache would otherwise give every slot to the answers in flight and keep no prompts."""
         c = self.block_tokens
         n = min((n_prompt + generate - 1) // c - n_prompt // c, self.keep_tokens // c) if generate > 0 else 0
         slots = self._keeps.setdefault(request_id, [])
+        room = self._blocks.n // KEEPS_SHARE - sum(len(held) for held in self._keeps.values())
+        n = min(n, len(slots) + max(0, room))
         while len(slots) < n and (slot := self._take_slot(self._blocks)) is not None:
             slots.append(slot)
         return tuple(slots)
