@@ -105,10 +105,11 @@ static ggml_fp16_t random_half() { return (ggml_fp16_t) (rand() & 0x3bff) | (ggm
 int main() {
     const int KV = 64;
     int bad = 0;
+    if (!syshax_few(1, 64, 64, GGML_TYPE_F16, KV)) { printf("no vector path\n"); return 2; }
     for (int DK : {64, 128})
     for (int rows = 1; rows <= SYSHAX_FEW_ROWS; rows++)
     for (int kv_tile : {64, 1, 7, 16, 17, 33, 63}) {
-        if (!syshax_few(rows, DK, DK, GGML_TYPE_F16, KV)) { printf("no vector path\n"); return 2; }
+        if (!syshax_few(rows, DK, DK, GGML_TYPE_F16, KV)) { printf("no vector path for %d rows\n", rows); return 2; }
         const size_t nb1 = 3 * DK * 2 + 64;  // rows apart as in a KV cache of 3 heads, and more
         ggml_fp16_t * k = (ggml_fp16_t *) malloc(nb1 * KV), * v = (ggml_fp16_t *) malloc(nb1 * KV);
         for (size_t i = 0; i < nb1 * KV / 2; i++) { k[i] = random_half(); v[i] = random_half(); }
@@ -168,6 +169,27 @@ def test_a_few_rows_products_are_simd_gemms_chains_over_the_packed_tiles(tmp_pat
     subprocess.run([compiler, "-O2", "-ffp-contract=off", *flags, "t.cpp", "-o", "t"], cwd=tmp_path, check=True)
     run = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "0 mismatches", run.stdout + run.stderr
+
+
+def test_without_avx2_a_few_rows_take_llama_cpps_own_tiles(tmp_path):
+    """A CPU with neither AVX-512 nor AVX2 + FMA (an old x86, or ARM) has no vector path of change 6: syshax_few
+    says no, and the tiled path packs K and V as llama.cpp does. Compiled here as such a CPU's build would be."""
+    if platform.machine() != "x86_64":
+        pytest.skip(f"compiles for an x86-64 without AVX2; this is {platform.machine()}")
+    if "f16c" not in _cpu_flags():
+        pytest.skip("this CPU lacks f16c (/proc/cpuinfo): the harness's reference converts halves with it")
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler (mk/llama-wheel.sh needs one too)")
+    spec = importlib.util.spec_from_file_location("llama_patch", REPO / "mk" / "llama-patch.py")
+    patch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patch)
+    (tmp_path / "pack.inc").write_text(patch.PACK_K)
+    (tmp_path / "few.inc").write_text(patch.FEW_ROWS)
+    (tmp_path / "t.cpp").write_text(FEW_HARNESS)
+    subprocess.run([compiler, "-O2", "-march=x86-64", "-mf16c", "t.cpp", "-o", "t"], cwd=tmp_path, check=True)
+    run = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stdout.strip() == "no vector path", run.stdout + run.stderr
 
 
 def test_every_change_finds_its_text_in_the_llama_cpp_it_was_written_for(tmp_path):
