@@ -1,8 +1,9 @@
 """mk/llama-patch.py: the changes mk/llama-wheel.sh makes to llama.cpp before it builds.
 
-The wheel this machine built carries one vector path of the K packing (change 4: AVX-512 here, AVX2 on another
-host); the engine's warm-up proves its bits on that path only. This compiles the packing on its own for each x86
-path this CPU can run, and checks that it packs exactly what llama.cpp's scalar loop packs, at every tile size.
+The wheel this machine built carries one vector path of the K packing (change 4) and of a few rows' products
+(change 6): AVX-512 here, AVX2 on another host; the engine's warm-up proves its bits on that path only. This
+compiles each on its own for every x86 path this CPU can run, and checks it bit for bit against what llama.cpp's
+own loops compute, at every tile size.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ int main() {
 """
 
 
+# the x86 vector paths of changes 4 and 6: what the harness is compiled with, and what the CPU must have to run it
+PATHS = [
+    ("avx512", ["-mavx512f", "-mf16c", "-mfma"], {"avx512f", "f16c", "fma"}),
+    ("avx2", ["-mavx2", "-mf16c", "-mfma"], {"avx2", "f16c", "fma"}),
+]
+
+
 def _cpu_flags() -> set[str]:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
@@ -64,26 +72,36 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-@pytest.mark.parametrize("path, flags, needs", [
-    ("avx512", ["-mavx512f", "-mf16c", "-mfma"], {"avx512f", "f16c", "fma"}),
-    ("avx2", ["-mavx2", "-mf16c", "-mfma"], {"avx2", "f16c", "fma"}),
-])
-def test_the_vector_packing_of_k_packs_what_llama_cpps_loop_packs(tmp_path, path, flags, needs):
-    if platform.machine() != "x86_64":
-        pytest.skip(f"the {path} path is x86-64's; this is {platform.machine()}")
-    if not needs <= _cpu_flags():
-        lacks = ", ".join(sorted(needs - _cpu_flags()))
-        pytest.skip(f"this CPU lacks {lacks} (/proc/cpuinfo), so cannot run the {path} path")
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("no C++ compiler (mk/llama-wheel.sh needs one too)")
+def _patch():
     spec = importlib.util.spec_from_file_location("llama_patch", REPO / "mk" / "llama-patch.py")
     patch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(patch)
-    (tmp_path / "pack.inc").write_text(patch.PACK_K)
-    (tmp_path / "t.cpp").write_text(HARNESS)
-    subprocess.run([compiler, "-O2", *flags, "t.cpp", "-o", "t"], cwd=tmp_path, check=True)
-    run = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True)
+    return patch
+
+
+def _run_harness(tmp_path: Path, harness: str, includes: dict[str, str], flags: list[str], what: str,
+                 needs: set[str]) -> subprocess.CompletedProcess:
+    """Compile `harness` with the patch's code in `includes` (file name -> text) for an x86 CPU with `flags`, and
+    run it; skips where this machine cannot (another architecture, a CPU without `needs`, no compiler)."""
+    if platform.machine() != "x86_64":
+        pytest.skip(f"{what} is x86-64's; this is {platform.machine()}")
+    if not needs <= _cpu_flags():
+        lacks = ", ".join(sorted(needs - _cpu_flags()))
+        pytest.skip(f"this CPU lacks {lacks} (/proc/cpuinfo), so cannot run {what}")
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler (mk/llama-wheel.sh needs one too)")
+    for name, text in includes.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "t.cpp").write_text(harness)
+    # -ffp-contract=off: a reference's chain is its own fmaf calls, nothing the compiler fuses on its own
+    subprocess.run([compiler, "-O2", "-ffp-contract=off", *flags, "t.cpp", "-o", "t"], cwd=tmp_path, check=True)
+    return subprocess.run([str(tmp_path / "t")], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("path, flags, needs", PATHS)
+def test_the_vector_packing_of_k_packs_what_llama_cpps_loop_packs(tmp_path, path, flags, needs):
+    run = _run_harness(tmp_path, HARNESS, {"pack.inc": _patch().PACK_K}, flags, f"the {path} path", needs)
     assert run.returncode == 0 and run.stdout.strip() == "0 mismatches", run.stdout + run.stderr
 
 
@@ -143,61 +161,56 @@ int main() {
 """
 
 
-@pytest.mark.parametrize("path, flags, needs", [
-    ("avx512", ["-mavx512f", "-mf16c", "-mfma"], {"avx512f", "f16c", "fma"}),
-    ("avx2", ["-mavx2", "-mf16c", "-mfma"], {"avx2", "f16c", "fma"}),
-])
+UNFUSED = r"""
+#if defined(__AVX512F__)
+static inline __m512 unfused512(__m512 a, __m512 b, __m512 c) { return _mm512_add_ps(_mm512_mul_ps(a, b), c); }
+#endif
+#if defined(__AVX2__)
+static inline __m256 unfused256(__m256 a, __m256 b, __m256 c) { return _mm256_add_ps(_mm256_mul_ps(a, b), c); }
+#endif
+"""
+
+
+def _few_rows(patch, fused: bool = True) -> dict[str, str]:
+    """Change 6's code as the harness includes it; not fused: each fused multiply-add of the AVX-512 and AVX2 paths
+    made a product and a sum, rounded twice (what the harness must tell apart from simd_gemm's chain)."""
+    few = patch.FEW_ROWS
+    if not fused:
+        for width in ("512", "256"):
+            few = few.replace(f"_mm{width}_fmadd_ps(", f"unfused{width}(")
+        few = UNFUSED + few
+    return {"pack.inc": patch.PACK_K, "few.inc": few}
+
+
+@pytest.mark.parametrize("path, flags, needs", PATHS)
 def test_a_few_rows_products_are_simd_gemms_chains_over_the_packed_tiles(tmp_path, path, flags, needs):
     """Change 6: a decode step's tile takes its products straight from the halves of K and V. Each element must be
     the chain simd_gemm computes over the packed tiles (a fused multiply-add per term, in order), which the prompt
     path's tiles compute, or a kept token's KV would differ from a prompt chunk's."""
-    if platform.machine() != "x86_64":
-        pytest.skip(f"the {path} path is x86-64's; this is {platform.machine()}")
-    if not needs <= _cpu_flags():
-        lacks = ", ".join(sorted(needs - _cpu_flags()))
-        pytest.skip(f"this CPU lacks {lacks} (/proc/cpuinfo), so cannot run the {path} path")
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("no C++ compiler (mk/llama-wheel.sh needs one too)")
-    spec = importlib.util.spec_from_file_location("llama_patch", REPO / "mk" / "llama-patch.py")
-    patch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patch)
-    (tmp_path / "pack.inc").write_text(patch.PACK_K)
-    (tmp_path / "few.inc").write_text(patch.FEW_ROWS)
-    (tmp_path / "t.cpp").write_text(FEW_HARNESS)
-    # -ffp-contract=off: the reference's chain is its fmaf calls, nothing the compiler fuses on its own
-    subprocess.run([compiler, "-O2", "-ffp-contract=off", *flags, "t.cpp", "-o", "t"], cwd=tmp_path, check=True)
-    run = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True)
+    run = _run_harness(tmp_path, FEW_HARNESS, _few_rows(_patch()), flags, f"the {path} path", needs)
     assert run.returncode == 0 and run.stdout.strip() == "0 mismatches", run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("path, flags, needs", PATHS)
+def test_the_few_rows_check_tells_an_unfused_product_from_the_chain(tmp_path, path, flags, needs):
+    """The check above can fail: the same code with each fused multiply-add split in two (rounded twice) differs."""
+    run = _run_harness(tmp_path, FEW_HARNESS, _few_rows(_patch(), fused=False), flags, f"the {path} path", needs)
+    assert run.returncode == 1 and run.stdout.strip().endswith(" mismatches"), run.stdout + run.stderr
+    assert int(run.stdout.split()[0]) > 0
 
 
 def test_without_avx2_a_few_rows_take_llama_cpps_own_tiles(tmp_path):
     """A CPU with neither AVX-512 nor AVX2 + FMA (an old x86, or ARM) has no vector path of change 6: syshax_few
-    says no, and the tiled path packs K and V as llama.cpp does. Compiled here as such a CPU's build would be."""
-    if platform.machine() != "x86_64":
-        pytest.skip(f"compiles for an x86-64 without AVX2; this is {platform.machine()}")
-    if "f16c" not in _cpu_flags():
-        pytest.skip("this CPU lacks f16c (/proc/cpuinfo): the harness's reference converts halves with it")
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("no C++ compiler (mk/llama-wheel.sh needs one too)")
-    spec = importlib.util.spec_from_file_location("llama_patch", REPO / "mk" / "llama-patch.py")
-    patch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patch)
-    (tmp_path / "pack.inc").write_text(patch.PACK_K)
-    (tmp_path / "few.inc").write_text(patch.FEW_ROWS)
-    (tmp_path / "t.cpp").write_text(FEW_HARNESS)
-    subprocess.run([compiler, "-O2", "-march=x86-64", "-mf16c", "t.cpp", "-o", "t"], cwd=tmp_path, check=True)
-    run = subprocess.run([str(tmp_path / "t")], capture_output=True, text=True)
+    says no, and the tiled path packs K and V as llama.cpp does. Compiled here as such a CPU's build would be (with
+    F16C, which the harness's reference converts halves with)."""
+    run = _run_harness(tmp_path, FEW_HARNESS, _few_rows(_patch()), ["-march=x86-64", "-mf16c"],
+                       "a build for an x86-64 without AVX2", {"f16c"})
     assert run.returncode == 2 and run.stdout.strip() == "no vector path", run.stdout + run.stderr
 
 
 def test_every_change_finds_its_text_in_the_llama_cpp_it_was_written_for(tmp_path):
     """The script refuses a source where a change's text is not found as often as it expects."""
-    spec = importlib.util.spec_from_file_location("llama_patch", REPO / "mk" / "llama-patch.py")
-    patch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patch)
-    ops = tmp_path / patch.OPS
+    ops = tmp_path / _patch().OPS
     ops.parent.mkdir(parents=True)
     ops.write_text("int main() { return 0; }\n")  # none of the texts
     run = subprocess.run(["python3", str(REPO / "mk" / "llama-patch.py"), str(tmp_path)], capture_output=True,
