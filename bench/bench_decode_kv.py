@@ -72,30 +72,50 @@ def _prefill(ll, ctx, batch, tokens: list[int]) -> None:
             raise RuntimeError("llama_decode of a prompt chunk failed")
 
 
+def load_model(ll, repack: bool):
+    """The default model, its weights repacked or not (llama-server's --repack)."""
+    ll.llama_backend_init()
+    mparams = ll.llama_model_default_params()
+    mparams.use_extra_bufts = repack
+    return ll.llama_model_load_from_file(str(MODEL).encode(), mparams)
+
+
+def context(ll, model, n_seq: int, n_batch: int, threads: int, n_ctx: int = 2048):
+    """A context as the engine makes them: one KV stream of n_ctx cells per sequence, flash attention."""
+    p = ll.llama_context_default_params()
+    p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx * n_seq, n_batch, n_batch, n_seq
+    p.kv_unified = False
+    p.n_threads = p.n_threads_batch = threads
+    p.flash_attn_type, p.no_perf = 1, True
+    return ll.llama_init_from_model(model, p)
+
+
+def move_into_streams(ll, pctx, bctx, scratch, streams) -> None:
+    """Sequence 0 of the 1-sequence prompt context into these streams of the batch context, as the engine moves a
+    prompt's KV; the prompt context is left empty."""
+    from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
+
+    size = ll.llama_state_seq_get_size(pctx, 0)
+    buf = scratch.ensure(size + 4 * SEQS)
+    export_seq(pctx, 0, scratch)
+    size = widen_streams(buf, size, SEQS)
+    for s in streams:
+        if ll.llama_state_seq_set_data(bctx, StateBuffer.pointer(buf), size, s) != size:
+            raise RuntimeError("could not move a prompt's KV into the batch context")
+    ll.llama_memory_seq_rm(ll.llama_get_memory(pctx), 0, -1, -1)
+
+
 def measure(attention: str, repack: bool, n_prompt: int, n_generate: int, beside: int, threads: int,
             speed: bool) -> dict:
     """In a process of its own, spawned with ATTENTION_ENV set for `attention` before llama.cpp's first graph."""
     import llama_cpp as ll
-    from syshax_llamacpp.codec import StateBuffer, export_seq, parse_seq_state, widen_streams
+    from syshax_llamacpp.codec import StateBuffer, export_seq, parse_seq_state
     from syshaxd.sdk.gguf.header import fingerprint_from_gguf
 
-    ll.llama_backend_init()
-    mparams = ll.llama_model_default_params()
-    mparams.use_extra_bufts = repack
-    model = ll.llama_model_load_from_file(str(MODEL).encode(), mparams)
+    model = load_model(ll, repack)
     n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
     fp = fingerprint_from_gguf(MODEL)
-    n_ctx = 2048
-
-    def context(n_seq: int, n_batch: int):
-        p = ll.llama_context_default_params()
-        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx * n_seq, n_batch, n_batch, n_seq
-        p.kv_unified = False
-        p.n_threads = p.n_threads_batch = threads
-        p.flash_attn_type, p.no_perf = 1, True
-        return ll.llama_init_from_model(model, p)
-
-    pctx, bctx = context(1, CHUNK), context(SEQS, SEQS)
+    pctx, bctx = context(ll, model, 1, CHUNK, threads), context(ll, model, SEQS, SEQS, threads)
     pmem, bmem = ll.llama_get_memory(pctx), ll.llama_get_memory(bctx)
     pbatch, bbatch = ll.llama_batch_init(CHUNK, 0, 1), ll.llama_batch_init(SEQS, 0, 1)
     scratch = StateBuffer()
@@ -107,13 +127,7 @@ def measure(attention: str, repack: bool, n_prompt: int, n_generate: int, beside
     for s, prompt in enumerate(prompts):
         _prefill(ll, pctx, pbatch, prompt)
         nexts.append(int(np.argmax(np.ctypeslib.as_array(ll.llama_get_logits_ith(pctx, -1), (n_vocab,)))))
-        size = ll.llama_state_seq_get_size(pctx, 0)
-        buf = scratch.ensure(size + 4 * SEQS)
-        export_seq(pctx, 0, scratch)
-        size = widen_streams(buf, size, SEQS)
-        if ll.llama_state_seq_set_data(bctx, StateBuffer.pointer(buf), size, s) != size:
-            raise RuntimeError("could not move a prompt's KV into the batch context")
-        ll.llama_memory_seq_rm(pmem, 0, -1, -1)
+        move_into_streams(ll, pctx, bctx, scratch, [s])
         lengths.append(len(prompt))
     generated = [nexts[0]]
     for _ in range(n_generate):  # greedy, every sequence one row a step
@@ -162,13 +176,7 @@ def measure(attention: str, repack: bool, n_prompt: int, n_generate: int, beside
         for s in range(SEQS):
             ll.llama_memory_seq_rm(bmem, s, -1, -1)
         _prefill(ll, pctx, pbatch, [int(t) for t in rng.integers(100, 40000, DECODE_CONTEXT)])
-        size = ll.llama_state_seq_get_size(pctx, 0)
-        buf = scratch.ensure(size + 4 * SEQS)
-        export_seq(pctx, 0, scratch)
-        size = widen_streams(buf, size, SEQS)
-        for s in range(SEQS):
-            ll.llama_state_seq_set_data(bctx, StateBuffer.pointer(buf), size, s)
-        ll.llama_memory_seq_rm(pmem, 0, -1, -1)
+        move_into_streams(ll, pctx, bctx, scratch, range(SEQS))
         times = []
         for step in range(20):
             bbatch.n_tokens = 0

@@ -28,17 +28,11 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "plugins" / "llamacpp")]
-MODEL = REPO / "models" / "SmolLM2-135M-Instruct.q4_0.gguf"
-CHUNK = 256
-SLOTS = 8
-ATTENTION_ENV = "SYSHAX_FA_TILED"  # what mk/llama-patch.py's llama.cpp reads (engine.TILED_ATTENTION_ENV)
+sys.path[:0] = [str(REPO / "bench"), str(REPO), str(REPO / "plugins" / "llamacpp")]
 
-
-def _add(b, token: int, pos: int, seq_id: int) -> None:
-    i = b.n_tokens
-    b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = token, pos, 1, seq_id, True
-    b.n_tokens = i + 1
+# the in-process engine's settings and helpers, shared with the bench that checks these bits
+from bench_decode_kv import ATTENTION_ENV, CHUNK, SEQS as SLOTS, _add, _prefill, context, load_model, \
+    move_into_streams  # noqa: E402
 
 
 def serve(attention: str, repack: bool, threads: int, conn) -> None:
@@ -46,23 +40,11 @@ def serve(attention: str, repack: bool, threads: int, conn) -> None:
     os.environ[ATTENTION_ENV] = "1" if attention == "tiled" else "0"
     import llama_cpp as ll
 
-    from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
+    from syshax_llamacpp.codec import StateBuffer
 
-    ll.llama_backend_init()
-    mparams = ll.llama_model_default_params()
-    mparams.use_extra_bufts = repack
-    model = ll.llama_model_load_from_file(str(MODEL).encode(), mparams)
-
-    def context(n_seq: int, n_batch: int, n_ctx: int):
-        p = ll.llama_context_default_params()
-        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx * n_seq, n_batch, n_batch, n_seq
-        p.kv_unified = False
-        p.n_threads = p.n_threads_batch = threads
-        p.flash_attn_type, p.no_perf = 1, True
-        return ll.llama_init_from_model(model, p)
-
-    pctx, bctx = context(1, CHUNK, 2048), context(SLOTS, SLOTS, 2048)
-    pmem, bmem = ll.llama_get_memory(pctx), ll.llama_get_memory(bctx)
+    model = load_model(ll, repack)
+    pctx, bctx = context(ll, model, 1, CHUNK, threads), context(ll, model, SLOTS, SLOTS, threads)
+    bmem = ll.llama_get_memory(bctx)
     pbatch, bbatch = ll.llama_batch_init(CHUNK, 0, 1), ll.llama_batch_init(SLOTS, 0, 1)
     scratch = StateBuffer()
     rng = np.random.default_rng(1)
@@ -73,27 +55,14 @@ def serve(attention: str, repack: bool, threads: int, conn) -> None:
         if filled != (seqs, n_context):  # every stream gets one prompt's KV, as the engine moves it
             for s in range(SLOTS):
                 ll.llama_memory_seq_rm(bmem, s, -1, -1)
-            tokens = [int(t) for t in rng.integers(100, 40000, n_context)]
-            for start in range(0, n_context, CHUNK):
-                pbatch.n_tokens = 0
-                for i, t in enumerate(tokens[start:start + CHUNK]):
-                    _add(pbatch, t, start + i, 0)
-                if ll.llama_decode(pctx, pbatch) != 0:
-                    raise RuntimeError("llama_decode of a prompt chunk failed")
-            size = ll.llama_state_seq_get_size(pctx, 0)
-            buf = scratch.ensure(size + 4 * SLOTS)
-            export_seq(pctx, 0, scratch)
-            size = widen_streams(buf, size, SLOTS)
-            for s in range(seqs):
-                if ll.llama_state_seq_set_data(bctx, StateBuffer.pointer(buf), size, s) != size:
-                    raise RuntimeError("could not move a prompt's KV into the batch context")
-            ll.llama_memory_seq_rm(pmem, 0, -1, -1)
+            _prefill(ll, pctx, pbatch, [int(t) for t in rng.integers(100, 40000, n_context)])
+            move_into_streams(ll, pctx, bctx, scratch, range(seqs))
             filled = (seqs, n_context)
         times = []
         for step in range(steps):
             bbatch.n_tokens = 0
             for s in range(seqs):
-                _add(bbatch, 1000 + step, n_context, s)
+                _add(bbatch, 1000 + step, n_context, s, True)
             started = time.perf_counter()
             if ll.llama_decode(bctx, bbatch) != 0:
                 raise RuntimeError("llama_decode of a decode step failed")
