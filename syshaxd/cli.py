@@ -198,7 +198,8 @@ def _print_status(st: dict) -> None:
               f"{s.running:>4} {s.waiting:>5} {s.max_batch_size:>5} {s.kv_usage:>6.1%} {s.tokens_per_second:>7.1f} "
               f"{w.restarts:>8}")
         if w.kernels:
-            print(f"{'':<10} kernels: {w.kernels} ({w.kernels_why})")
+            print(f"{'':<10} kernels: {w.kernels} ({w.kernels_why})"
+                  + ("; keeps generated tokens" if w.keeps_generated else ""))
         if w.error:
             print(f"{'':<10} error: {w.error}")
     rescued = {k: v for k, v in sched.rescued.items() if v}  # requests whose worker died under them

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MODEL_DIR, MODEL_NAME, Daemon, free_port, http_json
+from syshax_llamacpp.kernels import read_cpu_flags, tiles_decode_cheaply
 
 REPO = Path(__file__).resolve().parents[1]
 ADMIN_GROUP = "syshaxtestadm"  # the daemon's admin_group in this module (root only: the test creates it)
@@ -114,6 +115,11 @@ def test_status_shows_mode_engines_and_queue(admin):
     # which CPU kernels the worker runs, and why (the llama.cpp engine's choice: tests/test_kernels.py)
     kernels = st["workers"][0]["kernels"]
     assert kernels and f"kernels: {kernels} ({st['workers'][0]['kernels_why']})" in table.stdout
+    # and whether the prefix cache keeps what it generates (the default keep_generated_tokens, proved at its
+    # warm-up where this CPU tiles a decode step's attention cheaply)
+    keeps = st["workers"][0]["keeps_generated"]
+    assert keeps == tiles_decode_cheaply(read_cpu_flags())
+    assert ("; keeps generated tokens" in table.stdout) == keeps
 
 
 def test_version_names_client_and_daemon(admin, tmp_path):

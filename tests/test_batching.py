@@ -41,7 +41,7 @@ def reference(default_model, daemon):
     of its own, whose llama.cpp tiles every query row's attention where the daemon's worker does (it keeps what
     requests generate, keep_generated_tokens: SYSHAX_FA_TILED, read once per process). Tiled and row-at-a-time
     attention round differently, and this model's greedy text follows the rounding."""
-    tiled = "what a request generates is kept" in daemon.log()
+    tiled = daemon.status()["workers"][0]["keeps_generated"]
     run = subprocess.run([sys.executable, "-c", REFERENCE, str(default_model), json.dumps(PROMPTS), str(N_TOKENS)],
                          env=os.environ | {"SYSHAX_FA_TILED": "1" if tiled else "0"}, capture_output=True, text=True,
                          timeout=300)

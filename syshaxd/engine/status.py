@@ -30,6 +30,9 @@ class WorkerStatus:
     stats: EngineStats
     kernels: str = ""  # the CPU kernels its engine runs (llama.cpp: repack, plain, ...); "" where not told
     kernels_why: str = ""
+    # its engine proved at warm-up that a decode step gives a token a prompt chunk's bits, so the prefix cache keeps
+    # what requests generate there (keep_generated_tokens; llama.cpp with every row's attention tiled)
+    keeps_generated: bool = False
 
 
 @dataclass(frozen=True)

@@ -412,7 +412,8 @@ class WorkerHandle:
                             hangs=self.hangs, in_flight=self.in_flight, cpus=list(self.info.get("cpus", [])),
                             threads=self.spec.threads, stats=self.stats,
                             kernels=str(self.info.get("kernels", "")),
-                            kernels_why=self.fell_back or str(self.info.get("kernels_why", "")))
+                            kernels_why=self.fell_back or str(self.info.get("kernels_why", "")),
+                            keeps_generated=bool(self.info.get("keeps_generated", False)))
 
 
 def _exit_words(code: int | None) -> str:
