@@ -106,8 +106,8 @@ class LlamaCppEngine:
         # before the first graph: llama.cpp reads it once per process (a process's engines share one setting)
         self.tiled_attention = spec.tiled_attention and kernels.tiles_decode_cheaply(flags)
         if spec.tiled_attention and not self.tiled_attention:
-            log.info("keep_generated_tokens: this CPU has neither AVX-512 nor AVX2 with F16C, so a decode step's tiled "
-                     "attention would cost more than it saves; nothing generated is kept")
+            log.info("keep_generated_tokens: this CPU has neither AVX-512 nor AVX2 with F16C and FMA, so a decode "
+                     "step's tiled attention would cost more than it saves; nothing generated is kept")
         os.environ[TILED_ATTENTION_ENV] = "1" if self.tiled_attention else "0"
         llama_cpp.llama_backend_init()
         path = Path(spec.model_path)
