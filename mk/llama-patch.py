@@ -1,4 +1,5 @@
-"""The changes mk/llama-wheel.sh makes to llama.cpp's CPU flash attention (ggml-cpu/ops.cpp) before it builds.
+"""The changes mk/llama-wheel.sh makes to llama.cpp's CPU flash attention (ggml-cpu/ops.cpp) and to one of its x86
+weight kernels (ggml-cpu/arch/x86/repack.cpp) before it builds.
 
     python3 mk/llama-patch.py SOURCE_TREE      (the unpacked llama-cpp-python sdist)
 
@@ -29,7 +30,16 @@ llama.cpp must be looked at again, never patched blindly.
    V32 tiles and loading them again; the heads of a group convert their shared mask row once. Each element of a
    product is still simd_gemm's chain over the packed tile, one fused multiply-add per term in the same order, so
    the bits are the same (tests/test_llama_patch.py checks both vector paths against that chain). It brings a
-   decode step with every row tiled back to llama.cpp's own cost (bench/bench_decode_step.py).
+   decode step with every row tiled back to llama.cpp's own cost (bench/bench_decode_step.py). The transposes are
+   inlined where they are called, so that the rows stay in registers.
+7. x86's kernel for repacked q4_0 weights (gemm_q4_b32_8x8_q8_0_lut_avx, AVX-512 and AVX2) takes 16 activation
+   rows per pass over the weights, unpacking each block's nibbles once for all 16, but only 4 rows per pass when
+   fewer than 16 are left: a decode step of 8 sequences unpacked every weight twice. Now 8 rows share a pass too.
+   Each row's arithmetic is unchanged (its integer dot products, then one fused multiply-add a block into its
+   accumulator), so every row keeps its bits (tests/test_llama_patch.py compares them in the real build). With it
+   (and the inlined transposes) the engine's decode step of 8 sequences took 19.7 ms against llama-server's 24.9,
+   where it took 24.9 against 25.6 before (bench/bench_serving_cost.py; llama-server is built without these
+   changes).
 """
 
 from __future__ import annotations
@@ -38,12 +48,19 @@ import sys
 from pathlib import Path
 
 OPS = "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp"
+REPACK = "vendor/llama.cpp/ggml/src/ggml-cpu/arch/x86/repack.cpp"
 
 # change 4: K rows [kv_tile][DK] (halves or floats, nbk1 bytes apart) into K_f32[dk * kv_stride + kv]; false where this
 # CPU or layout has no vector way (the caller's scalar loop packs it then)
 PACK_K = r"""
+// a transpose is inlined where it is called, so that the rows stay in registers and are not passed through memory
+#if defined(__GNUC__)
+#define SYSHAX_INLINE inline __attribute__((always_inline))
+#else
+#define SYSHAX_INLINE inline
+#endif
 #if defined(__AVX512F__)
-static inline void syshax_transpose16(__m512 r[16]) {
+static SYSHAX_INLINE void syshax_transpose16(__m512 r[16]) {
     __m512 t[16], u[16];
     for (int i = 0; i < 8; i++) {
         t[2*i]     = _mm512_unpacklo_ps(r[2*i], r[2*i + 1]);
@@ -69,7 +86,7 @@ static inline void syshax_transpose16(__m512 r[16]) {
     }
 }
 #elif defined(__AVX2__) && defined(__F16C__)
-static inline void syshax_transpose8(__m256 r[8]) {
+static SYSHAX_INLINE void syshax_transpose8(__m256 r[8]) {
     __m256 t[8], u[8];
     for (int i = 0; i < 4; i++) {
         t[2*i]     = _mm256_unpacklo_ps(r[2*i], r[2*i + 1]);
@@ -386,7 +403,8 @@ CHANGES = [
      "            simd_gemm(KQ, (const float *)Q_q, K_f32, tile_rows, DK, KV_TILE_SZ);",
      "if (few) {\n"
      "                syshax_few_qk(KQ, (const float *)Q_q, tile_rows,\n"
-     "                              (const char *)k->data + ic*nbk1 + ik2*nbk2 + ik3*nbk3, nbk1, kv_tile, DK, KV_TILE_SZ);\n"
+     "                              (const char *)k->data + ic*nbk1 + ik2*nbk2 + ik3*nbk3, nbk1, kv_tile, DK, "
+     "KV_TILE_SZ);\n"
      "            } else {\n"
      "            memset(KQ, 0, tile_rows * KV_TILE_SZ * sizeof(float));\n"
      "            simd_gemm(KQ, (const float *)Q_q, K_f32, tile_rows, DK, KV_TILE_SZ);\n"
@@ -420,17 +438,66 @@ CHANGES = [
 ]
 
 
-def main() -> int:
-    ops = Path(sys.argv[1]) / OPS
-    text = ops.read_text()
-    for old, new, count in CHANGES:
+# change 7, in the x86 kernel that multiplies repacked q4_0 (and iq4_nl, mxfp4) weights by up to 16 rows at once
+# (gemm_q4_b32_8x8_q8_0_lut_avx, AVX-512 and AVX2 alike): 8 rows (a decode step of 8 sequences) share one pass
+# over the weights as 16 do, where llama.cpp unpacked the weights' nibbles once for every 4 rows. Each row's
+# arithmetic is unchanged: per block, its integer dot products, then one fused multiply-add into its accumulator.
+GEMM_Q4 = "static void gemm_q4_b32_8x8_q8_0_lut_avx("
+GEMM_CHANGES = [
+    # the 16-row loop (AVX-512, then AVX2) runs with 4 row groups while 16 rows are left, then with 2 while 8 are
+    ("    for (; y < anr / 4; y += 4) {",
+     "    for (int syshax_rb = 4; syshax_rb >= 2; syshax_rb -= 2)  // row groups (of 4 rows) a pass takes\n"
+     "    for (; y + syshax_rb <= nr / 4; y += syshax_rb) {", 2),
+    ("for (int rp = 0; rp < 4; rp++) {", "for (int rp = 0; rp < syshax_rb; rp++) {", 2),
+    ("            for (int i = 0; i < 16; i++) {\n"
+     "                _mm512_storeu_ps((float *)(s + ((y * 4 + i) * bs + x * 8)), acc_rows[i]);",
+     "            for (int i = 0; i < 4 * syshax_rb; i++) {\n"
+     "                _mm512_storeu_ps((float *)(s + ((y * 4 + i) * bs + x * 8)), acc_rows[i]);", 1),
+    ("            for (int i = 0; i < 16; i++) {\n"
+     "                _mm256_storeu_ps((float *)(s + ((y * 4 + i) * bs + x * 8)), acc_rows[i]);",
+     "            for (int i = 0; i < 4 * syshax_rb; i++) {\n"
+     "                _mm256_storeu_ps((float *)(s + ((y * 4 + i) * bs + x * 8)), acc_rows[i]);", 1),
+]
+
+
+def _apply(path: Path, text: str, changes: list[tuple[str, str, int]]) -> str | None:
+    """text with every change made, or None (and why, on stderr) where a change's text is not found as often as
+    expected."""
+    for old, new, count in changes:
         found = text.count(old)
         if found != count:
-            print(f"mk/llama-patch.py: {ops} holds {found} of {old!r} where {count} were expected; this llama.cpp "
+            print(f"mk/llama-patch.py: {path} holds {found} of {old!r} where {count} were expected; this llama.cpp "
                   "needs its changes looked at again", file=sys.stderr)
-            return 1
+            return None
         text = text.replace(old, new)
-    ops.write_text("#include <cstdlib>\n" + text)
+    return text
+
+
+def _function(path: Path, text: str, signature: str) -> tuple[int, int] | None:
+    """Where the function that starts with `signature` begins and ends (its closing brace at the line's start)."""
+    if text.count(signature) != 1:
+        print(f"mk/llama-patch.py: {path} holds {text.count(signature)} of {signature!r} where 1 was expected; "
+              "this llama.cpp needs its changes looked at again", file=sys.stderr)
+        return None
+    start = text.index(signature)
+    return start, text.index("\n}\n", start) + 3
+
+
+def main() -> int:
+    tree = Path(sys.argv[1])
+    ops, repack = tree / OPS, tree / REPACK
+    ops_text = _apply(ops, ops.read_text(), CHANGES)
+    if ops_text is None:
+        return 1
+    repack_text = repack.read_text()
+    span = _function(repack, repack_text, GEMM_Q4)
+    if span is None:
+        return 1
+    gemm = _apply(repack, repack_text[span[0]:span[1]], GEMM_CHANGES)
+    if gemm is None:
+        return 1
+    ops.write_text("#include <cstdlib>\n" + ops_text)
+    repack.write_text(repack_text[:span[0]] + gemm + repack_text[span[1]:])
     return 0
 
 
