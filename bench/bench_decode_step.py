@@ -11,6 +11,9 @@ Found on 2026-12-04 (AMD EPYC with AVX-512, 2 threads, SmolLM2-135M q4_0, repack
 mk/llama-patch.py's change 6, 1.05x at 1 x 128 tokens, 1.10x at 1 x 800 and 8 x 800 (the packed K and V tiles
 were stored and loaded again for a tile of 3 rows); with it, in two runs of the command below, 0.97x and 1.00x at
 1 x 128, 0.97x at 1 x 384, 0.90x to 0.91x at 1 x 800, 1.00x and 1.02x at 8 x 128, 0.97x at 8 x 384, 0.92x at 8 x 800.
+On 2026-12-05, with the transposes inlined (and change 7, which both settings share): 0.97x at 1 x 128,
+0.95x at 1 x 384, 0.86x at 1 x 800, 0.99x at 8 x 128, 0.93x at 8 x 384, 0.85x at 8 x 800; a step of 8 x 128 took
+19.8 ms tiled, where it took 21.2 to 21.4 before.
 
     .venv/bin/python bench/bench_decode_step.py [--seqs 1,8] [--context 128,384,800] [--rounds 4] [--repack on]
 """
