@@ -444,6 +444,8 @@ CHANGES = [
 # arithmetic is unchanged: per block, its integer dot products, then one fused multiply-add into its accumulator.
 GEMM_Q4 = "static void gemm_q4_b32_8x8_q8_0_lut_avx("
 GEMM_CHANGES = [
+    # both 16-row loops below count the rows themselves; nothing else in the function reads anr
+    ("    int anr = nr - nr%16; // Used to align nr with boundary of 16\n", "", 1),
     # the 16-row loop (AVX-512, then AVX2) runs with 4 row groups while 16 rows are left, then with 2 while 8 are
     ("    for (; y < anr / 4; y += 4) {",
      "    for (int syshax_rb = 4; syshax_rb >= 2; syshax_rb -= 2)  // row groups (of 4 rows) a pass takes\n"
@@ -460,44 +462,44 @@ GEMM_CHANGES = [
 ]
 
 
+def _refused(path: Path, old: str, found: int, count: int) -> None:
+    print(f"mk/llama-patch.py: {path} holds {found} of {old!r} where {count} were expected; this llama.cpp needs its "
+          "changes looked at again", file=sys.stderr)
+
+
 def _apply(path: Path, text: str, changes: list[tuple[str, str, int]]) -> str | None:
     """text with every change made, or None (and why, on stderr) where a change's text is not found as often as
     expected."""
     for old, new, count in changes:
         found = text.count(old)
         if found != count:
-            print(f"mk/llama-patch.py: {path} holds {found} of {old!r} where {count} were expected; this llama.cpp "
-                  "needs its changes looked at again", file=sys.stderr)
+            _refused(path, old, found, count)
             return None
         text = text.replace(old, new)
     return text
 
 
-def _function(path: Path, text: str, signature: str) -> tuple[int, int] | None:
-    """Where the function that starts with `signature` begins and ends (its closing brace at the line's start)."""
+def _apply_in_function(path: Path, text: str, signature: str, changes: list[tuple[str, str, int]]) -> str | None:
+    """text with the changes made inside the one function that starts with `signature` (up to its closing brace
+    at a line's start) and nowhere else, or None (and why, on stderr)."""
     if text.count(signature) != 1:
-        print(f"mk/llama-patch.py: {path} holds {text.count(signature)} of {signature!r} where 1 was expected; "
-              "this llama.cpp needs its changes looked at again", file=sys.stderr)
+        _refused(path, signature, text.count(signature), 1)
         return None
     start = text.index(signature)
-    return start, text.index("\n}\n", start) + 3
+    end = text.index("\n}\n", start) + 3
+    changed = _apply(path, text[start:end], changes)
+    return None if changed is None else text[:start] + changed + text[end:]
 
 
 def main() -> int:
     tree = Path(sys.argv[1])
     ops, repack = tree / OPS, tree / REPACK
     ops_text = _apply(ops, ops.read_text(), CHANGES)
-    if ops_text is None:
-        return 1
-    repack_text = repack.read_text()
-    span = _function(repack, repack_text, GEMM_Q4)
-    if span is None:
-        return 1
-    gemm = _apply(repack, repack_text[span[0]:span[1]], GEMM_CHANGES)
-    if gemm is None:
+    repack_text = ops_text and _apply_in_function(repack, repack.read_text(), GEMM_Q4, GEMM_CHANGES)
+    if repack_text is None:
         return 1
     ops.write_text("#include <cstdlib>\n" + ops_text)
-    repack.write_text(repack_text[:span[0]] + gemm + repack_text[span[1]:])
+    repack.write_text(repack_text)
     return 0
 
 

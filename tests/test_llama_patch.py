@@ -226,16 +226,21 @@ def test_change_7_is_made_in_its_function_only_and_refused_where_its_text_differ
     """Change 7's texts occur in other kernels of repack.cpp too: they are replaced inside the one function only,
     and a source whose function is missing, or holds them another number of times, is refused."""
     patch = _patch()
-    body = (f"{patch.GEMM_Q4}int n) {{\n    for (; y < anr / 4; y += 4) {{\n    }}\n"
-            "    for (; y < anr / 4; y += 4) {\n    }\n}\n")
-    other = "static void another_kernel() {\n    for (; y < anr / 4; y += 4) {\n    }\n}\n"
-    text = other + body + other
-    start, end = patch._function(Path("repack.cpp"), text, patch.GEMM_Q4)
-    assert text[start:end] == body
-    assert patch._apply(Path("repack.cpp"), text[start:end], patch.GEMM_CHANGES) is None  # no rp loops: refused
+    texts = "".join(old for old, _, count in patch.GEMM_CHANGES for _ in range(count))
+    body = f"{patch.GEMM_Q4}int n) {{\n{texts}\n}}\n"
+    other = f"static void another_kernel() {{\n{texts}\n}}\n"
+    got = patch._apply_in_function(Path("repack.cpp"), other + body + other, patch.GEMM_Q4, patch.GEMM_CHANGES)
+    assert got is not None and got.startswith(other) and got.endswith(other)  # the other kernels untouched
+    changed = got[len(other):-len(other)]
+    assert changed != body and "syshax_rb" in changed and "int anr" not in changed
+    assert all(old not in changed for old, new, _ in patch.GEMM_CHANGES if new)
+    # a text found another number of times in the function, or no such function: refused, and said why
+    short = f"{patch.GEMM_Q4}int n) {{\n{patch.GEMM_CHANGES[0][0]}\n}}\n"
+    assert patch._apply_in_function(Path("repack.cpp"), other + short, patch.GEMM_Q4, patch.GEMM_CHANGES) is None
     assert "needs its changes looked at again" in capsys.readouterr().err
-    assert patch._function(Path("repack.cpp"), other, patch.GEMM_Q4) is None
+    assert patch._apply_in_function(Path("repack.cpp"), other, patch.GEMM_Q4, patch.GEMM_CHANGES) is None
     assert "needs its changes looked at again" in capsys.readouterr().err
+
 
 ROWS_SCRIPT = r"""
 import sys
