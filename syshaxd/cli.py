@@ -199,9 +199,19 @@ def _print_status(st: dict) -> None:
               f"{w.restarts:>8}")
         if w.kernels:
             print(f"{'':<10} kernels: {w.kernels} ({w.kernels_why})"
+                  + (f"; attention {w.attention}" if w.attention else "")
+                  + ("; decode steps proved exact" if w.exact_decode else "")
                   + ("; keeps generated tokens" if w.keeps_generated else ""))
         if w.error:
             print(f"{'':<10} error: {w.error}")
+    exact = sched.exact
+    if exact is not None:
+        said = [] if exact.hetero_equals_cpu is None else [
+            f"hetero returns cpu mode's tokens: {'yes' if exact.hetero_equals_cpu else 'no'}"]
+        said.append(f"a resumed request keeps its undisturbed text: {'yes' if exact.resume_exact else 'not always'}")
+        print("greedy: " + "; ".join(said))
+        for line in exact.why:
+            print(f"  {line}")
     rescued = {k: v for k, v in sched.rescued.items() if v}  # requests whose worker died under them
     for key, counts in (("routes", sched.routes), ("refused", sched.refused), ("worker deaths", rescued)):
         if counts:

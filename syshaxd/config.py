@@ -68,6 +68,8 @@ class Config:
     prefix_cache_mb: int = 512  # prompt KV kept for reuse (automatic prefix caching) in /dev/shm; 0: off
     prefix_block_tokens: int = 16  # a shared prefix is reused in steps of this many tokens (vLLM's block)
     keep_generated_tokens: int = 512  # of each answer, kept in the prefix cache for a chat's next turn; 0: none
+    # every llama.cpp worker tiles every query row's attention: every route and a resume give the same tokens
+    tiled_attention: bool = True
     repack: str = "auto"  # llama.cpp's repacked weight kernels (llama-server's --repack): auto, on, off
 
     # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring

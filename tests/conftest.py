@@ -151,11 +151,11 @@ def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), en
 
 
 # A test module's DAEMON_CONFIG, for its `daemon`. Modules whose reference is llama-cpp-python in this process
-# (llama.cpp's own attention: a decode row's V summed in halves) set STOCK_ATTENTION: a daemon that keeps what
-# requests generate tiles every row's attention (sums in floats, so that a decoded token's KV has a prompt chunk's
-# bits), which moves a logprob by a few hundredths; one that keeps nothing generated takes the same kernels as the
-# reference. test_batching.py checks a tiling daemon against a tiling llama.cpp.
-STOCK_ATTENTION = {"keep_generated_tokens": 0}
+# (llama.cpp's own attention: a decode row's V summed in halves) set STOCK_ATTENTION: a daemon tiles every row's
+# attention by default (sums in floats, so that a decoded token's KV has a prompt chunk's bits), which moves a
+# logprob by a few hundredths; with tiled_attention = false it takes the same kernels as the reference.
+# test_batching.py checks a tiling daemon against a tiling llama.cpp.
+STOCK_ATTENTION = {"tiled_attention": False}
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ print(json.dumps(texts))
 def reference(default_model, daemon):
     """Each prompt run alone through llama-cpp-python itself, same model file, same attention kernel: in a process
     of its own, whose llama.cpp tiles every query row's attention where the daemon's worker does (it keeps what
-    requests generate, keep_generated_tokens: SYSHAX_FA_TILED, read once per process). Tiled and row-at-a-time
+    requests generate, tiled_attention: SYSHAX_FA_TILED, read once per process). Tiled and row-at-a-time
     attention round differently, and this model's greedy text follows the rounding."""
     tiled = daemon.status()["workers"][0]["keeps_generated"]
     run = subprocess.run([sys.executable, "-c", REFERENCE, str(default_model), json.dumps(PROMPTS), str(N_TOKENS)],

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MODEL_DIR, MODEL_NAME, http_json, start_daemon, wait_for
+from greedy import CHATS, answer_all, assert_same
 
 NS = f"shxnode{os.getpid() % 100000}"
 FRONT_IF, NODE_IF = f"shxf{os.getpid() % 100000}", f"shxn{os.getpid() % 100000}"
@@ -125,8 +126,7 @@ def node_of(front) -> dict:
     return node
 
 
-MAX_TOKENS = 48  # greedy texts compared whole: long enough to be cut mid-stream, short enough that a resume's
-# recomputed KV does not meet a near-tie (engine/journey.py: resumes are exact but for such ties)
+MAX_TOKENS = 48  # greedy texts compared whole, long enough to be cut mid-stream (the long chats' test below: 128)
 
 
 def complete(front, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
@@ -271,6 +271,66 @@ def test_a_link_cut_mid_stream_costs_no_request_and_the_node_returns(node, defau
         wait_for(lambda: node_of(front)["link"] == "up", 30, "the node back after the link came up")
         assert complete(front, PROMPTS[0]) == single_host_texts[PROMPTS[0]]
     finally:
+        assert front.stop() == 0, front.log()
+
+
+@pytest.fixture(scope="module")
+def cpu_chats(default_model, tmp_path_factory) -> list:
+    """cpu mode's answers to six long greedy chats (tests/greedy.py): the README's reference for every route."""
+    d = start_daemon(tmp_path_factory.mktemp("cpu"), {"model": str(default_model), "model_name": MODEL_NAME,
+                                                       "n_ctx": 1024})
+    try:
+        return answer_all(d, chats=CHATS[:6])
+    finally:
+        assert d.stop() == 0
+
+
+def _when_busy(front, tokens: int = 48) -> None:
+    """Wait until the node has generated `tokens` more tokens for this front: every stream is mid-answer."""
+    def generated() -> int:
+        return next(w for w in front.status()["workers"] if w["name"].startswith("node "))["stats"]["generated_tokens"]
+
+    start = generated()
+    wait_for(lambda: generated() >= start + tokens, 120, "the node mid-stream", every=0.05)
+
+
+def test_a_node_alone_killed_and_cut_off_under_load_keeps_every_text_whole(node, default_model, secret, cpu_chats,
+                                                                         tmp_path):
+    """Six long greedy chats at once on a front whose only decoder is the node: undisturbed, with the node killed with
+    -9 mid-stream (and started again), and with its link down for 5 s twice, every stream gets exactly its 128 tokens
+    and cpu mode's text: a resume on the node is exact, and no event of a cancelled attempt reaches its successor."""
+    front = start_daemon(tmp_path, front_config(default_model, secret, local_decoders=False, n_ctx=1024))
+    chats = CHATS[:6]
+    try:
+        wait_for(lambda: node_of(front)["link"] == "up", 30, "the node's link")
+        assert_same(answer_all(front, chats=chats), cpu_chats, "the node, undisturbed")
+        assert front.status()["exact"] == {"hetero_equals_cpu": True, "resume_exact": True, "why": []}
+
+        def kill_and_start_again() -> None:
+            _when_busy(front)
+            node.kill()
+            node.start()
+
+        assert_same(answer_all(front, chats=chats, during=kill_and_start_again), cpu_chats, "the node killed")
+
+        def cut_twice() -> None:
+            for _ in range(2):
+                wait_for(lambda: node_of(front)["link"] == "up", 60, "the node's link back")
+                _when_busy(front, 24)
+                _ip("link", "set", FRONT_IF, "down")
+                try:
+                    time.sleep(5)
+                finally:
+                    _ip("link", "set", FRONT_IF, "up")
+
+        assert_same(answer_all(front, chats=chats, during=cut_twice), cpu_chats, "the link cut twice")
+        remote = node_of(front)
+        assert remote["links_lost"] == 3, remote
+        rescued = front.status()["rescued"]
+        assert rescued["lost"] == 0 and rescued["resumed"] >= 6, rescued
+    finally:
+        if node.proc.poll() is not None:
+            node.start()  # for the tests after this one
         assert front.stop() == 0, front.log()
 
 

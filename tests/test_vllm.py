@@ -168,6 +168,11 @@ def test_hetero_daemon_with_vllm_prefill_hands_every_prompt_to_the_decoder(defau
         kv = d.status()["kv"]
         assert kv["records_written"] == kv["records_read"] == len(prompts) and kv["fallbacks"] == {}
         assert kv["ring"]["used_bytes"] == 0
+        # the status says that greedy hetero here is not cpu mode's token for token, and why
+        exact = d.status()["exact"]
+        assert exact["hetero_equals_cpu"] is False and exact["resume_exact"] is True, exact
+        assert exact["why"] == ["prefill0 runs vllm, which computes KV its own way (its handoffs are judged "
+                                "teacher-forced: top-1 agreement and KL)"], exact
     finally:
         assert d.stop() == 0, d.log()
 
@@ -183,12 +188,16 @@ def test_auto_daemon_with_vllm_offloads_when_saturated_and_every_text_is_right(d
         answers = run_all(d.url, prompts, 24, stream=lambda i: i % 3 == 0)
         routes = [a["syshax"]["route"] for a in answers]
         assert {"gpu", "hetero"} <= set(routes), routes
-        # Each prompt alone, on the route it took under load: the same text (vLLM's and llama.cpp's
-        # greedy tokens agree on these sharply peaked prompts, so a wrong handoff would show).
+        # Each prompt alone, on the route it took under load: the same text. Not compared with the CPU worker's
+        # text: vLLM computes another engine's bits, and on prompt 7 ("73, ..., 78,") vLLM (like llama.cpp's own
+        # attention) says " 80" where the CPU workers' tiled attention says " 79" -- a near-tie, which is why a
+        # cross-engine handoff is judged teacher-forced (test_vllm_prefill_decodes_like_llamacpp_teacher_forced)
         for prompt, answer in zip(prompts, answers):
             (alone,) = run_all(d.url, [prompt], 24, mode=answer["syshax"]["route"])
             assert answer["choices"][0]["text"] == alone["choices"][0]["text"], (prompt, answer["syshax"])
-        assert [a["choices"][0]["text"] for a in answers] == reference(d.url, prompts, 24)
+        # the handoff is right where the engines agree: most of these sharply peaked prompts
+        cpu = reference(d.url, prompts, 24)
+        assert sum(a["choices"][0]["text"] == c for a, c in zip(answers, cpu)) >= len(prompts) - 2, (answers, cpu)
         st = settle(d)
         assert st["routes"]["gpu"] >= routes.count("gpu") and st["routes"]["hetero"] >= routes.count("hetero")
         assert st["kv"]["records_read"] >= routes.count("hetero") and not st["kv"]["fallbacks"]

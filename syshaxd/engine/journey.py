@@ -23,8 +23,10 @@ request_timeout, for one to be restarted; a decode moved back to the GPU engine 
 CPU, where it was, while that engine restarts): the worker gets the prompt followed by the tokens
 generated so far (Handling.resume_tokens), recomputes their KV, and generates the rest.
 The client's stream goes on where it was; a greedy request's text is the text of an undisturbed
-run (the engine primes its text stream, grammar and penalties with the resumed tokens), but for a
-near-tie flipped by the resumed tokens' KV being recomputed in one prompt pass. A seeded
+run (the engine primes its text stream, grammar and penalties with the resumed tokens), exactly where
+the workers tile their attention (a prompt pass then gives the resumed tokens' KV the bits their decode
+steps gave: engine/exactness.py says where that holds), else but for a near-tie. Each submission is an
+attempt of its own (engine/attempts.py), so nothing a cancelled attempt still sends reaches it. A seeded
 sampler draws from a fresh generator after a resume, so a seeded request at temperature > 0 is
 as valid a sample as any, not the same one; a grammar on the GPU engine (vLLM) cannot start
 mid-output, so such a request ends with the error instead.

@@ -110,12 +110,13 @@ def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixSto
 
 
 def _with_prefix_store(engines: Engines, cfg: Config, model_path: Path, instance: str) -> Engines:
-    """Every worker may use the prefix cache; the engines that implement it (llama.cpp) attach the store. Where it
-    keeps generated tokens, the workers tile every query row's attention (EngineSpec.tiled_attention)."""
+    """Every worker may use the prefix cache; the engines that implement it (llama.cpp) attach the store, and keep
+    what requests generate where the plan says so (cpu mode) and their tiled attention proves it exact."""
     store = plan_prefix_store(cfg, model_path, instance)
     if store is None:
         return engines
-    return Engines([(name, replace(spec, prefix_store=instance, tiled_attention=store.keep_tokens > 0))
+    keep = store.keep_tokens > 0 and cfg.tiled_attention
+    return Engines([(name, replace(spec, prefix_store=instance, keep_generated=keep))
                     for name, spec in engines.workers], engines.ring, store)
 
 
@@ -189,11 +190,13 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
     (pool "prefill") and CPU decoders. auto: the GPU engine, which also writes KV records, and CPU
     decoders. On a host without a GPU the "GPU" engine runs on prefill_cpu_affinity's CPUs.
     """
+    # every llama.cpp worker of every mode takes the same attention (tiled_attention), so that every route gives a
+    # token the same bits: hetero's decoders cpu mode's tokens, a resume the undisturbed run's
     base = EngineSpec(
         backend=cfg.cpu_engine, role=Role.GENERATE, model_path=str(model_path), model_name=model_name,
         n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=1,
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
-        handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env),
+        handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env), tiled_attention=cfg.tiled_attention,
         gpu=GpuSettings(cfg.gpu_memory_utilization, cfg.max_num_seqs, cfg.tensor_parallel_size, cfg.preemption_mode),
     )
     topology = read_host_topology()
@@ -243,7 +246,7 @@ def plan_node(cfg: Config, model_path: Path, model_name: str, env: dict, instanc
         backend=_cpu_backend(cfg.cpu_engine, "hetero"), role=Role.GENERATE, model_path=str(model_path),
         model_name=model_name, n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size,
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
-        handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env))
+        handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env), tiled_attention=cfg.tiled_attention)
     instance = instance or f"node-{os.getpid()}"
     try:
         placements = plan_cpu_workers(read_host_topology(), _overrides(cfg, env), role="decode")

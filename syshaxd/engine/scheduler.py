@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 from syshaxd.config import MODES, Config, Mode
 from syshaxd.engine import capabilities
 from syshaxd.engine.decider import Decision, EngineState, Thresholds, decide
+from syshaxd.engine.exactness import exactness
 from syshaxd.engine.journey import Engines, Journey, JourneyCounts
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
@@ -347,4 +348,5 @@ class Scheduler:
             prefix_cache=self.ledger.prefix_status(),
             workers=[w.status() for w in self.workers],
             nodes=[w.link_status() for w in self.workers if w.remote],
+            exact=exactness(self.workers, hetero=not self._unservable[Mode.HETERO]),
         )

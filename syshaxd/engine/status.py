@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass
 
 from syshaxd.engine.decider import EngineState
+from syshaxd.engine.exactness import ExactStatus
 from syshaxd.engine.kv_ledger import KVStatus, Quantiles
 from syshaxd.engine.prefix_cache import PrefixStatus
 from syshaxd.sdk.types import EngineStats
@@ -30,8 +31,11 @@ class WorkerStatus:
     stats: EngineStats
     kernels: str = ""  # the CPU kernels its engine runs (llama.cpp: repack, plain, ...); "" where not told
     kernels_why: str = ""
-    # its engine proved at warm-up that a decode step gives a token a prompt chunk's bits, so the prefix cache keeps
-    # what requests generate there (keep_generated_tokens; llama.cpp with every row's attention tiled)
+    attention: str = ""  # llama.cpp: "tiled" (every query row's, tiled_attention) or "llama.cpp" (its own)
+    # its engine proved at warm-up that a decode step gives a token a prompt chunk's bits (a prefill-only worker:
+    # that chunks of any size do): resumes and handoffs between such workers give the undisturbed run's tokens
+    exact_decode: bool = False
+    # ... and the prefix cache keeps what requests generate there (cpu mode, keep_generated_tokens)
     keeps_generated: bool = False
 
 
@@ -106,6 +110,7 @@ class SchedulerStatus:
     prefix_cache: PrefixStatus | None
     workers: list[WorkerStatus]
     nodes: list[RemoteNodeStatus] = dataclasses.field(default_factory=list)  # decode nodes on other hosts
+    exact: ExactStatus | None = None  # which greedy promises hold here (engine/exactness.py)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import psutil
 
+from syshaxd.engine.attempts import new_attempt, request_of
 from syshaxd.sdk.channel import ChannelClosed, ChannelFull, WorkerChannel
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.status import WorkerStatus
@@ -51,13 +52,15 @@ class EngineUnavailable(RuntimeError):
 
 @dataclass(eq=False)
 class WorkerStream:
-    """One request's events from its worker, in order; the last is a finished Delta, Rejected or Prefilled.
+    """One attempt of a request on a worker, its events in order; the last is a finished Delta, Rejected or Prefilled.
 
-    A journey (engine/journey.py) reads it; a worker's death ends it with a WorkerLost.
+    A journey (engine/journey.py) reads it; a worker's death ends it with a WorkerLost. The worker knows the request
+    by `attempt` (engine/attempts.py); the events read here carry `request_id`, the journey's.
     """
 
     request_id: str
     worker: "WorkerHandle"
+    attempt: str = ""  # the id the worker knows this submission by; empty: request_id
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tokens_sent: int = 0
     finished: bool = False
@@ -80,7 +83,7 @@ class WorkerStream:
         """Stop generating (client gone, timeout); frees the sequence on the worker."""
         if not self.finished:
             self.finished = True
-            self.worker.cancel(self.request_id)
+            self.worker.cancel(self.attempt or self.request_id)
 
 
 class WorkerHandle:
@@ -113,7 +116,7 @@ class WorkerHandle:
         self.error = ""
         self.restarts = 0
         self.last_heartbeat = 0.0
-        self.streams: dict[str, WorkerStream] = {}
+        self.streams: dict[str, WorkerStream] = {}  # by attempt id: what the worker is running for us
         self.barren_deaths = 0  # deaths since it last served a token: CRASH_LOOP of them is a crash loop
         self.fallback: dict = {}  # what its engine said gives safer kernels (WorkerWarming), tried once
         self.fallback_loses = ""
@@ -252,12 +255,15 @@ class WorkerHandle:
             for event in msg:
                 if self.barren_deaths and (isinstance(event, Prefilled) or (isinstance(event, Delta) and event.n_tokens)):
                     self.barren_deaths = 0  # it serves: whatever killed it before is not every request
-                stream = self.streams.get(event.request_id)
-                self._report_kv(event, stream is None)
-                if stream is None or isinstance(event, Cached):  # cancelled on our side already, or the ledger's alone
-                    continue
+                attempt = event.request_id
+                stream = self.streams.get(attempt)
+                # the request's own id from here on: the ledger, the journey and the API know it by that
+                event = replace(event, request_id=stream.request_id if stream is not None else request_of(attempt))
+                self._report_kv(event, attempt, stream is None)
+                if stream is None or isinstance(event, Cached):
+                    continue  # an attempt cancelled on our side (its last events still come), or the ledger's alone
                 if isinstance(event, (Rejected, Prefilled)) or (isinstance(event, Delta) and event.finish_reason):
-                    del self.streams[event.request_id]
+                    del self.streams[attempt]
                     self.ledger.prefix_release(event.request_id)
                 stream.queue.put_nowait(event)
         elif isinstance(msg, WorkerStats):
@@ -272,6 +278,8 @@ class WorkerHandle:
             self._warmup_error = msg.message  # it exits now; _on_exit restarts it with the fallback
         elif isinstance(msg, WorkerReady):
             self.info = msg.info
+            if msg.proofs is not None:  # its restarts run on this CPU and build too: they need not prove it again
+                self.spec = replace(self.spec, proven=msg.proofs)
             self.state = "ready"
             self.error = ""
             self.ready.set()
@@ -284,12 +292,14 @@ class WorkerHandle:
             if self._on_failed is not None:
                 self._on_failed(self)
 
-    def _report_kv(self, event, orphaned: bool) -> None:
-        """Tell the ledger of a record written (and, when its request is gone, no longer wanted) or read."""
+    def _report_kv(self, event, attempt: str, orphaned: bool) -> None:
+        """Tell the ledger of a record written (and, when its attempt was cancelled, no longer wanted) or read."""
         if isinstance(event, Prefilled) and event.handle is not None:
-            self.ledger.written(event.request_id, event.handle, self.pid or 0)
-            if orphaned:
-                self.ledger.drop(event.request_id)
+            if orphaned:  # no request holds it: known by its attempt alone, and freed at once
+                self.ledger.written(attempt, event.handle, self.pid or 0)
+                self.ledger.drop(attempt)
+            else:
+                self.ledger.written(event.request_id, event.handle, self.pid or 0)
         elif isinstance(event, Imported):
             self.ledger.imported(event)
         elif isinstance(event, Cached):
@@ -353,7 +363,7 @@ class WorkerHandle:
                       "CPU (for llama.cpp, rebuild it here with make install, which runs mk/llama-wheel.sh)")
         if self.fallback:
             changes, loses = self.fallback, self.fallback_loses
-            self.spec = replace(self.spec, **changes)
+            self.spec = replace(self.spec, **changes, proven=None)  # other kernels: their bits are proved anew
             self.fallback, self.barren_deaths = {}, 0
             self.fell_back = f"{loses} turned off: the engine {cause}"
             settings = ", ".join(f'{k} = "{v}"' for k, v in changes.items())
@@ -378,22 +388,25 @@ class WorkerHandle:
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> WorkerStream:
         if self.state != "ready" or self._channel is None:
             raise EngineUnavailable(f"{self.name} is {self.state}")
+        attempt = new_attempt(request.request_id)  # what the worker knows this submission by
         try:
-            self._channel.send(Submit(request, handling))  # whole, or not at all
+            self._channel.send(Submit(replace(request, request_id=attempt), handling))  # whole, or not at all
         except ChannelFull as exc:
             raise EngineUnavailable(f"{self.name} is not taking requests this fast ({exc}); retry shortly") from None
         except ChannelClosed:
             raise EngineUnavailable(f"{self.name} cannot be reached (being replaced); retry shortly") from None
-        stream = WorkerStream(request.request_id, self, handoff=handling.handoff)
-        self.streams[request.request_id] = stream
+        stream = WorkerStream(request.request_id, self, attempt, handoff=handling.handoff)
+        self.streams[attempt] = stream
         return stream
 
-    def cancel(self, request_id: str) -> None:
-        if self.streams.pop(request_id, None) is not None:
-            self.ledger.prefix_release(request_id)
+    def cancel(self, attempt: str) -> None:
+        """Cancel an attempt (WorkerStream.cancel): what the worker still sends of it is dropped on arrival."""
+        stream = self.streams.pop(attempt, None)
+        if stream is not None:
+            self.ledger.prefix_release(stream.request_id)
         if self._channel is not None:
             try:
-                self._channel.send(Cancel(request_id), bounded=False)
+                self._channel.send(Cancel(attempt), bounded=False)
             except (ChannelClosed, ChannelFull):
                 pass  # a broken pipe replaces the worker, and the sequence goes with it
 
@@ -413,6 +426,8 @@ class WorkerHandle:
                             threads=self.spec.threads, stats=self.stats,
                             kernels=str(self.info.get("kernels", "")),
                             kernels_why=self.fell_back or str(self.info.get("kernels_why", "")),
+                            attention=str(self.info.get("attention", "")),
+                            exact_decode=bool(self.info.get("exact_decode", False)),
                             keeps_generated=bool(self.info.get("keeps_generated", False)))
 
 

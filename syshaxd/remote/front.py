@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from syshaxd.config import split_address
+from syshaxd.engine.attempts import new_attempt, request_of
 from syshaxd.engine.kv_ledger import KVLedger, Quantiles
 from syshaxd.engine.status import NodeDecoderStatus, RemoteNodeStatus, WorkerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerStream
@@ -126,7 +127,7 @@ class RemoteNode:
         self.stats = EngineStats()
         self.restarts = 0
         self.last_heartbeat = 0.0
-        self.streams: dict[str, WorkerStream] = {}
+        self.streams: dict[str, WorkerStream] = {}  # by attempt id (engine/attempts.py): what the node runs for us
         self.ready = asyncio.Event()
         self.decoders: tuple[DecoderState, ...] = ()
         self.transfers = self.transfer_failures = self.bytes_moved = self.links_lost = 0
@@ -135,7 +136,7 @@ class RemoteNode:
         self._engine: TransferEngine | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._sealed: wire.Session | None = None  # the connection's framing, once it proved the secret
-        self._pending: dict[str, asyncio.Future] = {}
+        self._pending: dict[str, asyncio.Future] = {}  # by attempt id: the room asked for in the node's ring
         self._tasks: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -202,6 +203,10 @@ class RemoteNode:
         if hello.backend != self.spec.backend:
             raise NodeRefused(f"its decoders run backend {hello.backend!r}, this front's cpu_engine is "
                               f"{self.spec.backend!r}")
+        if hello.tiled_attention != self.spec.tiled_attention:
+            raise NodeRefused(f"its config has tiled_attention = {str(hello.tiled_attention).lower()} and this front's "
+                              f"{str(self.spec.tiled_attention).lower()}: its decoders would give other tokens than "
+                              "this host's; set the same on both")
 
     def _set_link(self, link: str, error: str = "") -> None:
         if link != self.link:
@@ -265,7 +270,9 @@ class RemoteNode:
         if slots and slots != self.spec.max_batch_size:
             self.spec = replace(self.spec, max_batch_size=slots)
         self.stats = _summed([d.stats for d in ready])
-        self.info = {"cpus": sorted({c for d in message.decoders for c in d.cpus}), "node": self.address}
+        self.info = {"cpus": sorted({c for d in message.decoders for c in d.cpus}), "node": self.address,
+                     "attention": ",".join(sorted({d.attention for d in ready if d.attention})),
+                     "exact_decode": bool(ready) and all(d.exact_decode for d in ready)}
         if ready:
             self.state = "ready"
             self.ready.set()
@@ -277,13 +284,16 @@ class RemoteNode:
             self.ready.clear()
 
     def _event(self, event) -> None:
+        attempt = event.request_id
+        stream = self.streams.get(attempt)
+        # the request's own id from here on, as the ledger and the journey know it
+        event = replace(event, request_id=stream.request_id if stream is not None else request_of(attempt))
         if isinstance(event, Imported):
             self.ledger.imported(event)  # counts it; the front's copy was freed when the write ended
-        stream = self.streams.get(event.request_id)
         if stream is None:
-            return
+            return  # an attempt given up on here (cancelled, or its link lost): what it still sends is dropped
         if isinstance(event, (Rejected, Prefilled, WorkerLost)) or (isinstance(event, Delta) and event.finish_reason):
-            del self.streams[event.request_id]
+            del self.streams[attempt]
         if isinstance(event, WorkerLost):
             event = replace(event, why=f"on {self.name} {event.why}")
         stream.queue.put_nowait(event)
@@ -297,8 +307,10 @@ class RemoteNode:
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> WorkerStream:
         if self.state != "ready" or self._writer is None:
             raise EngineUnavailable(f"{self.name} is {self.state}" + (f" ({self.error})" if self.error else ""))
-        stream = WorkerStream(request.request_id, self)
-        self.streams[request.request_id] = stream
+        attempt = new_attempt(request.request_id)  # what the node knows this submission by
+        stream = WorkerStream(request.request_id, self, attempt)
+        self.streams[attempt] = stream
+        request = replace(request, request_id=attempt)
         if handling.kv is None:
             self._send(ToNode(Submit(request, handling)))
         else:
@@ -309,7 +321,8 @@ class RemoteNode:
 
     async def _hand_on(self, request: GenerateRequest, handling: Handling, stream: WorkerStream) -> None:
         """Write the request's record into the node's ring, then send it; without the record when that fails.
-        Every way out sends the Submit (the request goes on there) or ends the stream (it goes on elsewhere)."""
+        Every way out sends the Submit (the request goes on there) or ends the stream (it goes on elsewhere).
+        request carries the attempt's id, which the node knows."""
         rid, kv = request.request_id, handling.kv
         how = Handling(kv_missing=Fallback.TRANSFER_FAILED)
         reserved: KVReserved | None = None
@@ -336,7 +349,7 @@ class RemoteNode:
                         self.name, rid, _words(exc, self.transfer_timeout))
         finally:
             self._pending.pop(rid, None)
-            self._after_write(rid, write, reserved, sent=how.kv is not None)
+            self._after_write(stream, write, reserved, sent=how.kv is not None)
         if self.streams.get(rid) is not stream:  # cancelled meanwhile, or the link went down
             return
         if how.kv is not None:
@@ -346,23 +359,25 @@ class RemoteNode:
             self._send(ToNode(Submit(request, how)))
         except Exception as exc:  # noqa: BLE001 -- cannot be framed: go on elsewhere rather than wait forever
             self.streams.pop(rid, None)
-            stream.queue.put_nowait(WorkerLost(rid, f"could not be sent to {self.name} ({exc})"))
+            stream.queue.put_nowait(WorkerLost(stream.request_id, f"could not be sent to {self.name} ({exc})"))
 
-    def _after_write(self, rid: str, write, reserved: KVReserved | None, sent: bool) -> None:
+    def _after_write(self, stream: WorkerStream, write, reserved: KVReserved | None, sent: bool) -> None:
         """Once nothing writes any more (a timed-out write may still be under way in its thread): free the front's
         copy, and give the node's room back unless the Submit that commits it goes (or went) out."""
         def done(_=None) -> None:
-            self.ledger.sent(rid)
-            if reserved is not None and not reserved.error and not (sent and self.streams.get(rid) is not None):
-                self._send(AbortKV(rid))
+            self.ledger.sent(stream.request_id)
+            if reserved is not None and not reserved.error and not (sent and self.streams.get(stream.attempt)
+                                                                    is stream):
+                self._send(AbortKV(stream.attempt))
         if write is not None and not write.done():
             write.add_done_callback(done)
         else:
             done()
 
-    def cancel(self, request_id: str) -> None:
-        if self.streams.pop(request_id, None) is not None:
-            self._send(ToNode(Cancel(request_id)))
+    def cancel(self, attempt: str) -> None:
+        """Cancel an attempt (WorkerStream.cancel): what the node still sends of it is dropped on arrival."""
+        if self.streams.pop(attempt, None) is not None:
+            self._send(ToNode(Cancel(attempt)))
 
     @property
     def in_flight(self) -> int:

@@ -55,7 +55,7 @@ class NodeServer:
 
     def __init__(self, host: str, port: int, secret: bytes, workers: list[WorkerHandle], ring: KVRing,
                  transfer: TransferEngine, ledger: KVLedger, backend: str, model_name: str,
-                 fingerprint: bytes) -> None:
+                 fingerprint: bytes, tiled_attention: bool = True) -> None:
         self.host, self.port = host, port
         self.secret = secret
         self.workers = workers
@@ -63,6 +63,7 @@ class NodeServer:
         self.transfer = transfer
         self.ledger = ledger
         self.backend, self.model_name, self.fingerprint = backend, model_name, fingerprint
+        self.tiled_attention = tiled_attention
         self.ring_address = mapping_address(ring.mapping)
         self.session: FrontSession | None = None
         self.refused = 0  # connections that failed the handshake
@@ -86,7 +87,8 @@ class NodeServer:
 
     def decoder_states(self) -> tuple[DecoderState, ...]:
         return tuple(DecoderState(w.name, w.state, w.in_flight, w.spec.max_batch_size, w.spec.threads,
-                                  tuple(w.info.get("cpus", ())), w.error, w.stats) for w in self.workers)
+                                  tuple(w.info.get("cpus", ())), w.error, w.stats, str(w.info.get("attention", "")),
+                                  bool(w.info.get("exact_decode", False))) for w in self.workers)
 
     def pick(self) -> WorkerHandle | None:
         ready = [w for w in self.workers if w.state == "ready"]
@@ -149,7 +151,8 @@ class FrontSession:
     async def run(self) -> None:
         node = self.node
         hello = NodeHello(f"{node.host}:{node.port}", node.backend, node.model_name, node.fingerprint,
-                          node.transfer.session, node.ring_address, node.ring.capacity, node.decoder_states())
+                          node.transfer.session, node.ring_address, node.ring.capacity, node.decoder_states(),
+                          node.tiled_attention)
         heartbeat = asyncio.ensure_future(self._heartbeat())
         try:
             self._send(hello)
@@ -316,7 +319,8 @@ async def serve_node(cfg, notifier, stop: asyncio.Event | None = None) -> int:
     workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
                             ledger) for name, spec in engines.workers]
     model_name = served_name(cfg.model_name, model_path)
-    server = NodeServer(host, port, secret, workers, ring, transfer, ledger, cfg.cpu_engine, model_name, fingerprint)
+    server = NodeServer(host, port, secret, workers, ring, transfer, ledger, cfg.cpu_engine, model_name, fingerprint,
+                        cfg.tiled_attention)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

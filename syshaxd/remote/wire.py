@@ -58,6 +58,8 @@ class DecoderState:
     cpus: tuple[int, ...] = ()
     error: str = ""
     stats: EngineStats = EngineStats()
+    attention: str = ""  # llama.cpp: "tiled" or "llama.cpp" (its own)
+    exact_decode: bool = False  # its warm-up proved that a decode step gives a prompt chunk's bits
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class NodeHello:
     ring_address: int  # the ring's mapping in the node's address space, as registered with the transfer engine
     ring_capacity: int
     decoders: tuple[DecoderState, ...] = ()
+    # its config's tiled_attention: a front refuses a node whose decoders would sum attention another way than its
+    # own prefill worker, as their tokens would part from one host's
+    tiled_attention: bool = True
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,19 @@ REPACK_SETTINGS = ("auto", "on", "off")  # the llama.cpp engine's weight repacki
 
 
 @dataclass(frozen=True)
+class Proofs:
+    """What an engine's warm-up proved of its build on this CPU. The supervisor hands them to the worker's restarts
+    (EngineSpec.proven): neither the CPU nor the build changes between them, so a restart's warm-up runs what
+    serving runs (its kernels must not crash) but not these comparisons again."""
+
+    # a decode step gives a token the very bits a prompt chunk of any size gives it (every query row's attention
+    # tiled): a resume's recompute, a handoff and a prefix hit then give the undisturbed run's tokens
+    exact_decode: bool = False
+    exact_resume: int = 0  # prompt chunks of this many tokens or more give the same bits wherever they start; 0: not
+    pad_lone: bool = True  # a lone decoding sequence needs a padding row to sum its attention as in a batch
+
+
+@dataclass(frozen=True)
 class GpuSettings:
     """The GPU engine's knobs (vLLM), from the config keys of the same names."""
 
@@ -96,9 +109,12 @@ class EngineSpec:
     cache_dir: str = ""
     gpu: GpuSettings = GpuSettings()  # read by the GPU engines (vLLM) only
     prefix_store: str = ""  # the prefix cache's block store instance (kv/block_store.py); empty: no cache
-    # every query row's attention in tiles, a decode step's as a prompt chunk's, so that the prefix cache can keep
-    # generated tokens' KV (config keep_generated_tokens; the llama.cpp engine: SYSHAX_FA_TILED)
+    # every query row's attention in tiles, a decode step's as a prompt chunk's (config tiled_attention; the llama.cpp
+    # engine: SYSHAX_FA_TILED): then every route gives a token the same bits, and the prefix cache can keep generated
+    # tokens' KV
     tiled_attention: bool = False
+    keep_generated: bool = False  # the daemon's prefix cache keeps what requests generate here (cpu mode)
+    proven: Proofs | None = None  # what this worker's earlier warm-up proved (kept by the supervisor); None: prove
     repack: str = "auto"  # the llama.cpp engine's weight repacking: auto, on or off (its kernels.py)
     # Fault injection for tests (SYSHAX_FAULT in the daemon's environment; sdk/faults.py): the worker
     # kills itself with SIGSEGV at that point, as a CPU's bad kernels would. Empty in service.
@@ -333,6 +349,7 @@ class WorkerWarming:
 @dataclass(frozen=True)
 class WorkerReady:
     info: dict
+    proofs: Proofs | None = None  # what the warm-up proved, for the worker's restarts (EngineSpec.proven)
 
 
 @dataclass(frozen=True)
@@ -414,6 +431,9 @@ class Engine(Protocol):
 
     def fallback(self) -> tuple[dict, str]:
         """The EngineSpec changes that give safer kernels, and what they turn off in words; ({}, "") if none."""
+
+    def proofs(self) -> Proofs | None:
+        """What warm_up proved, for the worker's restarts (optional: engines that prove nothing need not have it)."""
 
     def close(self) -> None: ...
 

@@ -90,7 +90,8 @@ def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -
         engine.close()
         return
     log.info("warm-up passed in %.2fs (kernels: %s)", time.monotonic() - started, kernels)
-    conn.send(WorkerReady(info | engine.info()))  # with what the warm-up found out
+    # with what the warm-up found out, and what it proved for the worker's restarts
+    conn.send(WorkerReady(info | engine.info(), engine.proofs() if hasattr(engine, "proofs") else None))
     try:
         _loop(conn, engine, spec.fault, kernels)
     except (EOFError, BrokenPipeError, ConnectionResetError):

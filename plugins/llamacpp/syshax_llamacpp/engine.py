@@ -25,7 +25,7 @@ from syshax_llamacpp.streams import StreamRun
 from syshaxd.sdk.output import SequenceOutput
 from syshaxd.sdk.rate import TokenRate
 from syshaxd.sdk.types import (Accepted, Cached, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest,
-                                  Handling, Imported, Prefilled, Refusal, Rejected, TokenLogprob)
+                                  Handling, Imported, Prefilled, Proofs, Refusal, Rejected, TokenLogprob)
 from syshaxd.sdk.gguf.header import fingerprint_from_gguf
 from syshax_llamacpp.codec import StateBuffer, StateImportError, export_seq, parse_seq_state, widen_streams
 
@@ -102,12 +102,14 @@ class LlamaCppEngine:
         once per ubatch -- through its eval callback, which costs a Python call per graph node."""
         self.spec = spec
         flags = kernels.read_cpu_flags()
-        # every row's attention tiled where asked for and cheap on this CPU (else nothing generated is kept); set
-        # before the first graph: llama.cpp reads it once per process (a process's engines share one setting)
+        # every row's attention tiled where asked for and cheap on this CPU (else llama.cpp's own attention: nothing
+        # generated is kept and a resume is not exact); set before the first graph: llama.cpp reads it once per process
+        # (a process's engines share one setting)
         self.tiled_attention = spec.tiled_attention and kernels.tiles_decode_cheaply(flags)
         if spec.tiled_attention and not self.tiled_attention:
-            log.info("keep_generated_tokens: this CPU has neither AVX-512 nor AVX2 with F16C and FMA, so a decode "
-                     "step's tiled attention would cost more than it saves; nothing generated is kept")
+            log.info("tiled_attention: this CPU has neither AVX-512 nor AVX2 with F16C and FMA, so a decode step's "
+                     "tiled attention would cost more than it saves; llama.cpp's own attention runs, so nothing "
+                     "generated is kept and a resumed request may part from its undisturbed text at a near-tie")
         os.environ[TILED_ATTENTION_ENV] = "1" if self.tiled_attention else "0"
         llama_cpp.llama_backend_init()
         path = Path(spec.model_path)
@@ -170,8 +172,12 @@ class LlamaCppEngine:
         # a prompt chunk of this many tokens or more gives the same bits wherever it starts (proved at the
         # warm-up; 0: not proved, so a prefix cache hit resumes only at a multiple of the chunk; 1: any chunk)
         self.exact_resume = 0
-        # what a request generates is kept in the prefix cache (its plan's keeps): proved at the warm-up that a
-        # decode step gives a token the bits a prompt chunk gives it (_proves_decode_kv)
+        # proved at the warm-up that a decode step gives a token the bits a prompt chunk of any size gives it
+        # (_proves_decode_kv; a prefill-only worker: that chunks of any size do, _proves_any_chunking): a resume, a
+        # handoff from another such worker and a prefix hit then give the undisturbed run's tokens
+        self.exact_decode = False
+        # what a request generates is kept in the prefix cache (its plan's keeps): exact_decode, where the daemon
+        # keeps generated tokens (cpu mode)
         self.keeps_generated = False
         # a lone decoding sequence past SPLIT_KV_FROM tokens decodes beside a padding row, so that its attention
         # sums as in a batch; False once the warm-up proved this llama.cpp sums a lone row that way anyway, and
@@ -182,7 +188,7 @@ class LlamaCppEngine:
             from syshaxd.sdk.kv.block_store import BlockStore
 
             self.store = BlockStore.attach(spec.prefix_store)
-            self.fingerprint = fingerprint_from_gguf(path)
+        self.fingerprint = fingerprint_from_gguf(path)  # reads the KV out of a state (the proofs, the prefix cache)
 
         self.free_slots = self.max_seqs
         self.streams = StreamRun(self.max_seqs)  # a decoding sequence's KV stream: seq_id in the batch context
@@ -238,9 +244,14 @@ class LlamaCppEngine:
             "kernels": self.kernels.kernels,
             "kernels_why": self.kernels.why,
             "exact_resume_tokens": self.exact_resume,
+            "attention": "tiled" if self.tiled_attention else "llama.cpp",
+            "exact_decode": self.exact_decode,
             "keeps_generated": self.keeps_generated,
             "lone_padding": self.pad_lone,
         }
+
+    def proofs(self) -> Proofs:
+        return Proofs(self.exact_decode, self.exact_resume, self.pad_lone)
 
     def fallback(self) -> tuple[dict, str]:
         if not self.kernels.fallback:
@@ -277,26 +288,32 @@ class LlamaCppEngine:
                     self._add(self.batch, tokens[stream % n], n, stream, True)
                 if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
                     raise RuntimeError(f"warm-up: llama_decode of a {self.max_seqs}-row decode batch failed")
-                if self._tries_generated():
-                    self.keeps_generated = self._proves_decode_kv(tokens + [tokens[0]])
+            proven = self.spec.proven  # an earlier warm-up of this worker proved these on this CPU and build
+            if proven is not None:
+                self.exact_decode, self.exact_resume, self.pad_lone = (
+                    proven.exact_decode, proven.exact_resume, proven.pad_lone and self.pad_lone)
+                log.info("proofs kept from this worker's earlier warm-up: %s", self._proved_words())
+            else:
+                if self.tiled_attention:
+                    self.exact_decode = (self._proves_decode_kv(tokens + [tokens[0]]) if self.decodes
+                                         else self._proves_any_chunking(tokens, *reference))
                 if self.pad_lone:
                     self.pad_lone = not self._proves_lone(tokens[0], n)
+                if self.exact_decode:
+                    self.exact_resume = 1  # a chunk of any size gives the bits, wherever it starts
+                elif self.store is not None:
+                    self.exact_resume = self._prove_chunking(tokens, *reference)
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
             if self.decodes:
                 for stream in range(self.max_seqs):
                     llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
-        # a decoder fed through the ring (hetero) runs few prompts of its own: whole chunks do for those, and its
-        # restarts stay short
-        if self.keeps_generated:
-            self.exact_resume = 1  # a chunk of any size gives the bits, wherever it starts
-        elif self.store is not None and reference is not None and not (self.port is not None and self.decodes):
-            self.exact_resume = self._prove_chunking(tokens, *reference)
+        self.keeps_generated = self.exact_decode and self.decodes and self.spec.keep_generated and self.store is not None
 
-    def _tries_generated(self) -> bool:
-        """Whether the warm-up tries to prove that generated tokens may be kept: with a prefix cache, tiled attention
-        asked for, and prompts run here (a decoder fed through the ring runs few of its own)."""
-        return self.store is not None and self.tiled_attention and self.decodes and self.port is None
+    def _proved_words(self) -> str:
+        return (f"decode steps {'give' if self.exact_decode else 'may not give'} a prompt chunk's bits, prefix hits "
+                f"resume inside chunks of {self.exact_resume or 'whole'} tokens or more, a lone sequence "
+                f"{'decodes beside a padding row' if self.pad_lone else 'needs no padding row'}")
 
     def _proves_decode_kv(self, history: list[int]) -> bool:
         """Whether stream 0 of the decode batch just run -- its prompt from one chunk, its last token from the
@@ -323,11 +340,34 @@ class LlamaCppEngine:
             same = False
         if same:
             sizes = ", ".join(str(e - s) for s, e in zip(cuts, cuts[1:]))
-            log.info("prefix cache: a decode step and prompt chunks of %s tokens give the same bits; what a request "
-                     "generates is kept, and hits resume after any block", sizes)
+            log.info("a decode step and prompt chunks of %s tokens give the same bits: prefix hits resume after any "
+                     "block, and a resumed request gets the undisturbed run's tokens%s", sizes,
+                     ", and what a request generates is kept" if self.spec.keep_generated and self.store else "")
         else:
-            log.warning("prefix cache: a decode step gives other bits than a prompt chunk here (a llama.cpp not "
-                        "built by mk/llama-wheel.sh?); nothing generated is kept")
+            log.warning("a decode step gives other bits than a prompt chunk here (a llama.cpp not built by "
+                        "mk/llama-wheel.sh?): nothing generated is kept, and a resumed request may part from its "
+                        "undisturbed text at a near-tie")
+        return same
+
+    def _proves_any_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> bool:
+        """A prefill-only worker's _proves_decode_kv (it has no decode batch): whether the warm-up prompt, run again in
+        chunks of 1, 16 and the rest, gives the very KV bytes and last logits it gave in one chunk -- true with every
+        query row's attention tiled, so that its records are what a decoder's own prompt pass would give."""
+        n = len(tokens)
+        cuts = [c for c in (0, 1, min(17, n)) if c < n] + [n]
+        try:
+            last = self._run_cuts(tokens, cuts)
+            same = np.array_equal(export_seq(self.prefill_ctx, 0, self._state), state) and np.array_equal(last, logits)
+        finally:
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        if faults.fails_proof(self.spec.fault, "generated"):
+            same = False
+        sizes = ", ".join(str(e - s) for s, e in zip(cuts, cuts[1:]))
+        if same:
+            log.info("prompt chunks of %s tokens give the bits of one chunk: this worker's KV is a decoder's own", sizes)
+        else:
+            log.warning("prompt chunks of %s tokens give other bits than one chunk here (a llama.cpp not built by "
+                        "mk/llama-wheel.sh?): its decoders' tokens may part from cpu mode's at a near-tie", sizes)
         return same
 
     def _proves_lone(self, token: int, n: int) -> bool:
@@ -386,8 +426,9 @@ class LlamaCppEngine:
         return m
 
     def _run_cuts(self, tokens: list[int], cuts: list[int]) -> np.ndarray:
-        """The warm-up's proofs: tokens into the (empty) prompt context from position 0, in the chunks between
+        """The warm-up's proofs: tokens into the prompt context (emptied first) from position 0, in the chunks between
         consecutive cuts; a view of the last token's logits."""
+        llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         b = self.prefill_batch
         for start, end in zip(cuts, cuts[1:]):
             b.n_tokens = 0
