@@ -2,15 +2,19 @@
 
 What the web page (api/web_routes.py) charts, read from /v1/syshax/status as "recent". The same
 observations feed /metrics' histograms (metrics.RequestTimer); this keeps only a short window, as
-plain numbers per bucket, so that the page computes nothing but where to draw them.
+plain numbers per bucket and, for the window's p50 and p99, each request's TTFT and each token gap,
+so that the page computes nothing but where to draw them.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+MAX_SAMPLES = 50_000  # the window's latency samples kept for its quantiles (oldest first out past it)
 
 
 @dataclass
@@ -24,6 +28,19 @@ class _Bucket:
     tpot_n: int = 0
 
 
+def quantiles(samples, qs=(0.5, 0.99)) -> list[float | None]:
+    """The weighted quantiles of (value, weight) samples: for each q the smallest value with at least q of the
+    weight at or below it (None without samples)."""
+    ordered = sorted(samples)
+    if not ordered:
+        return [None for _ in qs]
+    cumulative, total = [], 0
+    for _, weight in ordered:
+        total += weight
+        cumulative.append(total)
+    return [ordered[min(len(ordered) - 1, bisect.bisect_left(cumulative, q * total))][0] for q in qs]
+
+
 class Recent:
     def __init__(self, bucket_s: float = 2.0, window_s: float = 300.0,
                  clock: Callable[[], float] = time.time) -> None:
@@ -31,6 +48,9 @@ class Recent:
         self.n_buckets = int(window_s / bucket_s)
         self._clock = clock
         self._buckets: deque[_Bucket] = deque(maxlen=self.n_buckets)
+        # (time, seconds, weight): each request's TTFT (weight 1), each run of equal token gaps (weight: how many)
+        self._ttft: deque[tuple[float, float, int]] = deque(maxlen=MAX_SAMPLES)
+        self._tpot: deque[tuple[float, float, int]] = deque(maxlen=MAX_SAMPLES)
 
     def _now(self) -> _Bucket:
         start = self._clock() // self.bucket_s * self.bucket_s
@@ -42,6 +62,7 @@ class Recent:
         b = self._now()
         b.ttft_sum += ttft_s
         b.ttft_n += 1
+        self._ttft.append((self._clock(), ttft_s, 1))
 
     def tokens(self, n: int, gaps: int = 0, gap_s: float = 0.0) -> None:
         """n tokens arrived, with `gaps` inter-token gaps of gap_s each among them."""
@@ -49,12 +70,23 @@ class Recent:
         b.tokens += n
         b.tpot_sum += gaps * gap_s
         b.tpot_n += gaps
+        if gaps:
+            self._tpot.append((self._clock(), gap_s, gaps))
 
     def finished(self) -> None:
         self._now().finished += 1
 
+    def _summary(self, samples: deque, since: float) -> dict:
+        """p50, p99 and the latest of the window's samples, in ms (None without any)."""
+        while samples and samples[0][0] < since:
+            samples.popleft()
+        p50, p99 = quantiles((s, w) for _, s, w in samples)
+        last = samples[-1][1] if samples else None
+        return {name: (1000 * v if v is not None else None) for name, v in (("p50", p50), ("p99", p99), ("last", last))}
+
     def to_json(self) -> dict:
-        """One point per bucket over the whole window, oldest first, empty buckets as zeros (None: no sample)."""
+        """One point per bucket over the whole window, oldest first, empty buckets as zeros (None: no sample); and
+        the window's TTFT and TPOT quantiles with their latest values (`summary`)."""
         now = self._clock() // self.bucket_s * self.bucket_s
         by_start = {b.start: b for b in self._buckets}
         points = []
@@ -68,4 +100,6 @@ class Recent:
                 "ttft_ms": 1000 * b.ttft_sum / b.ttft_n if b.ttft_n else None,
                 "tpot_ms": 1000 * b.tpot_sum / b.tpot_n if b.tpot_n else None,
             })
-        return {"bucket_s": self.bucket_s, "points": points}
+        since = now - (self.n_buckets - 1) * self.bucket_s
+        summary = {"ttft_ms": self._summary(self._ttft, since), "tpot_ms": self._summary(self._tpot, since)}
+        return {"bucket_s": self.bucket_s, "points": points, "summary": summary}

@@ -158,3 +158,22 @@ def test_the_recent_window_keeps_per_bucket_means_and_forgets_the_old():
     assert points[0] == {"t": 994.0, "tokens_per_s": 0.0, "finished": 0, "ttft_ms": None, "tpot_ms": None}
     now[0] = 1030.0  # past the window: what it held is gone
     assert all(p["tokens_per_s"] == 0 for p in recent.to_json()["points"])
+
+
+def test_the_recent_window_gives_the_page_p50_p99_and_the_last_latency():
+    from syshaxd.recent import Recent, quantiles
+
+    assert quantiles([]) == [None, None]
+    assert quantiles([(v, 1) for v in range(1, 101)]) == [50, 99]
+    assert quantiles([(10, 99), (1000, 1)]) == [10, 10] and quantiles([(10, 98), (1000, 2)]) == [10, 1000]
+    now = [1000.0]
+    recent = Recent(bucket_s=2.0, window_s=10.0, clock=lambda: now[0])
+    for ttft in [0.05] * 48 + [179.492, 0.07]:  # one 20,000-character prompt among 50 requests: their p99
+        recent.first_token(ttft)
+    recent.tokens(5, gaps=4, gap_s=0.012)
+    recent.tokens(1, gaps=1, gap_s=0.5)
+    summary = recent.to_json()["summary"]
+    assert summary["ttft_ms"] == {"p50": 50.0, "p99": 179492.0, "last": 70.0}
+    assert summary["tpot_ms"]["p50"] == 12.0 and summary["tpot_ms"]["p99"] == 500.0 and summary["tpot_ms"]["last"] == 500.0
+    now[0] = 1030.0  # past the window: nothing to say
+    assert recent.to_json()["summary"]["ttft_ms"] == {"p50": None, "p99": None, "last": None}
