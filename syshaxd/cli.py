@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from syshaxd import __version__
-from syshaxd.config import KEYS, MODES, ConfigError, coerce, from_mapping
+from syshaxd.config import KEYS, MODES, ConfigError, coerce, from_mapping, plain
 
 PACKAGED_CONFIG = Path(__file__).resolve().parent / "etc" / "syshax.toml"  # package data: in the wheel too
 
@@ -90,14 +90,14 @@ def _config_file(args: argparse.Namespace) -> int:
         print(f"# {path}")
         current = from_mapping({k: v for k, v in doc.unwrap().items()}, source=str(path))
         for key in KEYS:
-            print(f"{key} = {json.dumps(getattr(current, key))}")
+            print(f"{key} = {json.dumps(plain(key, getattr(current, key)))}")
         return 0
     try:
         if args.value is None:
             current = from_mapping(doc.unwrap(), source=str(path))
             if args.key not in KEYS:
                 coerce(args.key, "")  # raises the unknown-key error
-            print(json.dumps(getattr(current, args.key)))
+            print(json.dumps(plain(args.key, getattr(current, args.key))))
             return 0
         value = coerce(args.key, args.value)
         from_mapping(doc.unwrap() | {args.key: value}, source=str(path))  # validate before writing
@@ -204,6 +204,10 @@ def _print_status(st: dict) -> None:
                   + ("; keeps generated tokens" if w.keeps_generated else ""))
         if w.error:
             print(f"{'':<10} error: {w.error}")
+    for pool, members in sched.pools.items():
+        if len(members["serving"]) + len(members["out"]) > 1 or members["out"]:
+            print(f"{pool} pool: serving {', '.join(members['serving']) or 'none'}"
+                  + (f"; out: {', '.join(members['out'])}" if members["out"] else ""))
     exact = sched.exact
     if exact is not None:
         said = [] if exact.hetero_equals_cpu is None else [
@@ -218,14 +222,24 @@ def _print_status(st: dict) -> None:
             print(f"{key}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     auto = sched.auto
     if auto is not None:
-        print("auto offload: decisions " + (", ".join(f"{k}={v}" for k, v in auto.decisions.items()) or "none yet")
+        print(f"auto offload ({auto.decider} decider): decisions "
+              + (", ".join(f"{k}={v}" for k, v in auto.decisions.items()) or "none yet")
               + f"; reconsidered {auto.reconsidered}, moved back to the GPU {auto.moved_to_gpu}, "
                 f"queued for the GPU {auto.queued_for_gpu}")
+        if auto.decided_by:
+            print("  decided by: " + ", ".join(f"{k}={v}" for k, v in auto.decided_by.items()))
+        for rule in auto.rules:
+            matched, without = auto.rules_matched.get(rule, 0), auto.rules_without_room.get(rule, 0)
+            print(f"  rule {rule!r}: matched {matched}, routed {matched - without}, no room {without}")
+        if auto.estimates.get("tpot_ms"):
+            e = auto.estimates
+            print("  measured: TPOT " + ", ".join(f"{k} {v} ms" for k, v in e["tpot_ms"].items())
+                  + "; TTFT " + (", ".join(f"{k} {v} ms" for k, v in e.get("ttft_ms", {}).items()) or "-"))
         last = auto.last
         if last is not None:
             g, c = last.gpu, last.cpu
-            print(f"  last: {last.route} ({last.reason}) from GPU running {g.running} waiting {g.waiting} "
-                  f"KV {g.kv_usage:.1%} {g.tokens_per_second:.1f} tok/s; CPU running {c.running} "
+            print(f"  last: {last.route} by {last.by} ({last.reason}) from GPU running {g.running} waiting "
+                  f"{g.waiting} KV {g.kv_usage:.1%} {g.tokens_per_second:.1f} tok/s; CPU running {c.running} "
                   f"{c.tokens_per_second:.1f} tok/s")
     for node in sched.nodes:
         t = node.transfer_seconds

@@ -10,6 +10,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Mapping
 
+from syshaxd.engine.routing_rules import RoutingRule, RuleError, parse_rules, rules_to_json
 from syshaxd.sdk.types import REPACK_SETTINGS
 
 
@@ -35,7 +36,9 @@ LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens"
                        "max_string_bytes", "log_level", "drain_timeout",
                        # auto mode's decider reads these at every decision
                        "gpu_cache_threshold", "cpu_throughput_threshold", "token_limit_multiplier",
-                       "token_limit_min", "token_limit_max"})
+                       "token_limit_min", "token_limit_max", "decider", "tpot_target_ms", "ttft_target_ms",
+                       "routing_rules"})
+DECIDERS = ("thresholds", "measured")
 
 
 class ConfigError(ValueError):
@@ -73,7 +76,9 @@ class Config:
     repack: str = "auto"  # llama.cpp's repacked weight kernels (llama-server's --repack): auto, on, off
 
     # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring
-    prefill_cpu_affinity: str = ""  # the prefill worker's CPUs; empty: a quarter of the first node's
+    prefill_cpu_affinity: str = ""  # the prefill worker's CPUs ("0-3;4-7": one GPU engine each); "": a quarter of
+    # the first node's
+    gpu_devices: str = ""  # "0;1": one GPU engine per device (CUDA_VISIBLE_DEVICES each); "": one engine
     ring_size_mb: int = 256  # the shared-memory KV ring in /dev/shm
     handoff_timeout: float = 2.0  # seconds a prefill waits for ring space before the decoder recomputes
     prefill_engine: str = "llamacpp"  # the backend plugin of the prefill worker ("syshax plugins" lists them)
@@ -90,6 +95,13 @@ class Config:
     token_limit_multiplier: float = 2.0  # an offloaded decode is reconsidered after CPU tokens/s times this tokens
     token_limit_min: int = 16  # ... but after no fewer tokens than this
     token_limit_max: int = 512  # ... and no more than this
+    # which decider places a new auto request: "thresholds" (sysHAX 0.2.0's: the GPU engine while it has room) or
+    # "measured" (v2: where its decode is expected faster, within tpot_target_ms and ttft_target_ms)
+    decider: str = "thresholds"
+    tpot_target_ms: float = 0.0  # decider v2 avoids a side whose expected time per output token is above it; 0: none
+    ttft_target_ms: float = 0.0  # ... or whose expected time to the first token is; 0: none
+    # [[routing_rules]]: sysHAX's soft rules on request fields, highest priority first (engine/routing_rules.py)
+    routing_rules: tuple[RoutingRule, ...] = ()
 
     # requests
     default_max_tokens: int = 1024  # chat requests without max_tokens
@@ -163,6 +175,13 @@ def _check_type(key: str, value: Any) -> Any:
     elif expected == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    elif expected == "tuple[RoutingRule, ...]":
+        if isinstance(value, tuple) and all(isinstance(r, RoutingRule) for r in value):
+            return value  # parsed already (Config.replace)
+        try:
+            value = parse_rules(value).rules
+        except RuleError as exc:
+            raise ConfigError(str(exc)) from None
     elif expected == "tuple[str, ...]":
         if isinstance(value, str) or not isinstance(value, (list, tuple)) \
                 or not all(isinstance(v, str) for v in value):
@@ -175,8 +194,15 @@ def _check_type(key: str, value: Any) -> Any:
 SECRET_KEYS = frozenset({"api_keys"})
 
 
+def plain(key: str, value: Any) -> Any:
+    """The value as JSON and TOML write it (routing rules as the tables they came from)."""
+    return rules_to_json(value) if key == "routing_rules" else value
+
+
 def shown(key: str, value: Any) -> str:
     """The value as it may appear in a log line or an error message: secrets are masked."""
+    if key == "routing_rules":
+        return repr(plain(key, value))
     if key not in SECRET_KEYS:
         return repr(value)
     n = len(value) if isinstance(value, (list, tuple)) else 1
@@ -242,6 +268,11 @@ def _validate(cfg: Config) -> None:
     if cfg.token_limit_multiplier <= 0:
         raise ConfigError(f"token_limit_multiplier: must be above 0, got {cfg.token_limit_multiplier!r}")
     at_least("token_limit_min", 1)
+    if cfg.decider not in DECIDERS:
+        raise ConfigError(f'decider: must be "thresholds" (sysHAX 0.2.0\'s offload thresholds) or "measured" (v2: '
+                          f'where a request\'s decode is expected faster); got {cfg.decider!r}')
+    at_least("tpot_target_ms", 0.0)
+    at_least("ttft_target_ms", 0.0)
     if cfg.token_limit_max < cfg.token_limit_min:
         raise ConfigError(f"token_limit_max: must be at least token_limit_min ({cfg.token_limit_min}), "
                           f"got {cfg.token_limit_max}")
@@ -255,7 +286,7 @@ def _validate(cfg: Config) -> None:
     at_least("worker_restart_delay", 0)
     from syshaxd.sdk.numa import parse_cpulist
 
-    for key, several in (("cpu_affinity", True), ("prefill_cpu_affinity", False)):
+    for key, several in (("cpu_affinity", True), ("prefill_cpu_affinity", True)):
         value = getattr(cfg, key)
         if value:
             try:
@@ -331,6 +362,15 @@ def coerce(key: str, text: str) -> Any:
         if text.lower() in ("false", "no", "off", "0"):
             return False
         raise ConfigError(f"{key}: expected true or false, got {text!r}")
+    if kind == "tuple[RoutingRule, ...]":  # a JSON array of rule tables, as [[routing_rules]] holds them
+        import json
+
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise ConfigError(f'{key}: expected a JSON array of rules, e.g. [{{"name": "long answers", "priority": '
+                              '10, "conditions": [{"field": "max_tokens", "operator": "gte", "value": 1024}], '
+                              '"action": {"device": "CPU"}}]') from None
     if kind == "tuple[str, ...]":  # a JSON array, or words separated by commas
         if text.strip().startswith("["):
             import json

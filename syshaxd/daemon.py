@@ -29,6 +29,7 @@ from syshaxd.engine.plan import Engines, PlanError, plan_engines
 from syshaxd.engine.prefix_cache import PrefixCache
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.sdk.kv.ring import KVRing
+from syshaxd.engine.routing_rules import RuleError, check_served
 from syshaxd.sdk.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
 from syshaxd.startup import StartupError, create_ring, create_store
@@ -72,6 +73,10 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
     except ModelError as exc:
         raise StartupError(str(exc)) from None
     model_name = served_name(cfg.model_name, model_path)
+    try:
+        check_served(cfg.routing_rules, model_name)  # a rule on a model not served here could never match
+    except RuleError as exc:
+        raise StartupError(str(exc)) from None
     try:
         engines = plan_engines(cfg, model_path, model_name, dict(os.environ))
     except PlanError as exc:

@@ -294,6 +294,17 @@ class _EngineCollector:
         yield _labelled(CounterMetricFamily, "syshax_auto_decisions", "auto mode's offload decisions, by outcome "
                         "(gpu, hetero: decode offloaded to the CPU, refuse: both sides full).", "decision",
                         auto.decisions)
+        yield _labelled(CounterMetricFamily, "syshax_auto_decided_by", "What placed auto mode's requests: "
+                        "rule:NAME (a routing rule), measured (decider v2), thresholds (0.2.0's), gpu_not_ready, "
+                        "logprobs.", "by", auto.decided_by)
+        matched = CounterMetricFamily("syshax_routing_rule_matches", "Requests a routing rule matched, by whether "
+                                      "its device had room (routed) or the decider decided (no_room).",
+                                      labels=["rule", "outcome"])
+        for rule in auto.rules:
+            n, without = auto.rules_matched.get(rule, 0), auto.rules_without_room.get(rule, 0)
+            matched.add_metric([rule, "routed"], float(n - without))
+            matched.add_metric([rule, "no_room"], float(without))
+        yield matched
         for name, value, doc in (("reconsidered", auto.reconsidered,
                                   "Offloaded decodes reconsidered after their token limit."),
                                  ("moved_to_gpu", auto.moved_to_gpu,

@@ -87,6 +87,7 @@ class Daemon:
     proc: subprocess.Popen
     port: int
     log_path: Path
+    config_path: Path | None = None
 
     @property
     def url(self) -> str:
@@ -127,11 +128,12 @@ class Daemon:
 
 
 def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), env: dict | None = None,
-                 wait: bool = True, command: list[str] | None = None) -> Daemon:
-    """Run `python -m syshaxd` (or `command`) with a config file of its own, as a user would start it."""
+                 wait: bool = True, command: list[str] | None = None, tables: str = "") -> Daemon:
+    """Run `python -m syshaxd` (or `command`) with a config file of its own, as a user would start it; `tables`:
+    TOML tables after the keys ([[routing_rules]])."""
     cfg = {"model_dir": str(MODEL_DIR), "log_level": "info"} | (config or {})
     path = tmp / f"syshax-{time.monotonic_ns()}.toml"
-    path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items()))
+    path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items()) + tables)
     port = free_port()
     log_path = path.with_suffix(".log")
     run_env = {k: v for k, v in os.environ.items() if k not in ("CUSTOM_CPU_AFFINITY", "OMP_NUM_THREADS")}
@@ -140,7 +142,7 @@ def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), en
         [*(command or [sys.executable, "-m", "syshaxd"]), "--config", str(path), "--port", str(port), *args],
         cwd=tmp, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=run_env,
     )
-    daemon = Daemon(proc, port, log_path)
+    daemon = Daemon(proc, port, log_path, path)
     if wait:
         try:
             daemon.wait_healthy()

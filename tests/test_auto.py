@@ -110,7 +110,7 @@ def test_a_quiet_daemon_keeps_everything_on_the_gpu(auto):
     settle(auto)
     for i in range(3):
         (answer,) = run_all(auto.url, [counting_prompt(i)], 8)
-        assert answer["syshax"] == {"route": "gpu", "reason": "GPU has room"}
+        assert answer["syshax"] == {"route": "gpu", "reason": "GPU has room", "decided_by": "thresholds"}
 
 
 def test_mode_switches_at_run_time_and_per_request(auto, tmp_path):

@@ -47,3 +47,55 @@ def test_token_rate_counts_a_window_of_recent_steps():
     time.sleep(0.1)
     rate.add(8)
     assert 60 < rate.per_second() < 170  # 16 tokens over ~0.1 s
+
+
+# --- decider v2: where a request's decode is expected faster, within the targets ----------------------------------
+
+from syshaxd.engine.decider import Targets, decide_measured  # noqa: E402
+from syshaxd.engine.estimates import Estimates, SideSpeed  # noqa: E402
+
+ROOM = EngineState(1, 0, 0.2)
+FULL = EngineState(4, 0, 0.2)
+NOTHING = SideSpeed(None, None, 0, None)
+
+
+def speed(tpot_ms, ttft_ms=None):
+    return SideSpeed(tpot_ms / 1000, ttft_ms / 1000 if ttft_ms is not None else None, 100, 1.0)
+
+
+@pytest.mark.parametrize("gpu, cpu, gpu_speed, cpu_speed, targets, route, why", [
+    # the GPU engine has room, but its decode is measured slower: the request decodes on the CPU
+    (ROOM, IDLE_CPU, speed(80), speed(20), Targets(), "hetero", "CPU is faster"),
+    (ROOM, IDLE_CPU, speed(20), speed(80), Targets(), "gpu", "GPU is faster"),
+    (ROOM, IDLE_CPU, speed(30), speed(30), Targets(), "gpu", "GPU is faster"),  # a tie stays on the GPU
+    # a side that misses a target is avoided while the other meets them
+    (ROOM, IDLE_CPU, speed(20, ttft_ms=900), speed(40, ttft_ms=100), Targets(ttft_ms=500), "hetero",
+     "the other side misses the targets"),
+    (ROOM, IDLE_CPU, speed(20), speed(40), Targets(tpot_ms=10), "gpu", "no side meets the targets"),
+    # no room on the faster side: the other, if it has room
+    (FULL, IDLE_CPU, speed(10), speed(40), Targets(), "hetero", "GPU full"),
+    (ROOM, EngineState(8, 0, 0.5, 100.0), speed(90), speed(10), Targets(), "gpu", "CPU batch full"),
+    # both full: the thresholds (refuse: queued for the GPU engine)
+    (FULL, EngineState(8, 0, 0.5, 100.0), speed(90), speed(10), Targets(), "refuse", "CPU batch full"),
+    # a side never measured: the thresholds decide, and say why
+    (ROOM, IDLE_CPU, speed(90), NOTHING, Targets(), "gpu", "the CPU side is not measured yet"),
+])
+def test_measured_decisions(gpu, cpu, gpu_speed, cpu_speed, targets, route, why):
+    d = decide_measured(gpu, cpu, T, gpu_speed, cpu_speed, targets)
+    assert d.verdict == route and why in d.reason, d
+    assert d.by == ("measured" if "not measured" not in why and route != "refuse" else "thresholds")
+
+
+def test_estimates_follow_the_last_observations_by_side_and_route():
+    e = Estimates()
+    assert e.side("gpu", "gpu").tpot_s is None
+    for _ in range(50):
+        e.tokens("gpu", 0.05, 1)
+        e.tokens("cpu", 0.08, 2)  # two tokens in 80 ms: 40 ms each
+    e.first_token("hetero", 0.3)
+    assert abs(e.side("gpu", "gpu").tpot_s - 0.05) < 1e-3 and abs(e.side("cpu", "hetero").tpot_s - 0.04) < 1e-3
+    assert e.side("cpu", "hetero").ttft_s == 0.3 and e.side("gpu", "gpu").ttft_s is None
+    for _ in range(60):  # the GPU side slows down: the estimate follows within a few dozen tokens
+        e.tokens("gpu", 0.2, 1)
+    assert 0.19 < e.side("gpu", "gpu").tpot_s <= 0.2
+    assert e.to_json()["tpot_ms"] == {"gpu": pytest.approx(200, abs=10), "cpu": 40.0}

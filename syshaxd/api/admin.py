@@ -45,7 +45,7 @@ from pathlib import Path
 
 from syshaxd import __version__
 from syshaxd.api.state import ModeUnavailable, NeedsRestart, ServiceState
-from syshaxd.config import KEYS, LIVE_KEYS, MODES, SECRET_KEYS, Config, ConfigError, shown
+from syshaxd.config import KEYS, LIVE_KEYS, MODES, SECRET_KEYS, Config, ConfigError, plain, shown
 
 log = logging.getLogger(__name__)
 
@@ -334,10 +334,10 @@ class AdminServer:
         live = key in LIVE_KEYS or key == "mode"
         if request.get("dry_run"):
             reason = self.state.servable_modes().get(value, "") if key == "mode" else ""
-            return {"key": key, "value": value, "old": old, "live": live and not reason, "source": source,
+            return {"key": key, "value": _secret(key, value), "old": old, "live": live and not reason, "source": source,
                     "applied": False, "why_not_live": reason}
         change = self.state.set(key, value)
-        return {"key": key, "value": value, "old": old, "live": True, "source": source,
+        return {"key": key, "value": _secret(key, value), "old": old, "live": True, "source": source,
                 "applied": bool(change.applied)}
 
     async def cmd_drain(self, request: dict) -> dict:
@@ -363,8 +363,8 @@ class AdminServer:
 
 
 def _secret(key: str, value):
-    """A key's value as the admin socket shows it: secrets (API keys) masked."""
-    return shown(key, value) if key in SECRET_KEYS else value
+    """A key's value as the admin socket shows it: secrets (API keys) masked, routing rules as their tables."""
+    return shown(key, value) if key in SECRET_KEYS else plain(key, value)
 
 
 def _masked(obj: dict) -> dict:

@@ -68,6 +68,8 @@ def route_of(stream: RequestStream) -> dict:
     route = {"route": stream.route}
     if stream.reason:
         route["reason"] = stream.reason
+    if stream.decided_by:
+        route["decided_by"] = stream.decided_by
     if stream.moved_to:
         route["moved_to"] = stream.moved_to
     return route
@@ -105,9 +107,23 @@ def _scheduler_refusals() -> Iterator[None]:
                        headers=None if exc.final else {"Retry-After": "5"}) from None
 
 
-def _submit(request: web.Request, generate: GenerateRequest, route: str) -> RequestStream:
+def _submit(request: web.Request, generate: GenerateRequest, route: str, fields: dict) -> RequestStream:
     with _scheduler_refusals():
-        return request.app[SCHEDULER].submit(generate, route)
+        return request.app[SCHEDULER].submit(generate, route, fields)
+
+
+def rule_fields(parsed: ParsedRequest) -> dict:
+    """The request's fields as routing rules read them (engine/routing_rules.py's FIELDS; the scheduler adds
+    prompt_tokens): what the client set, in chat's terms (the Responses and Messages APIs arrive translated); a field
+    it did not set is absent, so that only `exists = false` holds for it."""
+    g = parsed.generate
+    s = g.sampling
+    fields = {"model": parsed.model, "stream": parsed.stream, "n": parsed.n, "max_tokens": g.max_tokens,
+              "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
+              "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+              "messages": list(g.messages) if g.messages is not None else None,
+              "tools": list(g.tools) if g.tools else None, "stop": list(g.stop) if g.stop else None}
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 async def _accepted(request: web.Request, stream: RequestStream) -> Accepted:
@@ -127,10 +143,11 @@ async def prepared(request: web.Request, parsed: ParsedRequest) -> ParsedRequest
     scheduler = request.app[SCHEDULER]
     with _scheduler_refusals():  # no tokenizing for a request that no engine can take (its choices ask alike)
         scheduler.admissible(parsed.generate, parsed.route)
+    fields = parsed.fields if parsed.fields is not None else rule_fields(parsed)  # messages are still messages here
     choices = await scheduler.prepare(parsed.generates, parsed.n)
     if isinstance(choices, Rejected):
         raise rejected(choices)
-    return replace(parsed, generates=tuple(choices))
+    return replace(parsed, generates=tuple(choices), fields=fields)
 
 
 async def start(request: web.Request, parsed: ParsedRequest) -> tuple[Fanout, list[Accepted]]:
@@ -139,7 +156,7 @@ async def start(request: web.Request, parsed: ParsedRequest) -> tuple[Fanout, li
     parsed = await prepared(request, parsed)
     try:
         for generate in parsed.generates:
-            streams.append(_submit(request, generate, parsed.route))
+            streams.append(_submit(request, generate, parsed.route, parsed.fields))
         accepted = [await _accepted(request, s) for s in streams]
     except BaseException:
         for s in streams:

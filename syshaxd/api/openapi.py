@@ -358,11 +358,12 @@ def _schemas() -> dict:
                                       "function": {"type": "object", "properties": {
                                           "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
     route = {"description": "syshax's note of where the request ran (also the X-Syshax-Route header): `route` "
-                            "cpu, gpu or hetero; in auto mode the decider's `reason`, and `moved_to` when an "
-                            "offloaded decode moved back to the GPU.",
+                            "cpu, gpu or hetero; in auto mode the decider's `reason`, what decided (`decided_by`: "
+                            "rule:NAME for a routing rule, measured, thresholds, gpu_not_ready, logprobs), and "
+                            "`moved_to` when an offloaded decode moved back to the GPU.",
              "type": "object", "required": ["route"],
              "properties": {"route": {"type": "string"}, "reason": {"type": "string"},
-                            "moved_to": {"type": "string"}}}
+                            "decided_by": {"type": "string"}, "moved_to": {"type": "string"}}}
     return {
         "Route": route,
         "Tool": {"type": "object", "required": ["type", "function"], "additionalProperties": False,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syshaxd.config import KEYS, LIVE_KEYS, MODES, Config, ConfigError, coerce, shown
+from syshaxd.engine.routing_rules import RuleError, check_served
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,8 @@ class ServiceState:
             value = coerce(key, value)
         elif key not in KEYS:
             coerce(key, "")
-        return value, self.config.replace(**{key: value})
+        candidate = self.config.replace(**{key: value})
+        return getattr(candidate, key), candidate
 
     def set(self, key: str, value: Any) -> ConfigChange:
         """Apply one key on the running daemon; raises ConfigError, NeedsRestart or ModeUnavailable."""
@@ -150,6 +152,11 @@ class ServiceState:
             before, after = getattr(old, key), getattr(new, key)
             if before != after:
                 (change.applied if key in LIVE_KEYS else change.restart)[key] = (before, after)
+        if "routing_rules" in change.applied:
+            try:  # a rule on a model this daemon does not serve could never match
+                check_served(new.routing_rules, self.scheduler.model_name)
+            except RuleError as exc:
+                raise ConfigError(str(exc)) from None
         if change.applied:
             self.scheduler.config = old.replace(**{k: n for k, (_, n) in change.applied.items()})
         if "log_level" in change.applied:

@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from syshaxd.engine.decider import Decision
+from syshaxd.engine.estimates import Estimates
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle, WorkerStream
 from syshaxd.sdk.types import (Accepted, Delta, Event, Fallback, GenerateRequest, Handling, Imported, Pool,
@@ -87,6 +89,7 @@ class Engines:
     with_prefix: Callable[[GenerateRequest, Handling, WorkerHandle], Handling] = lambda request, how, worker: how
     decide: Callable[[], Decision] | None = None  # auto mode's decider, for an offloaded decode's token limit
     counts: JourneyCounts = field(default_factory=JourneyCounts)
+    estimates: Estimates | None = None  # what requests got (TTFT, TPOT), by side: decider v2 reads it
 
 
 class Journey:
@@ -99,9 +102,11 @@ class Journey:
     """
 
     def __init__(self, request: GenerateRequest, route: Route, engines: Engines, ledger: KVLedger,
-                 prefill: WorkerHandle | None = None, reason: str = "", token_limit: int = 0) -> None:
+                 prefill: WorkerHandle | None = None, reason: str = "", token_limit: int = 0,
+                 decided_by: str = "") -> None:
         self.request_id = request.request_id
         self.route, self.reason, self.moved_to = route, reason, ""
+        self.decided_by = decided_by  # auto: what placed it (a routing rule, the measurements, the thresholds)
         self.stage = Stage.QUEUED
         self.finished = False
         self.tokens_sent = 0
@@ -117,6 +122,9 @@ class Journey:
         self._accepted: Accepted | None = None
         self._resent = False
         self._resumes = 0
+        self._started = time.monotonic()
+        self._first_seen = False  # its first token came (its TTFT was reported)
+        self._last_token: float | None = None  # when its latest token came; None after a death: no gap to report
         if prefill is not None:
             self.stage = Stage.PREFILL
             # a GPU engine in auto mode also generates: handoff asks it for the prompt alone and its KV record
@@ -234,11 +242,27 @@ class Journey:
                 self._ledger.drop(self.request_id)
                 return
             if isinstance(event, Delta):
+                self._observe(event)
                 if event.finish_reason is not None:
                     return
                 self._generated.extend(event.tokens)
                 if self._token_limit and self.stage == Stage.DECODE and len(self._generated) >= self._next_check:
                     self._reconsider()
+
+    def _observe(self, delta: Delta) -> None:
+        """Tell the estimates what this request got: its TTFT by route, each later token's gap by the side that
+        decoded it (the GPU engine, or a CPU worker); a gap across a worker's death says nothing of either."""
+        estimates = self._engines.estimates
+        if estimates is None or not delta.n_tokens:
+            return
+        now = time.monotonic()
+        if not self._first_seen:
+            self._first_seen = True
+            estimates.first_token(self.route, now - self._started)
+        elif self._last_token is not None:
+            side = "gpu" if self._pool == Pool.GPU or self.stage == Stage.MOVED else "cpu"
+            estimates.tokens(side, now - self._last_token, delta.n_tokens)
+        self._last_token = now
 
     async def _lost(self, event: WorkerLost) -> bool:
         """The worker running the request died: go on elsewhere (True), or end the request saying why (False)."""
@@ -261,6 +285,7 @@ class Journey:
             request, handling = self._continuation()
         else:
             return self._end(event)
+        self._last_token = None  # the wait for a worker is no token's gap
         refused = await self._resubmit(pool, request, handling)
         if refused is not None:
             return self._end(event, str(refused), final=refused.final)
@@ -334,6 +359,7 @@ class Journey:
             self._next_check = len(self._generated) + self._token_limit
             return
         self._inner.cancel()  # frees the CPU sequence; its in-flight tokens are dropped with it
+        self._last_token = None  # the move's recompute is no decode step's gap
         self._inner = stream
         self._request, self._handling = continuation, handling
         self.stage, self.moved_to = Stage.MOVED, Route.GPU

@@ -168,6 +168,35 @@ def _prefill_backend(name: str, mode: str) -> str:
     return _backend("prefill_engine", name, roles, doing)
 
 
+@dataclass(frozen=True)
+class GpuEngine:
+    """One engine of the GPU pool (hetero: the prefill pool): its backend, its CPUs and its devices."""
+
+    backend: str
+    cpus: str  # a cpulist; "": the default (a quarter of the first node's CPUs, or all of them in gpu mode)
+    devices: str  # CUDA_VISIBLE_DEVICES for it; "": as the daemon has it
+
+
+def split_pool(backends: str, cpu_sets: str, devices: str) -> list[GpuEngine]:
+    """The GPU pool the config asks for: prefill_engine ("vllm", or "vllm,torch": one engine each), prefill_cpu_affinity
+    ("0-3", or "0-3;4-7": one engine each) and gpu_devices ("0;1": one engine each, "0,1;2,3" two devices each).
+    As many engines as the longest list; a list of one serves them all. PlanError when the lists disagree."""
+    lists = {"prefill_engine": [b.strip() for b in backends.split(",")],
+             "prefill_cpu_affinity": [c.strip() for c in cpu_sets.split(";")] if cpu_sets else [""],
+             "gpu_devices": [d.strip() for d in devices.split(";")] if devices else [""]}
+    n = max(len(v) for v in lists.values())
+    for key, values in lists.items():
+        if len(values) not in (1, n):
+            others = ", ".join(f"{k} {len(v)}" for k, v in lists.items() if len(v) > 1)
+            raise PlanError(f"{key}: {len(values)} entries, but the GPU pool has {n} engines ({others}); give one "
+                            "entry, which every engine takes, or one per engine")
+        if not all(values) and len(values) > 1:
+            raise PlanError(f"{key}: an empty entry in {backends if key == 'prefill_engine' else cpu_sets or devices!r}")
+    pick = lambda values, i: values[i if len(values) > 1 else 0]  # noqa: E731
+    return [GpuEngine(pick(lists["prefill_engine"], i), pick(lists["prefill_cpu_affinity"], i),
+                      pick(lists["gpu_devices"], i)) for i in range(n)]
+
+
 def _cpu_backend(name: str, mode: str) -> str:
     """The cpu_engine backend of the CPU workers: on the CPU, generating, and in hetero and auto modes also
     decoding a prompt another engine ran (importing its KV record)."""
@@ -177,9 +206,24 @@ def _cpu_backend(name: str, mode: str) -> str:
                     "KV records from the prefill engine)", device="cpu")
 
 
+def _slowed(engines: Engines, env: dict) -> Engines:
+    """SYSHAX_SLOW's step delays on the workers it names (sdk/faults.py; tests only)."""
+    try:
+        slow = faults.parse_slow(env.get("SYSHAX_SLOW", ""))
+    except faults.FaultError as exc:
+        raise PlanError(str(exc)) from None
+    unknown = set(slow) - {name for name, _ in engines.workers}
+    if unknown:
+        raise PlanError(f"SYSHAX_SLOW names no worker of this plan: {', '.join(sorted(unknown))}")
+    if not slow:
+        return engines
+    return replace(engines, workers=[(name, replace(spec, step_delay=slow.get(name, 0.0)))
+                                     for name, spec in engines.workers])
+
+
 def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None = None) -> Engines:
     """The workers, ring and prefix cache for cfg; see _plan_workers."""
-    engines = _plan_workers(cfg, model_path, model_name, env, instance)
+    engines = _slowed(_plan_workers(cfg, model_path, model_name, env, instance), env)
     return _with_prefix_store(engines, cfg, model_path, instance or f"{os.getpid()}")
 
 
@@ -205,38 +249,46 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
             _cpu_backend(cfg.cpu_engine, cfg.mode)
             placements = plan_cpu_workers(topology, _overrides(cfg, env), role="generate")
             return Engines([(f"cpu{p.index}", replace(base, threads=p.threads, placement=p)) for p in placements])
+        pool = split_pool(cfg.prefill_engine, cfg.prefill_cpu_affinity, cfg.gpu_devices)
         if cfg.mode == "gpu":
-            # one engine does both phases; on a host without a GPU it runs on these CPUs
-            gpu = plan_prefill_worker(topology, cfg.prefill_cpu_affinity or topology.cpus)
-            backend = _prefill_backend(cfg.prefill_engine, "gpu")
-            return Engines([("gpu0", replace(base, backend=backend, role=Role.GENERATE, pool=Pool.GPU,
-                                             max_batch_size=cfg.max_num_seqs, threads=gpu.threads, placement=gpu))])
+            # the engines do both phases; on a host without a GPU they run on these CPUs
+            placed = [(e, plan_prefill_worker(topology, e.cpus or topology.cpus)) for e in pool]
+            return Engines([(f"gpu{i}", _gpu_spec(base, e, p, Role.GENERATE, Pool.GPU, cfg.max_num_seqs,
+                                                  _prefill_backend(e.backend, "gpu")))
+                            for i, (e, p) in enumerate(placed)])
         if len(topology.cpus) < 2 and not cfg.prefill_cpu_affinity and cfg.local_decoders:
             raise PlanError(f"{cfg.mode} mode needs at least two CPUs (one for prefill, one for decode) "
                             f"and this process may use {format_cpulist(topology.cpus)}; use --mode cpu")
         first_node = next(n.cpus for n in topology.nodes if n.cpus)
-        pre_cpus = cfg.prefill_cpu_affinity or default_prefill_cpus(first_node)
-        pre = plan_prefill_worker(topology, pre_cpus)
+        placed = [(e, plan_prefill_worker(topology, e.cpus or default_prefill_cpus(first_node))) for e in pool]
+        reserved = frozenset().union(*(p.cpus for _, p in placed))
         # local_decoders = false: the decoders are the remote nodes' (remote/front.py), added by the daemon
-        decoders = plan_cpu_workers(topology, _overrides(cfg, env), reserved=pre.cpus, role="decode") \
+        decoders = plan_cpu_workers(topology, _overrides(cfg, env), reserved=reserved, role="decode") \
             if cfg.local_decoders else []
     except PlacementError as exc:
         raise PlanError(str(exc)) from None
 
-    prefill_backend = _prefill_backend(cfg.prefill_engine, cfg.mode)
     _cpu_backend(cfg.cpu_engine, cfg.mode)
     instance = instance or f"{os.getpid()}"
     ring = RingPlan(instance, cfg.ring_size_mb * 1024 * 1024)
-    if cfg.mode == "auto":  # the GPU engine generates, and hands a prompt on when told to
-        workers = [("gpu0", replace(base, backend=prefill_backend, role=Role.GENERATE, pool=Pool.GPU,
-                                    max_batch_size=cfg.max_num_seqs, threads=pre.threads, placement=pre,
-                                    ring=instance))]
+    if cfg.mode == "auto":  # the GPU engines generate, and hand a prompt on when told to
+        workers = [(f"gpu{i}", _gpu_spec(base, e, p, Role.GENERATE, Pool.GPU, cfg.max_num_seqs,
+                                         _prefill_backend(e.backend, cfg.mode), instance))
+                   for i, (e, p) in enumerate(placed)]
     else:
-        workers = [("prefill0", replace(base, backend=prefill_backend, role=Role.PREFILL, pool=Pool.PREFILL,
-                                        max_batch_size=1, threads=pre.threads, placement=pre, ring=instance))]
+        workers = [(f"prefill{i}", _gpu_spec(base, e, p, Role.PREFILL, Pool.PREFILL, 1,
+                                             _prefill_backend(e.backend, cfg.mode), instance))
+                   for i, (e, p) in enumerate(placed)]
     workers += [(f"decode{p.index}", replace(base, role=Role.GENERATE, threads=p.threads, placement=p,
                                              ring=instance)) for p in decoders]
     return Engines(workers, ring)
+
+
+def _gpu_spec(base: EngineSpec, engine: GpuEngine, placement, role: Role, pool: Pool, batch: int, backend: str,
+              ring: str = "") -> EngineSpec:
+    """A GPU-pool engine's spec: its backend, CPUs and devices."""
+    return replace(base, backend=backend, role=role, pool=pool, max_batch_size=batch, threads=placement.threads,
+                   placement=placement, ring=ring, gpu=replace(base.gpu, devices=engine.devices))
 
 
 def plan_node(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None = None) -> Engines:

@@ -11,8 +11,10 @@ from dataclasses import asdict, replace
 
 from syshaxd.config import MODES, Config, Mode
 from syshaxd.engine import capabilities
-from syshaxd.engine.decider import Decision, EngineState, Thresholds, decide
+from syshaxd.engine.decider import Decision, EngineState, Targets, Thresholds, decide, decide_measured
+from syshaxd.engine.estimates import Estimates
 from syshaxd.engine.exactness import exactness
+from syshaxd.engine.routing_rules import RoutingRule
 from syshaxd.engine.journey import Engines, Journey, JourneyCounts
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
@@ -69,16 +71,26 @@ class Scheduler:
         self.routes: Counter = Counter()
         self.refused: Counter = Counter()
         self.decisions: Counter = Counter()
+        self.decided_by: Counter = Counter()  # what placed auto requests: rule:NAME, measured, thresholds, ...
+        self.rules_matched: Counter = Counter()  # routing rules that matched a request ...
+        self.rules_without_room: Counter = Counter()  # ... and those whose device had no room then (soft)
         self.queued_for_gpu = 0
         self.journeys = JourneyCounts()  # what requests survived (a worker's death) and did (auto's moves)
+        self.estimates = Estimates()  # what requests got on each side, for decider v2
         self.engines = Engines(pick=self.pick, wait_ready=lambda pool: self.wait_ready(self.pools[pool]),
-                               with_prefix=self._with_prefix, decide=self.decide, counts=self.journeys)
+                               with_prefix=self._with_prefix, decide=self.decide, counts=self.journeys,
+                               estimates=self.estimates)
         self.last_decision: AutoDecision | None = None
         self._unservable = self._why_unservable()  # the pools never change: worked out once, read per request
 
     @property
     def mode(self) -> str:
         return self.config.mode
+
+    @property
+    def model_name(self) -> str:
+        """The model this daemon serves (every worker serves the same)."""
+        return self.workers[0].spec.model_name if self.workers else ""
 
     # --- what this daemon can serve -----------------------------------------------------------
 
@@ -214,7 +226,10 @@ class Scheduler:
         capabilities.check(request, mode, self._way(mode, request))
 
     def _stop(self, pool: list[WorkerHandle], hands_on: bool = False) -> list[capabilities.Stop]:
-        return [capabilities.Stop(w.spec.backend, self.capabilities[w.spec.backend], hands_on) for w in pool[:1]]
+        # a pool of engines of several backends (prefill_engine = "vllm,torch"): what any of them lacks is refused,
+        # as the request may meet any one
+        backends = dict.fromkeys(w.spec.backend for w in pool)
+        return [capabilities.Stop(b, self.capabilities[b], hands_on) for b in backends]
 
     def _way(self, mode: str, request: GenerateRequest) -> list[capabilities.Stop]:
         """The engines a request may visit on route `mode`: the one that prefills and hands on, then a decoder;
@@ -235,7 +250,7 @@ class Scheduler:
         wants = request.logprobs is not None or request.prompt_logprobs is not None
         return wants and not all(self.capabilities[w.spec.backend].handed_on_logprobs for w in self.gpu)
 
-    def submit(self, request: GenerateRequest, route: str = "") -> RequestStream:
+    def submit(self, request: GenerateRequest, route: str = "", fields: dict | None = None) -> RequestStream:
         """A stream of the request's events; raises Overloaded, EngineUnavailable or RouteUnavailable. `route`
         is a mode for this request alone (the client's syshax.mode; "auto" lets the decider choose); "": the
         daemon's mode."""
@@ -250,16 +265,14 @@ class Scheduler:
         decision = None
         if mode == Mode.AUTO and not any(w.state == "ready" for w in self.gpu):
             # the GPU engine is loading or being restarted: the CPU workers serve meanwhile
-            decision = Decision(Route.CPU, f"the GPU engine is not ready ({self._states(self.gpu)}); "
-                                "serving on the CPU")
-            self.decisions[decision.verdict] += 1
+            decision = self._count(Decision(Route.CPU, f"the GPU engine is not ready ({self._states(self.gpu)}); "
+                                            "serving on the CPU", by="gpu_not_ready"))
         elif mode == Mode.AUTO and self._runs_on_cpu_for_logprobs(request):
             # a decode offloaded from the GPU engine would lose them: such a request is not the decider's to place
-            decision = Decision(Route.CPU, "asks for logprobs: runs whole on a CPU worker, as an offloaded "
-                                "decode would not carry them")
-            self.decisions[decision.verdict] += 1
+            decision = self._count(Decision(Route.CPU, "asks for logprobs: runs whole on a CPU worker, as an "
+                                            "offloaded decode would not carry them", by="logprobs"))
         elif mode == Mode.AUTO:
-            decision = self.decide()
+            decision = self.decide(fields, request)
             if decision.route is None:
                 # both sides are full: wait in the GPU engine's queue, which admission bounded above
                 self.queued_for_gpu += 1
@@ -271,15 +284,16 @@ class Scheduler:
 
     def _dispatch(self, route: Route, request: GenerateRequest, decision: Decision | None) -> RequestStream:
         reason = decision.reason if decision is not None else ""
+        by = decision.by if decision is not None else ""
         if route != Route.HETERO:
-            return Journey(request, route, self.engines, self.ledger, reason=reason)
-        prefill = min(self.prefill or self.gpu, key=lambda w: w.in_flight)
-        if prefill.state != "ready":
-            # the prefill engine is restarting: decode it on the CPU meanwhile, and say so
+            return Journey(request, route, self.engines, self.ledger, reason=reason, decided_by=by)
+        ready = [w for w in self.prefill or self.gpu if w.state == "ready"]  # a pool: the least loaded ready one
+        prefill = min(ready, key=lambda w: w.in_flight) if ready else None
+        if prefill is None:
+            # every prefill engine is restarting (or dropped): decode it on the CPU meanwhile, and say so
             self.ledger.fallback(Fallback.PREFILL_UNAVAILABLE)
-            prefill = None
         return Journey(request, route, self.engines, self.ledger, prefill=prefill, reason=reason,
-                       token_limit=decision.token_limit if decision is not None else 0)
+                       token_limit=decision.token_limit if decision is not None else 0, decided_by=by)
 
     # --- auto: sysHAX's offload decider over live engine state ----------------------------------
 
@@ -301,19 +315,55 @@ class Scheduler:
         held = sum(w.generating for w in workers)  # an offloaded prompt on the GPU engine takes no slot there
         slots = sum(w.spec.max_batch_size for w in workers)
         reported_waiting = sum(w.stats.waiting for w in workers)
+        # a pool has KV room while one of its engines has (the least loaded takes the next request)
         return EngineState(running=min(held, slots), waiting=max(held - slots, reported_waiting, 0),
-                           kv_usage=max((w.stats.kv_usage for w in workers), default=0.0),
+                           kv_usage=min((w.stats.kv_usage for w in workers), default=0.0),
                            tokens_per_second=sum(w.stats.tokens_per_second for w in workers))
 
-    def decide(self) -> Decision:
-        """The decider's answer for an auto request now -- "gpu", "hetero", or "refuse" when both sides are
-        full -- remembered with its inputs for the status."""
+    def decide(self, fields: dict | None = None, request: GenerateRequest | None = None) -> Decision:
+        """Where an auto request goes now -- "gpu", "hetero", or "refuse" when both sides are full -- remembered
+        with its inputs for the status. sysHAX's order: an offloaded decode's continuation (no fields: its token
+        limit) > the routing rules by priority, when the device they name has room > the decider (measured, or
+        0.2.0's thresholds)."""
         gpu, cpu, t = self.engine_state(Pool.GPU), self.engine_state(Pool.CPU), self.thresholds()
-        decision = decide(gpu, cpu, t)
+        note = ""
+        if fields is not None and self.config.routing_rules:
+            if request is not None and request.prompt_tokens is not None:
+                fields = fields | {"prompt_tokens": len(request.prompt_tokens)}
+            rule = next((r for r in self.config.routing_rules if r.matches(fields)), None)
+            if rule is not None:
+                self.rules_matched[rule.name] += 1
+                decision = self._by_rule(rule, gpu, cpu, t)
+                if decision is not None:
+                    return self._count(decision, gpu, cpu)
+                self.rules_without_room[rule.name] += 1
+                note = f"rule {rule.name!r} asks for the {rule.device.upper()} side, which has no room; "
+        if self.config.decider == "measured":
+            decision = decide_measured(gpu, cpu, t, self.estimates.side("gpu", Route.GPU),
+                                       self.estimates.side("cpu", Route.HETERO),
+                                       Targets(self.config.tpot_target_ms, self.config.ttft_target_ms))
+        else:
+            decision = decide(gpu, cpu, t)
+        return self._count(replace(decision, reason=note + decision.reason) if note else decision, gpu, cpu)
+
+    @staticmethod
+    def _by_rule(rule: RoutingRule, gpu: EngineState, cpu: EngineState, t: Thresholds) -> Decision | None:
+        """The rule's route when its device has room (the GPU engine by the thresholds, the CPU side a free batch
+        slot); None: it has none, and the decider decides. A decode a rule put on the CPU stays there."""
+        why = f"rule {rule.name!r}: " + " and ".join(c.words() for c in rule.conditions)
+        if rule.route == Route.GPU and decide(gpu, cpu, t).route == Route.GPU:
+            return Decision(Route.GPU, why, by=f"rule:{rule.name}")
+        if rule.route == Route.HETERO and cpu.running < t.cpu_max_batch_size:
+            return Decision(Route.HETERO, why, by=f"rule:{rule.name}")
+        return None
+
+    def _count(self, decision: Decision, gpu: EngineState | None = None, cpu: EngineState | None = None) -> Decision:
         self.decisions[decision.verdict] += 1
-        self.last_decision = AutoDecision(time.time(), gpu, cpu, decision.verdict, decision.reason,
-                                          decision.token_limit)
-        log.debug("auto: %s (%s)", decision.verdict, decision.reason)
+        self.decided_by[decision.by] += 1
+        if gpu is not None and cpu is not None:
+            self.last_decision = AutoDecision(time.time(), gpu, cpu, decision.verdict, decision.reason,
+                                              decision.token_limit, decision.by)
+        log.debug("auto: %s by %s (%s)", decision.verdict, decision.by, decision.reason)
         return decision
 
     @staticmethod
@@ -329,7 +379,10 @@ class Scheduler:
         return AutoStatus(decisions=dict(self.decisions), queued_for_gpu=self.queued_for_gpu,
                           reconsidered=self.journeys.reconsidered, moved_to_gpu=self.journeys.moved_to_gpu,
                           move_failed=self.journeys.move_failed, last=self.last_decision,
-                          thresholds=asdict(self.thresholds()))
+                          thresholds=asdict(self.thresholds()), decider=self.config.decider,
+                          decided_by=dict(self.decided_by), rules=[r.name for r in self.config.routing_rules],
+                          rules_matched=dict(self.rules_matched), rules_without_room=dict(self.rules_without_room),
+                          estimates=self.estimates.to_json())
 
     def status(self) -> SchedulerStatus:
         return SchedulerStatus(
@@ -349,4 +402,7 @@ class Scheduler:
             workers=[w.status() for w in self.workers],
             nodes=[w.link_status() for w in self.workers if w.remote],
             exact=exactness(self.workers, hetero=not self._unservable[Mode.HETERO]),
+            pools={str(pool): {"serving": [w.name for w in workers if w.state == "ready"],
+                               "out": [f"{w.name} ({w.state})" for w in workers if w.state != "ready"]}
+                   for pool, workers in self.pools.items() if workers},
         )

@@ -77,6 +77,7 @@ class AutoDecision:
     route: str  # gpu, hetero or refuse
     reason: str
     token_limit: int
+    by: str = "thresholds"  # what decided: rule:NAME, measured, thresholds
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,12 @@ class AutoStatus:
     move_failed: int
     last: AutoDecision | None
     thresholds: dict[str, float]
+    decider: str = "thresholds"  # the config's decider: thresholds (0.2.0's) or measured (v2)
+    decided_by: dict[str, int] = dataclasses.field(default_factory=dict)  # rule:NAME, measured, thresholds, ...
+    rules: list[str] = dataclasses.field(default_factory=list)  # the routing rules, highest priority first
+    rules_matched: dict[str, int] = dataclasses.field(default_factory=dict)
+    rules_without_room: dict[str, int] = dataclasses.field(default_factory=dict)  # matched, and the decider decided
+    estimates: dict = dataclasses.field(default_factory=dict)  # decider v2's: TPOT by side, TTFT by route, in ms
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,8 @@ class SchedulerStatus:
     workers: list[WorkerStatus]
     nodes: list[RemoteNodeStatus] = dataclasses.field(default_factory=list)  # decode nodes on other hosts
     exact: ExactStatus | None = None  # which greedy promises hold here (engine/exactness.py)
+    # each pool's engines: those serving (ready) and those out of it now, with why (restarting, failed, a node down)
+    pools: dict[str, dict[str, list[str]]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -67,6 +67,7 @@ class WorkerStream:
     route: Route = Route.CPU  # where the scheduler sent it, and why (auto mode), for the response and the logs
     reason: str = ""
     moved_to: str = ""  # a worker's own stream never moves
+    decided_by: str = ""
     handoff: bool = False  # only its prompt runs here (its KV goes on to a decoder): it holds no batch slot
 
     async def next_event(self):

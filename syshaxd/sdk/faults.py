@@ -20,6 +20,9 @@ and faults that kill nothing:
                     fails, as with a stock llama.cpp (a lone long sequence then decodes beside a padding row)
 
 This is how the tests prove the fallback and crash-loop paths on CPUs whose kernels do not crash.
+
+SYSHAX_SLOW="gpu0=0.05,decode0=0.01" makes the named workers sleep that many seconds after each engine step (a
+slower engine whose speed a test controls: decider v2's tests place requests by measured speed).
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ def parse(text: str) -> str:
         raise FaultError(f"SYSHAX_FAULT={text!r}: expected one of {', '.join(POINTS)}, optionally followed by "
                          f"':repacked', or one of {', '.join(PROOFS)}")
     return text
+
+
+def parse_slow(text: str) -> dict[str, float]:
+    """SYSHAX_SLOW's worker -> seconds of sleep after each engine step, checked."""
+    slow: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, seconds = part.partition("=")
+        try:
+            slow[name.strip()] = float(seconds)
+        except ValueError:
+            raise FaultError(f"SYSHAX_SLOW={text!r}: expected WORKER=SECONDS[,WORKER=SECONDS...], e.g. gpu0=0.05")
+        if not name.strip() or slow[name.strip()] < 0:
+            raise FaultError(f"SYSHAX_SLOW={text!r}: expected WORKER=SECONDS with SECONDS >= 0")
+    return slow
 
 
 def fails_proof(fault: str, proof: str) -> bool:

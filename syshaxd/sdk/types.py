@@ -87,6 +87,7 @@ class GpuSettings:
     max_num_seqs: int = 16  # sequences the engine runs at once
     tensor_parallel_size: int = 1
     preemption_mode: str = "recompute"
+    devices: str = ""  # CUDA_VISIBLE_DEVICES for this engine (config gpu_devices); "": as the daemon has it
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class EngineSpec:
     # Fault injection for tests (SYSHAX_FAULT in the daemon's environment; sdk/faults.py): the worker
     # kills itself with SIGSEGV at that point, as a CPU's bad kernels would. Empty in service.
     fault: str = ""
+    step_delay: float = 0.0  # seconds the worker sleeps after each engine step (SYSHAX_SLOW, tests only)
 
 
 @dataclass(frozen=True)
@@ -456,6 +458,7 @@ class RequestStream(Protocol):
     route: Route  # where it runs
     reason: str  # why the scheduler chose that route (auto mode); "" otherwise
     moved_to: Route | str  # where an offloaded decode moved for its rest; "" when it did not move
+    decided_by: str  # auto: "rule:NAME", "measured", "thresholds", ... (engine/decider.py's Decision.by); "" else
     finished: bool
     tokens_sent: int
 

@@ -51,6 +51,8 @@ def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when workers stop
     _setup_logging(name, log_level)
     applied = None
+    if spec.gpu.devices:  # before torch or vLLM look: this engine sees its own devices alone (gpu_devices)
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu.devices
     if spec.placement is not None:
         from syshaxd.sdk.numa import apply_placement
 
@@ -93,14 +95,14 @@ def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -
     # with what the warm-up found out, and what it proved for the worker's restarts
     conn.send(WorkerReady(info | engine.info(), engine.proofs() if hasattr(engine, "proofs") else None))
     try:
-        _loop(conn, engine, spec.fault, kernels)
+        _loop(conn, engine, spec.fault, kernels, spec.step_delay)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("daemon went away; exiting")
     finally:
         engine.close()
 
 
-def _loop(conn: Connection, engine, fault: str = "", kernels: str = "plain") -> None:
+def _loop(conn: Connection, engine, fault: str = "", kernels: str = "plain", step_delay: float = 0.0) -> None:
     next_stats = 0.0
     while True:
         busy = engine.has_work()
@@ -120,6 +122,8 @@ def _loop(conn: Connection, engine, fault: str = "", kernels: str = "plain") -> 
             if fault:
                 faults.crash_at(fault, "decode", kernels)
             out += engine.step()
+            if step_delay:
+                time.sleep(step_delay)  # SYSHAX_SLOW: an engine this much slower per step
         if out:
             conn.send(out)
         now = time.monotonic()

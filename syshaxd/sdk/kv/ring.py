@@ -1,4 +1,9 @@
-"""Shared-memory KV ring: one producer hands variable-size KV records to decode workers through /dev/shm."""
+"""Shared-memory KV ring: producers hand variable-size KV records to decode workers through /dev/shm.
+
+Usually one producer (the prefill worker); a pool of prefill engines shares the ring, each claiming its records in
+turn under the ring's lock. A record's header names its writer, so a dead producer's half-written record is skipped
+whoever wrote the records around it.
+"""
 
 from __future__ import annotations
 
@@ -46,10 +51,6 @@ class RingError(Exception):
 
 class RingFull(RingError):
     """No space freed before the deadline: the caller should fall back (recompute the prefill)."""
-
-
-class RingBusy(RingError):
-    """Another live process is the ring's writer."""
 
 
 class StaleRecord(RingError):
@@ -265,33 +266,42 @@ class KVRing:
         span = _align(RECORD_HEADER + nbytes)
         if nbytes < 0 or span > cap:
             raise RingFull(f"a {nbytes}-byte record can never fit a {cap}-byte ring")
-        self._claim_writer()
-        q = self._q
+        self._wrote = True
         deadline = time.monotonic() + timeout
         delay = 50e-6
         while True:
-            head, tail = q[_H_HEAD], q[_H_TAIL]
-            off = head % cap
-            pad = cap - off if off + span > cap else 0  # records stay contiguous: skip to offset 0
-            if cap - (head - tail) >= pad + span:
-                break
-            if self.reclaim():
-                continue
+            with self._locked():  # producers claim in turn; the lock is not held while waiting for room
+                reservation = self._claim(nbytes, span)
+                if reservation is None and self._advance_tail():
+                    reservation = self._claim(nbytes, span)
+                used = self._q[_H_HEAD] - self._q[_H_TAIL]
+            if reservation is not None:
+                return reservation
             now = time.monotonic()
             if now >= deadline:
-                raise RingFull(f"{head - tail} of {cap} bytes in use; no room for {span} more "
-                               f"within {timeout:g}s")
+                raise RingFull(f"{used} of {cap} bytes in use; no room for {span} more within {timeout:g}s")
             time.sleep(min(delay, deadline - now))
             delay = min(delay * 2, 2e-3)
+
+    def _claim(self, nbytes: int, span: int) -> Reservation | None:
+        """A record of span bytes at the head, if there is room now (under the lock)."""
+        q, cap = self._q, self.capacity
+        head, tail = q[_H_HEAD], q[_H_TAIL]
+        off = head % cap
+        pad = cap - off if off + span > cap else 0  # records stay contiguous: skip to offset 0
+        if cap - (head - tail) < pad + span:
+            return None
+        me = os.getpid()
         if pad:
-            self._write_header(off, PAD, os.getpid(), pad - RECORD_HEADER, 0)
+            self._write_header(off, PAD, me, pad - RECORD_HEADER, 0)
             head += pad
             q[_H_HEAD] = head
             off = 0
         seq = q[_H_SEQ]
         q[_H_SEQ] = seq + 1
-        self._write_header(off, RESERVED, os.getpid(), nbytes, seq)
+        self._write_header(off, RESERVED, me, nbytes, seq)
         q[_H_HEAD] = head + span  # header first, then head: every record in [tail, head) has one
+        q[_H_WRITER] = me  # the latest writer (the status shows it)
         base = HEADER_SIZE + off + RECORD_HEADER
         return Reservation(self, off, nbytes, seq, self._view[base:base + nbytes])
 
@@ -380,17 +390,6 @@ class KVRing:
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def _claim_writer(self) -> None:
-        me = os.getpid()
-        self._wrote = True
-        if self._q[_H_WRITER] == me:
-            return
-        with self._locked():
-            cur = self._q[_H_WRITER]
-            if cur not in (0, me) and _pid_alive(cur):
-                raise RingBusy(f"{self.path}: pid {cur} is already this ring's writer")
-            self._q[_H_WRITER] = me
-
     def _advance_tail(self) -> int:
         q, i, cap = self._q, self._i, self.capacity
         start = tail = q[_H_TAIL]
@@ -442,9 +441,9 @@ class KVRing:
         self._i[self._check_offset(offset) // 4] = state
 
     def _count_commit(self, nbytes: int) -> None:
-        # only the writer touches these two counters, so they need no lock
-        self._q[_H_WRITTEN] += 1
-        self._q[_H_BYTES] += nbytes
+        with self._locked():  # several producers may commit at once
+            self._q[_H_WRITTEN] += 1
+            self._q[_H_BYTES] += nbytes
 
 
 def _state_name(state: int) -> str:
