@@ -204,6 +204,10 @@ def _print_status(st: dict) -> None:
                   + ("; keeps generated tokens" if w.keeps_generated else ""))
         if w.error:
             print(f"{'':<10} error: {w.error}")
+    routing = sched.prefix_routing
+    if routing.get("placed_by_prefix") or routing.get("placed_by_load"):
+        print(f"prefix routing: {routing['placed_by_prefix']} placed where their prefix was "
+              f"({routing['matched_blocks']} blocks matched), {routing['placed_by_load']} by load")
     for pool, members in sched.pools.items():
         if len(members["serving"]) + len(members["out"]) > 1 or members["out"]:
             print(f"{pool} pool: serving {', '.join(members['serving']) or 'none'}"
@@ -246,7 +250,8 @@ def _print_status(st: dict) -> None:
         print(f"node {node.address}: link {node.link}" + (f" ({node.error})" if node.error else "")
               + f" for {_duration(time.time() - node.since)}, {node.in_flight} in flight, {node.transfers} records "
               f"moved ({node.bytes_moved} bytes, {node.transfer_failures} failed; transfer p50 {t.p50 * 1000:.1f} ms "
-              f"p99 {t.p99 * 1000:.1f} ms), link lost {node.links_lost} times")
+              f"p99 {t.p99 * 1000:.1f} ms), link lost {node.links_lost} times"
+              + (f"; {node.slots} slots for this front of {node.fronts} fronts" if node.fronts > 1 else ""))
         for d in node.decoders:
             print(f"  {d.name}: {d.state}, {d.in_flight} in flight, batch {d.max_batch_size}, {d.threads} threads"
                   + (f", cpus {d.cpus}" if d.cpus else "") + (f" ({d.error})" if d.error else ""))

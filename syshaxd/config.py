@@ -102,6 +102,8 @@ class Config:
     ttft_target_ms: float = 0.0  # ... or whose expected time to the first token is; 0: none
     # [[routing_rules]]: sysHAX's soft rules on request fields, highest priority first (engine/routing_rules.py)
     routing_rules: tuple[RoutingRule, ...] = ()
+    # a pool of engines that keep their own prefix caches (vLLM): a request goes where its prompt's prefix is
+    prefix_routing: bool = True
 
     # requests
     default_max_tokens: int = 1024  # chat requests without max_tokens
@@ -134,6 +136,7 @@ class Config:
     node_transfer_protocol: str = "tcp"  # the transfer engine's transport: tcp, or rdma where NICs have it
     node_transfer_device: str = ""  # rdma: the NIC's device name (e.g. "mlx5_0"); tcp: unused
     local_decoders: bool = True  # false: the front decodes only on its remote nodes (hetero and auto modes)
+    node_front_slots: int = 0  # on a node: the requests each front may run on its decoders at once; 0: no cap
 
     # --- operations: shutdown drain, admin socket. Keep this block last. ---
     drain_timeout: float = 30.0  # seconds SIGTERM waits for accepted requests before stopping workers
@@ -343,6 +346,8 @@ def _validate_nodes(cfg: Config) -> None:
     if cfg.node_transfer_protocol not in TRANSFER_PROTOCOLS:
         raise ConfigError(f"node_transfer_protocol: must be one of {', '.join(TRANSFER_PROTOCOLS)}; "
                           f"got {cfg.node_transfer_protocol!r}")
+    if cfg.node_front_slots < 0:
+        raise ConfigError(f"node_front_slots: must be 0 (no cap) or more, got {cfg.node_front_slots!r}")
     if cfg.node_link_timeout < 0.5:
         raise ConfigError(f"node_link_timeout: must be at least 0.5 (a node reports every 0.5 s), "
                           f"got {cfg.node_link_timeout!r}")

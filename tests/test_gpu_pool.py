@@ -101,3 +101,25 @@ def test_a_pool_of_two_backends_side_by_side_in_hetero_mode(default_model, hf_fo
         assert code == 400 and body["error"]["param"] == "logprobs" and "torch" in body["error"]["message"]
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_a_chat_turn_goes_to_the_engine_holding_its_prefix_unless_that_one_is_too_busy():
+    """engine/prefix_routing.py on its own: which engine was sent which blocks, and the slack load may take."""
+    from types import SimpleNamespace
+
+    from syshaxd.engine.prefix_routing import SLACK, PrefixRouting
+
+    routing = PrefixRouting()
+    a, b = SimpleNamespace(name="gpu0", in_flight=0), SimpleNamespace(name="gpu1", in_flight=0)
+    turn1 = list(range(1000, 1100))  # 6 whole blocks
+    turn2 = turn1 + list(range(2000, 2060))  # the conversation so far, then the next message
+    first = routing.choose([a, b], turn1)
+    other = b if first is a else a
+    first.in_flight = SLACK  # busier, but within the slack: the prefix wins
+    assert routing.choose([a, b], turn2) is first
+    assert routing.to_json() == {"placed_by_prefix": 1, "matched_blocks": 6, "placed_by_load": 1}
+    first.in_flight = SLACK + 1  # too busy: load wins
+    assert routing.choose([a, b], turn2 + list(range(3000, 3040))) is other
+    routing.forget(first.name)  # restarted: its cache is gone
+    first.in_flight = 0
+    assert routing._run(first.name, [1, 2]) == 0

@@ -80,17 +80,18 @@ def secret(tmp_path_factory) -> Path:
 class Node:
     """syshaxd --node in the node's namespace, on CPU 1."""
 
-    def __init__(self, tmp: Path, model: Path, secret: Path) -> None:
+    def __init__(self, tmp: Path, model: Path, secret: Path, port: int = NODE_PORT, **extra) -> None:
         self.tmp, self.model, self.secret = tmp, model, secret
+        self.port, self.extra = port, extra
         self.proc: subprocess.Popen | None = None
         self.log_path = tmp / "node.log"
 
     def start(self) -> "Node":
         config = self.tmp / "node.toml"
-        config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in {
+        config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in ({
             "model": str(self.model), "model_name": MODEL_NAME, "model_dir": str(MODEL_DIR),
-            "node_listen": f"{NODE_IP}:{NODE_PORT}", "node_secret_file": str(self.secret), "cpu_affinity": "1",
-            "admin_socket": str(self.tmp / "node.sock")}.items()))
+            "node_listen": f"{NODE_IP}:{self.port}", "node_secret_file": str(self.secret), "cpu_affinity": "1",
+            "admin_socket": str(self.tmp / "node.sock")} | self.extra).items()))
         started = self.log().count("syshaxd node ready") if self.log_path.exists() else 0
         env = {k: v for k, v in os.environ.items() if k not in ("CUSTOM_CPU_AFFINITY", "OMP_NUM_THREADS")}
         self.proc = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, "-m", "syshaxd", "--config",
@@ -334,6 +335,68 @@ def test_a_node_alone_killed_and_cut_off_under_load_keeps_every_text_whole(node,
         assert front.stop() == 0, front.log()
 
 
+def test_two_fronts_share_one_node_each_within_its_share_and_one_going_away_leaves_the_other_alone(
+        hosts, default_model, secret, cpu_chats, tmp_path):
+    """One node (node_front_slots = 3) and two fronts decoding only there. Front A sends six long chats: three run,
+    three wait on the node for A's share. Front B's three, sent after, run at once beside them and end first, with
+    cpu mode's texts. Then A is killed with -9 mid-stream: the node cancels A's requests alone; B's all end whole."""
+    import threading
+
+    shared = Node(tmp_path / "node", default_model, secret, port=NODE_PORT + 1, node_front_slots=3,
+                  node_link_timeout=2.0)
+    (tmp_path / "node").mkdir()
+    shared.start()
+    config = front_config(default_model, secret, local_decoders=False, n_ctx=1024,
+                          remote_nodes=[f"{NODE_IP}:{NODE_PORT + 1}"])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = start_daemon(tmp_path / "a", config)
+    b = start_daemon(tmp_path / "b", config)
+    try:
+        for front in (a, b):
+            wait_for(lambda front=front: node_of(front)["link"] == "up" and node_of(front)["fronts"] == 2, 30,
+                     "both fronts on the node")
+        assert node_of(a)["slots"] == node_of(b)["slots"] == 3  # each front's share of the node's 8 slots
+        ends: dict = {}
+
+        def timed(front, chats, key):
+            got = answer_all(front, chats=chats)
+            ends[key] = (time.monotonic(), got)
+
+        runner = threading.Thread(target=timed, args=(a, CHATS[:6], "a"))
+        runner.start()
+        _when_busy(a, 24)
+        timed(b, CHATS[:3], "b")
+        runner.join(300)
+        assert_same(ends["a"][1], cpu_chats, "front A, three of six waiting for its share")
+        assert_same(ends["b"][1], cpu_chats[:3], "front B beside A")
+        assert ends["b"][0] < ends["a"][0]  # B's ran within its own share, not behind A's queue
+
+        # A goes away mid-stream: B's requests there are not touched
+        doomed = threading.Thread(target=lambda: _swallow(lambda: answer_all(a, chats=CHATS[:3])), daemon=True)
+        doomed.start()
+        survivors = threading.Thread(target=timed, args=(b, CHATS[3:6], "b2"))
+        survivors.start()
+        _when_busy(b, 24)
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait()
+        survivors.join(300)
+        assert_same(ends["b2"][1], cpu_chats[3:6], "front B while front A died")
+        assert b.status()["rescued"] == {"resent": 0, "resumed": 0, "lost": 0}
+        wait_for(lambda: "gone (the front closed the connection)" in shared.log(), 10, "the node noticing A gone")
+    finally:
+        a.stop()
+        assert b.stop() == 0, b.log()
+        shared.stop()
+
+
+def _swallow(call) -> None:
+    try:
+        call()
+    except Exception:  # noqa: BLE001 -- its daemon is killed under it: the error is the point
+        pass
+
+
 def test_a_front_with_the_wrong_secret_is_refused(node, default_model, tmp_path):
     wrong = tmp_path / "wrong.secret"
     wrong.write_text(os.urandom(32).hex())
@@ -408,6 +471,7 @@ def test_the_node_refuses_a_record_that_is_not_what_the_front_reported(node, sec
         reader, writer = await asyncio.open_connection(NODE_IP, NODE_PORT)
         sealed = await wire.prove_as_front(reader, writer, secret.read_bytes().strip())
         hello = await sealed.read(reader)
+        await sealed.send(writer, wire.FrontHello("a forging front"))
 
         async def next_of(kind):
             while not isinstance(message := await asyncio.wait_for(sealed.read(reader), 30), kind):

@@ -310,3 +310,44 @@ def test_hetero_with_vllm_prefill_json_schema_validates(default_model, hf_folder
         assert kv["records_read"] == 3 and kv["fallbacks"] == {}
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_a_pool_of_vllm_engines_places_a_chat_turn_where_its_prefix_is_cached(default_model, hf_folder, tmp_path):
+    """Two vLLM engines, each with its own prefix cache: a conversation's next turn goes back to the engine that ran
+    the turn before, though the other is less loaded then, and vLLM finds its prefix cached there."""
+    import threading
+
+    from conftest import MODEL_NAME, http_json, start_daemon, wait_for
+
+    d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, "mode": "gpu",
+                                "prefill_engine": "vllm", "prefill_cpu_affinity": "0;1", "max_num_seqs": 4,
+                                "n_ctx": 1024})
+
+    def chat(messages, max_tokens=8):
+        code, body = http_json(f"{d.url}/v1/chat/completions", {"model": MODEL_NAME, "messages": messages,
+                                                                 "max_tokens": max_tokens, "temperature": 0,
+                                                                 "ignore_eos": True}, timeout=300)
+        assert code == 200, body
+        return body
+
+    def stats(name):
+        return next(w for w in d.status()["workers"] if w["name"] == name)["stats"]
+
+    try:
+        system = "You answer questions about the history of clocks. " * 20  # several blocks of 16 tokens
+        turn = [{"role": "system", "content": system}, {"role": "user", "content": "Who made the first clock?"}]
+        first = chat(turn)
+        holder = wait_for(lambda: next((n for n in ("gpu0", "gpu1") if stats(n)["finished"] == 1), None), 10,
+                          "the engine of the first turn")
+        busy = threading.Thread(target=chat, args=([{"role": "user", "content": "Count to a thousand."}], 300))
+        busy.start()  # it goes to the engine of the first turn (both idle: the first ready), which is busier then
+        wait_for(lambda: stats(holder)["running"] >= 1, 30, "the busy request on the holder")
+        cached = stats(holder)["cached_tokens"]
+        turn += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "And the first pendulum clock?"}]
+        chat(turn)
+        busy.join(300)
+        assert d.status()["prefix_routing"]["placed_by_prefix"] == 1, d.status()["prefix_routing"]
+        assert stats(holder)["cached_tokens"] - cached >= 16 * 5  # vLLM found the system prompt's blocks there
+    finally:
+        assert d.stop() == 0, d.log()

@@ -83,7 +83,8 @@ class JourneyCounts:
 class Engines:
     """What a journey may ask of the scheduler: workers of a pool, a wait for one, the prefix plan, the decider."""
 
-    pick: Callable[[Pool], WorkerHandle]  # the least loaded ready worker, or EngineUnavailable
+    # a ready worker of the pool for a request (the least loaded, or the one holding its prefix), or EngineUnavailable
+    pick: Callable[..., WorkerHandle]
     wait_ready: Callable[[Pool], Awaitable[bool]]  # False: none came back within request_timeout
     # the handling with the request's prefix plan when the worker reads the prefix cache
     with_prefix: Callable[[GenerateRequest, Handling, WorkerHandle], Handling] = lambda request, how, worker: how
@@ -131,7 +132,7 @@ class Journey:
             self._inner: WorkerStream = self._submit(prefill, Handling(handoff=True))
         else:
             self.stage = Stage.DECODE
-            self._inner = self._submit(engines.pick(self._pool), Handling())
+            self._inner = self._submit(engines.pick(self._pool, request), Handling())
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # --- the RequestStream the API reads ---------------------------------------------------------------

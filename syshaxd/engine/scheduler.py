@@ -17,6 +17,7 @@ from syshaxd.engine.exactness import exactness
 from syshaxd.engine.routing_rules import RoutingRule
 from syshaxd.engine.journey import Engines, Journey, JourneyCounts
 from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.prefix_routing import PrefixRouting
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
@@ -77,6 +78,8 @@ class Scheduler:
         self.queued_for_gpu = 0
         self.journeys = JourneyCounts()  # what requests survived (a worker's death) and did (auto's moves)
         self.estimates = Estimates()  # what requests got on each side, for decider v2
+        self.prefix_routing = PrefixRouting()  # which engine of a pool was sent which prompt blocks
+        self._pids: dict[str, int | None] = {}  # each worker's process when last picked: a new one forgot its cache
         self.engines = Engines(pick=self.pick, wait_ready=lambda pool: self.wait_ready(self.pools[pool]),
                                with_prefix=self._with_prefix, decide=self.decide, counts=self.journeys,
                                estimates=self.estimates)
@@ -176,9 +179,24 @@ class Scheduler:
             await asyncio.sleep(0.1)
         return False
 
-    def pick(self, pool: Pool) -> WorkerHandle:
-        """The least loaded ready worker of pool (CPU: the decoders; GPU: the GPU engine)."""
-        return self._least_loaded(self.pools[pool], "GPU engine" if pool == Pool.GPU else "CPU worker")
+    def pick(self, pool: Pool, request: GenerateRequest | None = None) -> WorkerHandle:
+        """A ready worker of pool (CPU: the decoders; GPU: the GPU engines) for request: the least loaded, or in a
+        pool of engines with their own prefix caches the one holding the request's prefix (engine/prefix_routing)."""
+        workers = self.pools[pool]
+        least = self._least_loaded(workers, "GPU engine" if pool == Pool.GPU else "CPU worker")
+        return self._by_prefix([w for w in workers if w.state == "ready"], request) or least
+
+    def _by_prefix(self, ready: list[WorkerHandle], request: GenerateRequest | None) -> WorkerHandle | None:
+        """The engine holding the request's prompt prefix, where the engines keep their own prefix caches; None:
+        placement by load alone."""
+        if (request is None or request.prompt_tokens is None or len(ready) < 2 or not self.config.prefix_routing
+                or not all(self.capabilities[w.spec.backend].own_prefix_cache for w in ready)):
+            return None
+        for w in ready:
+            if self._pids.get(w.name, w.pid) != w.pid:
+                self.prefix_routing.forget(w.name)  # restarted: what it held is gone
+            self._pids[w.name] = w.pid
+        return self.prefix_routing.choose(ready, request.prompt_tokens)
 
     async def prepare(self, choices: Sequence[GenerateRequest], n: int = 1) -> list[GenerateRequest] | Rejected:
         """The choices as they should be submitted: each prompt rendered and tokenized once, here (choices come n
@@ -287,8 +305,9 @@ class Scheduler:
         by = decision.by if decision is not None else ""
         if route != Route.HETERO:
             return Journey(request, route, self.engines, self.ledger, reason=reason, decided_by=by)
-        ready = [w for w in self.prefill or self.gpu if w.state == "ready"]  # a pool: the least loaded ready one
-        prefill = min(ready, key=lambda w: w.in_flight) if ready else None
+        # a pool: the ready engine holding the request's prefix (engines with their own caches), else the least loaded
+        ready = [w for w in self.prefill or self.gpu if w.state == "ready"]
+        prefill = (self._by_prefix(ready, request) or min(ready, key=lambda w: w.in_flight)) if ready else None
         if prefill is None:
             # every prefill engine is restarting (or dropped): decode it on the CPU meanwhile, and say so
             self.ledger.fallback(Fallback.PREFILL_UNAVAILABLE)
@@ -402,6 +421,7 @@ class Scheduler:
             workers=[w.status() for w in self.workers],
             nodes=[w.link_status() for w in self.workers if w.remote],
             exact=exactness(self.workers, hetero=not self._unservable[Mode.HETERO]),
+            prefix_routing=self.prefix_routing.to_json(),
             pools={str(pool): {"serving": [w.name for w in workers if w.state == "ready"],
                                "out": [f"{w.name} ({w.state})" for w in workers if w.state != "ready"]}
                    for pool, workers in self.pools.items() if workers},

@@ -67,6 +67,8 @@ class RemoteNodeStatus:
     bytes_moved: int
     transfer_seconds: Quantiles  # room asked for + the write, per record
     links_lost: int  # times its link went down
+    fronts: int = 0  # fronts the node serves now (this one included)
+    slots: int = 0  # what this front may run there at once: the node's decoders' slots, or its share of them
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class SchedulerStatus:
     exact: ExactStatus | None = None  # which greedy promises hold here (engine/exactness.py)
     # each pool's engines: those serving (ready) and those out of it now, with why (restarting, failed, a node down)
     pools: dict[str, dict[str, list[str]]] = dataclasses.field(default_factory=dict)
+    # a pool of engines with their own prefix caches: requests placed where their prefix was, or by load
+    prefix_routing: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

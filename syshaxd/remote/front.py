@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,8 @@ from syshaxd.remote.wire import (
     AbortKV,
     DecoderState,
     FromNode,
+    FrontHello,
+    FrontPing,
     KVReserved,
     NodeHello,
     NodeStatus,
@@ -65,6 +68,7 @@ from syshaxd.sdk.types import (
 log = logging.getLogger(__name__)
 
 RETRY = 1.0  # seconds between attempts to reach a node that is down
+PING = 0.5  # seconds between the front's pings (the node's NodeStatus comes as often)
 TRANSFER_TIMEOUT = 10.0  # seconds one record's write may take before its decoder recomputes instead
 TRANSFER_THREADS = 4  # writes in flight at once, over all nodes
 
@@ -108,13 +112,16 @@ class RemoteNode:
 
     def __init__(self, address: str, secret: bytes, spec: EngineSpec, ledger: KVLedger, fingerprint: bytes,
                  transfer: FrontTransfer, link_timeout: float = 3.0, retry: float = RETRY,
-                 transfer_timeout: float = TRANSFER_TIMEOUT) -> None:
+                 transfer_timeout: float = TRANSFER_TIMEOUT, front_id: str = "") -> None:
         self.address = address
         self.host, self.port = split_address(address, "remote_nodes")
         self.name = f"node {address}"
         self.spec = spec
         self.log_level = "info"
         self.secret = secret
+        # who this front is to the node, the same over reconnections (a node serves several fronts at once)
+        self.front_id = front_id or default_front_id()
+        self.fronts = 0  # fronts the node serves now, as it last said
         self.ledger = ledger
         self.fingerprint = fingerprint
         self.transfer = transfer
@@ -173,10 +180,15 @@ class RemoteNode:
                 hello = await asyncio.wait_for(sealed.read(reader), self.link_timeout)
                 self._check(hello)
                 self._engine = self.transfer.ensure(writer.get_extra_info("sockname")[0])
+                writer.write(sealed.frame(FrontHello(self.front_id)))
                 self._up(hello, writer, sealed)
                 failing = ""
-                while True:
-                    self._handle(await asyncio.wait_for(sealed.read(reader), self.link_timeout))
+                pinging = asyncio.get_running_loop().create_task(self._ping(writer, sealed))
+                try:
+                    while True:
+                        self._handle(await asyncio.wait_for(sealed.read(reader), self.link_timeout))
+                finally:
+                    pinging.cancel()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -193,6 +205,13 @@ class RemoteNode:
                     writer.close()
                 self._writer = None
             await asyncio.sleep(self.retry)
+
+    async def _ping(self, writer, sealed: wire.Session) -> None:
+        """A FrontPing every PING seconds: the node drops a front it has not heard from in its link timeout."""
+        while True:
+            await asyncio.sleep(PING)
+            if self._writer is writer:
+                writer.write(sealed.frame(FrontPing()))
 
     def _check(self, hello) -> None:
         if not isinstance(hello, NodeHello):
@@ -267,6 +286,9 @@ class RemoteNode:
         self.decoders = message.decoders
         ready = [d for d in message.decoders if d.state == "ready"]
         slots = sum(d.max_batch_size for d in ready) or sum(d.max_batch_size for d in message.decoders)
+        if message.front_slots:  # this front's share of the node (node_front_slots)
+            slots = min(slots, message.front_slots) if slots else message.front_slots
+        self.fronts = message.fronts
         if slots and slots != self.spec.max_batch_size:
             self.spec = replace(self.spec, max_batch_size=slots)
         self.stats = _summed([d.stats for d in ready])
@@ -398,7 +420,15 @@ class RemoteNode:
                     for d in self.decoders]
         return RemoteNodeStatus(self.address, self.link, self.error, self.since, decoders, self.in_flight,
                                 self.transfers, self.transfer_failures, self.bytes_moved, Quantiles.of(self._times),
-                                self.links_lost)
+                                self.links_lost, self.fronts, self.spec.max_batch_size)
+
+
+def default_front_id() -> str:
+    """This front daemon's name to its nodes: its host and process, and a nonce (a restarted front is a new one)."""
+    import socket
+    import uuid
+
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def _summed(stats: list[EngineStats]) -> EngineStats:

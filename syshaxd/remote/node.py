@@ -11,8 +11,11 @@ and hands it to its least loaded ready decoder, whose import checks the checksum
 the model fingerprint (a bad record is recomputed from the prompt, as on one host). Events go back
 as they come; a NodeStatus every HEARTBEAT seconds tells the front the link is alive.
 
-One front at a time: a front that proves the secret replaces the one before (a front that lost its
-link reconnects as a new connection), whose requests are cancelled here.
+Several fronts at once, each on its own authenticated connection, named by the FrontHello it sends first: the
+same front connecting again (it lost its link) replaces its own earlier session, whose requests are cancelled
+here; another front's go on. node_front_slots caps what each front runs on the decoders at once (0: first come,
+first served); a front's requests past its share wait here, in order, until one of its own ends. A front silent
+for longer than node_link_timeout (it pings every HEARTBEAT) is gone: its requests are cancelled, its share freed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 
 from syshaxd.config import split_address
 from syshaxd.engine.kv_ledger import KVLedger
@@ -32,6 +36,8 @@ from syshaxd.remote.wire import (
     AbortKV,
     DecoderState,
     FromNode,
+    FrontHello,
+    FrontPing,
     KVReserved,
     NodeHello,
     NodeStatus,
@@ -55,7 +61,8 @@ class NodeServer:
 
     def __init__(self, host: str, port: int, secret: bytes, workers: list[WorkerHandle], ring: KVRing,
                  transfer: TransferEngine, ledger: KVLedger, backend: str, model_name: str,
-                 fingerprint: bytes, tiled_attention: bool = True) -> None:
+                 fingerprint: bytes, tiled_attention: bool = True, front_slots: int = 0,
+                 link_timeout: float = 3.0) -> None:
         self.host, self.port = host, port
         self.secret = secret
         self.workers = workers
@@ -64,8 +71,10 @@ class NodeServer:
         self.ledger = ledger
         self.backend, self.model_name, self.fingerprint = backend, model_name, fingerprint
         self.tiled_attention = tiled_attention
+        self.front_slots = front_slots  # node_front_slots: each front's share of the decoders' requests; 0: no cap
+        self.link_timeout = link_timeout  # a front silent this long is gone
         self.ring_address = mapping_address(ring.mapping)
-        self.session: FrontSession | None = None
+        self.sessions: dict[str, FrontSession] = {}  # front id -> its session
         self.refused = 0  # connections that failed the handshake
         self._handshakes = 0  # connections proving themselves now
         self._refusal_logged = 0.0
@@ -82,8 +91,8 @@ class NodeServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        if self.session is not None:
-            self.session.close("the node is stopping")
+        for session in list(self.sessions.values()):
+            session.close("the node is stopping")
 
     def decoder_states(self) -> tuple[DecoderState, ...]:
         return tuple(DecoderState(w.name, w.state, w.in_flight, w.spec.max_batch_size, w.spec.threads,
@@ -114,15 +123,20 @@ class NodeServer:
             return
         finally:
             self._handshakes -= 1
-        if self.session is not None:
-            self.session.close(f"a front connected from {peer}")
-        session = self.session = FrontSession(self, reader, writer, f"{peer[0]}:{peer[1]}", sealed)
-        log.info("front %s connected", session.peer)
+        session = FrontSession(self, reader, writer, f"{peer[0]}:{peer[1]}", sealed)
         try:
             await session.run()
         finally:
-            if self.session is session:
-                self.session = None
+            if self.sessions.get(session.front_id) is session:
+                del self.sessions[session.front_id]
+
+    def register(self, session: "FrontSession") -> None:
+        """A front said who it is: its earlier session, if it lost its link and came back, goes; others stay."""
+        earlier = self.sessions.get(session.front_id)
+        if earlier is not None:
+            earlier.close(f"the same front connected again from {session.peer}")
+        self.sessions[session.front_id] = session
+        log.info("front %s connected from %s (%d fronts now)", session.front_id, session.peer, len(self.sessions))
 
 
 def _abort_all(reservations) -> None:
@@ -141,7 +155,9 @@ class FrontSession:
         self.sealed = sealed
         self.reader, self.writer = reader, writer
         self.peer = peer
+        self.front_id = ""  # what the front calls itself (FrontHello)
         self.streams: dict[str, WorkerStream] = {}
+        self.waiting: deque[Submit] = deque()  # past the front's share (node_front_slots): run as its own end
         self.reservations: dict = {}  # request id -> ring Reservation the front is filling
         self._tasks: set[asyncio.Task] = set()
         self._relays: dict[str, asyncio.Task] = {}  # request id -> the task relaying its events
@@ -153,29 +169,42 @@ class FrontSession:
         hello = NodeHello(f"{node.host}:{node.port}", node.backend, node.model_name, node.fingerprint,
                           node.transfer.session, node.ring_address, node.ring.capacity, node.decoder_states(),
                           node.tiled_attention)
-        heartbeat = asyncio.ensure_future(self._heartbeat())
+        heartbeat = None
         try:
             self._send(hello)
+            first = await asyncio.wait_for(self.sealed.read(self.reader), HANDSHAKE_TIMEOUT)
+            if not isinstance(first, FrontHello) or not first.front_id:
+                raise wire.WireError(f"its first message is a {type(first).__name__}, not its hello")
+            self.front_id = first.front_id
+            node.register(self)
+            heartbeat = asyncio.ensure_future(self._heartbeat())
             while not self._closed:
-                self._handle(await self.sealed.read(self.reader))
+                self._handle(await asyncio.wait_for(self.sealed.read(self.reader), node.link_timeout))
+        except asyncio.TimeoutError:
+            self.close(f"the front said nothing for {node.link_timeout:g}s (node_link_timeout)")
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             self.close("the front closed the connection")
         except wire.WireError as exc:
             log.error("front %s sent what this node does not accept (%s); closing its connection", self.peer, exc)
             self.close(str(exc))
         finally:
-            heartbeat.cancel()
+            if heartbeat is not None:
+                heartbeat.cancel()
             self.close("the connection ended")
 
     def close(self, why: str) -> None:
         if self._closed:
             return
         self._closed = True
-        log.info("front %s gone (%s): cancelling its %d requests here", self.peer, why, len(self.streams))
+        log.info("front %s (%s) gone (%s): cancelling its %d requests here", self.front_id or "?", self.peer, why,
+                 len(self.streams) + len(self.waiting))
         for request_id, stream in list(self.streams.items()):
             stream.cancel()
             self.node.ledger.drop(request_id)
         self.streams.clear()
+        for submit in self.waiting:
+            self.node.ledger.drop(submit.request.request_id)
+        self.waiting.clear()
         # a write the front started may still land: the room goes back once it cannot any more
         reservations, self.reservations = list(self.reservations.values()), {}
         if reservations:
@@ -202,7 +231,8 @@ class FrontSession:
 
     async def _heartbeat(self) -> None:
         while not self._closed:
-            self._send(NodeStatus(self.node.decoder_states(), self.node.ring.stats().used_bytes))
+            self._send(NodeStatus(self.node.decoder_states(), self.node.ring.stats().used_bytes,
+                                  self.node.front_slots, len(self.node.sessions)))
             try:
                 await asyncio.wait_for(self.writer.drain(), HEARTBEAT * 4)
             except (asyncio.TimeoutError, ConnectionError, OSError):
@@ -218,6 +248,8 @@ class FrontSession:
             reservation = self.reservations.pop(message.request_id, None)
             if reservation is not None:
                 reservation.abort()
+        elif isinstance(message, FrontPing):
+            pass  # it lives: the read's timeout starts again
         elif isinstance(message, ToNode) and isinstance(message.message, Submit):
             self._submit(message.message)
         elif isinstance(message, ToNode) and isinstance(message.message, Cancel):
@@ -228,7 +260,10 @@ class FrontSession:
             relay = self._relays.pop(request_id, None)
             if relay is not None:
                 relay.cancel()  # its stream gets no more events: the worker forgot the request
+            for submit in [s for s in self.waiting if s.request.request_id == request_id]:
+                self.waiting.remove(submit)
             self.node.ledger.drop(request_id)
+            self._start_waiting()
         else:
             raise wire.WireError(f"a {type(message).__name__} is not a front's message")
 
@@ -257,6 +292,17 @@ class FrontSession:
             else:
                 reservation.commit()  # the front wrote the payload: publish it to the decoders
                 ledger.written(request.request_id, handling.kv, os.getpid())
+        submit = Submit(request, handling)
+        share = self.node.front_slots
+        if share and len(self.streams) >= share:  # its share is taken: it waits for one of its own to end
+            self.waiting.append(submit)
+            return
+        self._start(submit)
+
+    def _start(self, submit: Submit) -> None:
+        """Run the request on the node's least loaded ready decoder, relaying its events to the front."""
+        request, handling = submit.request, submit.handling
+        ledger = self.node.ledger
         worker = self.node.pick()
         try:
             if worker is None:
@@ -290,6 +336,13 @@ class FrontSession:
                 break
         del self.streams[request_id]
         self.node.ledger.drop(request_id)
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        """The front's requests that waited for its share, while there is room in it."""
+        while self.waiting and not self._closed and (not self.node.front_slots
+                                                     or len(self.streams) < self.node.front_slots):
+            self._start(self.waiting.popleft())
 
 
 async def serve_node(cfg, notifier, stop: asyncio.Event | None = None) -> int:
@@ -320,7 +373,7 @@ async def serve_node(cfg, notifier, stop: asyncio.Event | None = None) -> int:
                             ledger) for name, spec in engines.workers]
     model_name = served_name(cfg.model_name, model_path)
     server = NodeServer(host, port, secret, workers, ring, transfer, ledger, cfg.cpu_engine, model_name, fingerprint,
-                        cfg.tiled_attention)
+                        cfg.tiled_attention, cfg.node_front_slots, cfg.node_link_timeout)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -85,6 +85,24 @@ class NodeStatus:
 
     decoders: tuple[DecoderState, ...]
     ring_used: int = 0
+    # the requests this front may run on the node's decoders at once (its share, node_front_slots); 0: all of them.
+    # Past it the node queues the front's requests until one of its own ends.
+    front_slots: int = 0
+    fronts: int = 1  # fronts the node serves now
+
+
+@dataclass(frozen=True)
+class FrontHello:
+    """The front's first message, after the node's hello: who it is. A node serves several fronts at once, each on
+    its own connection; the same front connecting again (its link was lost) replaces its own earlier session."""
+
+    front_id: str
+
+
+@dataclass(frozen=True)
+class FrontPing:
+    """Sent by the front every HEARTBEAT seconds: a node drops a front silent longer than its link timeout (and
+    cancels that front's requests alone)."""
 
 
 @dataclass(frozen=True)

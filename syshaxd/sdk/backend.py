@@ -38,6 +38,9 @@ class Capabilities:
     prefix_cache: bool = False  # reads and fills the daemon's prefix cache
     kv_export: bool = False  # writes a prompt's KV record into the ring (prefill, handoff)
     kv_import: bool = False  # continues from a KV record read from the ring (decode)
+    # keeps a prefix cache of its own (vLLM's), which hits only on prompts this engine ran: in a pool of them the
+    # scheduler places a request where its prefix is (engine/prefix_routing.py)
+    own_prefix_cache: bool = False
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class _Live:
     out: SequenceOutput  # text, stop strings and finish reasons, as every engine decides them
     internal_id: str = ""
     handoff: bool = False  # the prompt alone, its KV into the ring (prefill role, or offloaded in auto mode)
+    counted: bool = False  # its prompt's cached tokens are counted (at its first output)
 
     @property
     def n_generated(self) -> int:
@@ -105,7 +106,9 @@ class VllmEngine:
             self._export_args = connector.EXPORT_PARAMS
         self.live: dict[str, _Live] = {}  # our request id -> request, while vLLM holds it
         self.by_internal: dict[str, str] = {}  # vLLM's request id -> ours
-        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0}
+        # cached_tokens: prompt tokens vLLM's own prefix cache held (its num_cached_tokens), what prefix-aware
+        # placement across a pool of these engines wins (engine/prefix_routing.py)
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "cached_tokens": 0}
         self._rate = TokenRate()
         log.info("vLLM engine ready (%s, role %s): %s, n_ctx=%d, max_num_seqs=%d, in %.1fs",
                  "CPU build" if self.on_cpu else "CUDA", spec.role, self.folder.name, self.n_ctx, self.max_seqs,
@@ -230,6 +233,9 @@ class VllmEngine:
             live = self.live.get(rid)
             if live is None:
                 continue  # cancelled meanwhile
+            if not live.counted:
+                live.counted = True
+                self.counters["cached_tokens"] += int(getattr(out, "num_cached_tokens", 0) or 0)
             if live.handoff:
                 if out.finished:
                     events.append(self._hand_on(live, out))

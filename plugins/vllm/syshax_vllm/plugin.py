@@ -36,6 +36,7 @@ def syshax_backends():
             factory=_create,
             # its own logprobs where it generates; a prompt handed on carries none (the connector moves KV only);
             # it keeps its own prefix cache, not the daemon's
-            capabilities=Capabilities(logprobs=True, prompt_logprobs=True, grammars=True, kv_export=True),
+            capabilities=Capabilities(logprobs=True, prompt_logprobs=True, grammars=True, kv_export=True,
+                                      own_prefix_cache=True),
         )
     ]
