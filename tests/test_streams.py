@@ -98,7 +98,7 @@ def engines(cpu, gpu=None, decide=None) -> Engines:
     async def never_ready(pool):
         return False
 
-    def pick(pool):
+    def pick(pool, request=None):  # the request: for placement by prefix, which these pools do not use
         worker = cpu() if pool == Pool.CPU else gpu() if gpu is not None else None
         if worker is None or worker.state != "ready":
             raise EngineUnavailable(f"no {pool} worker is ready")
