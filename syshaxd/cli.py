@@ -185,6 +185,9 @@ def _print_status(st: dict) -> None:
     state = "draining" if st["draining"] else ("ready" if sched.ready else "not ready")
     print(f"syshaxd {st['version']}  pid {st['pid']}  up {_duration(st['uptime_s'])}  mode {sched.mode}  {state}")
     print(f"model {st['model']} on {st['listen']}  config {st['config_source'] or '(built-in defaults)'}")
+    if sched.model_file:
+        f = sched.model_file
+        print(f"model file {f['path']} ({f['file_type']}): {f['why']}")
     print(f"requests in flight {sched.in_flight} of capacity {sched.capacity} (queue {sched.max_queue_size})  "
           f"HTTP generations active {st['http_active']}")
     if st["draining"]:

@@ -24,7 +24,7 @@ class Mode(StrEnum):
 
 
 MODES = tuple(Mode)
-QUANTIZE_TYPES = ("", "q4_0")
+QUANTIZE_TYPES = ("", "q4_0", "q8_0")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PREEMPTION_MODES = ("recompute",)
 
@@ -59,7 +59,7 @@ class Config:
     model: str = ""  # a GGUF path; empty serves the prepared default model
     model_name: str = ""  # the id clients send as "model"; empty: derived from the file
     model_dir: str = "models"  # where the default model is prepared and quantized copies cached
-    quantize: str = "q4_0"  # quantize the GGUF at first load (llama.cpp's quantizer), cached
+    quantize: str = "q4_0"  # an F32/F16/BF16 GGUF is quantized to this at first load (cached); quantized ones stay
 
     # CPU engine (llama.cpp)
     cpu_engine: str = "llamacpp"  # the backend plugin of the CPU workers ("syshax plugins" lists them)
@@ -233,7 +233,8 @@ def _validate(cfg: Config) -> None:
     if cfg.mode not in MODES:
         raise ConfigError(f"mode: must be one of {', '.join(MODES)}; got {cfg.mode!r}")
     if cfg.quantize not in QUANTIZE_TYPES:
-        raise ConfigError(f'quantize: must be "" (load as is) or "q4_0"; got {cfg.quantize!r}')
+        raise ConfigError(f'quantize: must be "" (load every file as it is), "q4_0" or "q8_0" (the type an '
+                          f'unquantized F32/F16/BF16 file is quantized to at first load); got {cfg.quantize!r}')
     if cfg.repack not in REPACK_SETTINGS:
         raise ConfigError(f'repack: must be "auto" (the fastest kernels that run correctly on this CPU), "on" or '
                           f'"off" (plain kernels); got {cfg.repack!r}')

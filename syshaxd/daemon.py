@@ -30,6 +30,8 @@ from syshaxd.engine.prefix_cache import PrefixCache
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.sdk.kv.ring import KVRing
 from syshaxd.engine.routing_rules import RuleError, check_served
+from syshaxd.sdk.gguf.header import GGUFError
+from syshaxd.sdk.gguf.quantize import load_plan
 from syshaxd.sdk.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
 from syshaxd.startup import StartupError, create_ring, create_store
@@ -72,6 +74,11 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
         model_path = resolve_model(cfg.model, cfg.model_dir_path())
     except ModelError as exc:
         raise StartupError(str(exc)) from None
+    try:
+        model_file = load_plan(model_path, cfg.quantize)
+    except GGUFError as exc:
+        raise StartupError(f"model: {exc}; pass --model PATH to a GGUF file (llama.cpp's model format)") from None
+    log.info("model %s: %s", model_path.name, model_file.why)
     model_name = served_name(cfg.model_name, model_path)
     try:
         check_served(cfg.routing_rules, model_name)  # a rule on a model not served here could never match
@@ -84,7 +91,9 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
     ring = create_ring(engines.ring) if engines.ring is not None else None
     store = create_store(engines.prefix) if engines.prefix is not None else None
     try:
-        return await Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys).run()
+        service = Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys)
+        service.scheduler.model_file = model_file.to_json()
+        return await service.run()
     finally:
         for segment in (ring, store):  # the shared-memory segments go with the daemon
             if segment is not None:
@@ -98,7 +107,7 @@ def _remote_nodes(cfg: Config, ring: KVRing | None, ledger: KVLedger, model_path
         return []
     from syshaxd.remote.front import FrontTransfer, RemoteNode
     from syshaxd.remote.wire import read_secret
-    from syshaxd.sdk.gguf.header import GGUFError, fingerprint_from_gguf
+    from syshaxd.sdk.gguf.header import fingerprint_from_gguf
     from syshaxd.sdk.types import EngineSpec, Role
 
     try:

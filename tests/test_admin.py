@@ -111,6 +111,9 @@ def test_status_shows_mode_engines_and_queue(admin):
     table = syshax(admin, "status")
     assert table.returncode == 0, table.stderr
     assert "mode cpu" in table.stdout and "WORKER" in table.stdout
+    # the GGUF served, its type and what was done with it (the conftest's q4_0 copy of the default: as it is)
+    assert st["model_file"]["file_type"] == "Q4_0" and st["model_file"]["quantized_to"] is None
+    assert f"model file {st['model_file']['path']} (Q4_0): already q4_0: loaded as it is" in table.stdout
     assert any(line.split()[:3] == ["cpu0", "generate", "ready"] for line in table.stdout.splitlines())
     # which CPU kernels the worker runs, and why (the llama.cpp engine's choice: tests/test_kernels.py)
     kernels = st["workers"][0]["kernels"]

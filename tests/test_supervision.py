@@ -74,9 +74,10 @@ def test_a_request_whose_worker_is_not_back_within_request_timeout_ends_with_a_c
         assert d.stop() == 0
 
 
-def test_an_engine_that_cannot_load_keeps_health_at_503_with_the_reason(tmp_path):
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"this is not a GGUF file")
+def test_an_engine_that_cannot_load_keeps_health_at_503_with_the_reason(tmp_path, default_model):
+    broken = tmp_path / "broken.gguf"  # a GGUF cut short: its header reads, its weights are not all there
+    with open(default_model, "rb") as src:
+        broken.write_bytes(src.read(default_model.stat().st_size // 2))
     d = start_daemon(tmp_path, {"model": str(broken), "quantize": ""}, wait=False)
     try:
         status, body = wait_for(lambda: _health_if(d, "failed"), what="the failed state")
@@ -94,6 +95,15 @@ def _health_if(d, wanted: str):
     except OSError:
         return None  # not listening yet
     return (status, body) if body.get("status") == wanted else None
+
+
+def test_a_file_that_is_not_a_gguf_is_a_clear_startup_error(tmp_path):
+    broken = tmp_path / "model.safetensors"
+    broken.write_bytes(b"this is not a GGUF file")
+    done = subprocess.run([sys.executable, "-m", "syshaxd", "--model", str(broken), "--port", "0"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "model.safetensors: not a GGUF" in done.stderr and "pass --model PATH to a GGUF file" in done.stderr
 
 
 def test_missing_model_file_is_a_clear_startup_error(tmp_path):

@@ -33,7 +33,12 @@ def _proved(worker) -> bool | None:
     return proven.exact_decode if proven is not None else None
 
 
-def _why_not(worker) -> str:
+# the weight types whose llama.cpp kernels (with mk/llama-wheel.sh's changes) give a row the same bits alone and
+# in a chunk, as the warm-up proves on this suite's models; K-quants, F16 and the others sum them otherwise
+PROVEN_TYPES = ("Q4_0", "Q8_0")
+
+
+def _why_not(worker, file_type: str = "") -> str:
     attention = worker.info.get("attention")
     if _proved(worker) is None and not attention:
         if worker.state != "ready":
@@ -43,18 +48,23 @@ def _why_not(worker) -> str:
     if attention == "llama.cpp":
         return (f"{worker.name} runs llama.cpp's own attention (tiled_attention = false, or a CPU without AVX-512 or "
                 "AVX2 with F16C and FMA): a near-tie can flip")
+    if file_type and file_type not in PROVEN_TYPES:
+        return (f"{worker.name}'s warm-up found that a decode step gives other bits than a prompt chunk with this "
+                f"model's {file_type} weights (llama.cpp sums them otherwise in a lone row and in a chunk; "
+                f"{' and '.join(PROVEN_TYPES).lower()} files hold): a near-tie can flip")
     return (f"{worker.name}'s warm-up found that a decode step gives other bits than a prompt chunk (a llama.cpp not "
             "built by mk/llama-wheel.sh?): a near-tie can flip")
 
 
-def exactness(workers, hetero: bool) -> ExactStatus:
-    """The promises over `workers` (local handles and remote nodes); `hetero`: the daemon serves the hetero route."""
+def exactness(workers, hetero: bool, file_type: str = "") -> ExactStatus:
+    """The promises over `workers` (local handles and remote nodes); `hetero`: the daemon serves the hetero route;
+    `file_type`: the served GGUF's weight type (Q4_K_M, ...), named where it is why a promise fails."""
     decoders = [w for w in workers if w.spec.pool in (Pool.CPU, Pool.GPU)]  # they generate: resumes run there
     prefill = [w for w in workers if w.spec.pool == Pool.PREFILL or (w.spec.pool == Pool.GPU and w.spec.ring)]
     why: list[str] = []
     for w in decoders + [p for p in prefill if p not in decoders]:
         if not _proved(w):
-            why.append(_why_not(w))
+            why.append(_why_not(w, file_type))
     resume = all(_proved(w) for w in decoders)
     equal = all(_proved(w) for w in decoders if w.spec.pool == Pool.CPU) and all(_proved(w) for w in prefill)
     return ExactStatus(hetero_equals_cpu=equal if hetero else None, resume_exact=resume, why=why)

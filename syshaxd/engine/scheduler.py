@@ -65,6 +65,7 @@ class Scheduler:
                                                   config.n_ctx)
         self.vocab = self.prompts.vocab
         self.pools = {pool: [w for w in workers if w.spec.pool == pool] for pool in Pool}
+        self.model_file: dict = {}  # the daemon's LoadPlan of the GGUF, for the status
         self.decoders = self.pools[Pool.CPU]
         self.prefill = self.pools[Pool.PREFILL]
         self.gpu = self.pools[Pool.GPU]
@@ -403,6 +404,11 @@ class Scheduler:
                           rules_matched=dict(self.rules_matched), rules_without_room=dict(self.rules_without_room),
                           estimates=self.estimates.to_json())
 
+    def served_type(self) -> str:
+        """The weight type the engines load: the GGUF's own, or what it was quantized to ("" if unknown)."""
+        f = self.model_file
+        return (f.get("quantized_to") or f.get("file_type") or "").upper()
+
     def status(self) -> SchedulerStatus:
         return SchedulerStatus(
             mode=self.mode,
@@ -420,8 +426,10 @@ class Scheduler:
             prefix_cache=self.ledger.prefix_status(),
             workers=[w.status() for w in self.workers],
             nodes=[w.link_status() for w in self.workers if w.remote],
-            exact=exactness(self.workers, hetero=not self._unservable[Mode.HETERO]),
+            exact=exactness(self.workers, hetero=not self._unservable[Mode.HETERO],
+                            file_type=self.served_type()),
             prefix_routing=self.prefix_routing.to_json(),
+            model_file=self.model_file,
             pools={str(pool): {"serving": [w.name for w in workers if w.state == "ready"],
                                "out": [f"{w.name} ({w.state})" for w in workers if w.state != "ready"]}
                    for pool, workers in self.pools.items() if workers},

@@ -124,6 +124,8 @@ class SchedulerStatus:
     pools: dict[str, dict[str, list[str]]] = dataclasses.field(default_factory=dict)
     # a pool of engines with their own prefix caches: requests placed where their prefix was, or by load
     prefix_routing: dict = dataclasses.field(default_factory=dict)
+    # the GGUF served: its file type and whether the engines load it as it is or quantized (sdk/gguf/quantize.py)
+    model_file: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

