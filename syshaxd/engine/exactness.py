@@ -34,7 +34,8 @@ def _proved(worker) -> bool | None:
 
 
 # the weight types whose llama.cpp kernels (with mk/llama-wheel.sh's changes) give a row the same bits alone and
-# in a chunk, as the warm-up proves on this suite's models; K-quants, F16 and the others sum them otherwise
+# in a batch, as the warm-up proves (tests/test_own_model.py, test_families.py); K-quants (a Q4_K_M's Q4_K layers and
+# Q6_K output) and F16 sum them otherwise, which is why quantize.py writes its copies' output matrix in q8_0
 PROVEN_TYPES = ("Q4_0", "Q8_0")
 
 
@@ -50,8 +51,9 @@ def _why_not(worker, file_type: str = "") -> str:
                 "AVX2 with F16C and FMA): a near-tie can flip")
     if file_type and file_type not in PROVEN_TYPES:
         return (f"{worker.name}'s warm-up found that a decode step gives other bits than a prompt chunk with this "
-                f"model's {file_type} weights (llama.cpp sums them otherwise in a lone row and in a chunk; "
-                f"{' and '.join(PROVEN_TYPES).lower()} files hold): a near-tie can flip")
+                f"model's {file_type} weights (this llama.cpp's K-quant and F16 products give a row other bits in a "
+                f"decode batch than alone; {' and '.join(PROVEN_TYPES).lower()} files hold, and F16 files quantized "
+                "here): a near-tie can flip")
     return (f"{worker.name}'s warm-up found that a decode step gives other bits than a prompt chunk (a llama.cpp not "
             "built by mk/llama-wheel.sh?): a near-tie can flip")
 

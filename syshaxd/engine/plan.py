@@ -14,6 +14,7 @@ from pathlib import Path
 from syshaxd.config import Config
 from syshaxd.sdk import faults
 from syshaxd.sdk.types import EngineSpec, GpuSettings, Pool, Role
+from syshaxd.sdk.gguf.header import GGUFError, read_gguf_header
 from syshaxd.sdk.numa import (
     ENV_CPU_AFFINITY,
     ENV_THREADS,
@@ -109,9 +110,32 @@ def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixSto
     return PrefixStorePlan(instance, n_slots, slot, n_wide, wide, block, chunk, keep)
 
 
+# families llama.cpp runs with a second KV cache for their sliding-window layers (iswa): the KV record carries one
+# cache, so their prompts are not handed between engines (the llama.cpp engine refuses a ring for any such model)
+SLIDING_WINDOW_ARCHS = ("gemma2", "gemma3", "gemma3n", "gemma4", "cohere2", "exaone4")
+
+
+def _arch(model_path: Path) -> str | None:
+    try:
+        return read_gguf_header(model_path)[0].get("general.architecture")
+    except (GGUFError, OSError):
+        return None  # the engines say what is wrong with the file
+
+
+def _refuse_handoff_of_window_layers(model_path: Path, mode: str) -> None:
+    arch = _arch(model_path)
+    if mode in ("hetero", "auto") and arch in SLIDING_WINDOW_ARCHS:
+        raise PlanError(f"{mode} mode: {model_path.name} is a {arch} model, whose sliding-window layers keep a second "
+                        "KV cache that the handoff does not carry yet; serve it in cpu mode (--mode cpu)")
+
+
 def _with_prefix_store(engines: Engines, cfg: Config, model_path: Path, instance: str) -> Engines:
     """Every worker may use the prefix cache; the engines that implement it (llama.cpp) attach the store, and keep
     what requests generate where the plan says so (cpu mode) and their tiled attention proves it exact."""
+    if _arch(model_path) in SLIDING_WINDOW_ARCHS:
+        log.info("no prefix cache: %s's sliding-window layers keep a second KV cache, which blocks do not carry",
+                 model_path.name)
+        return engines
     store = plan_prefix_store(cfg, model_path, instance)
     if store is None:
         return engines
@@ -249,6 +273,7 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
             _cpu_backend(cfg.cpu_engine, cfg.mode)
             placements = plan_cpu_workers(topology, _overrides(cfg, env), role="generate")
             return Engines([(f"cpu{p.index}", replace(base, threads=p.threads, placement=p)) for p in placements])
+        _refuse_handoff_of_window_layers(model_path, cfg.mode)
         pool = split_pool(cfg.prefill_engine, cfg.prefill_cpu_affinity, cfg.gpu_devices)
         if cfg.mode == "gpu":
             # the engines do both phases; on a host without a GPU they run on these CPUs

@@ -294,14 +294,62 @@ def widen_streams(buf: np.ndarray, size: int, n_stream: int) -> int:
 
     A 1-sequence context exports one stream; a non-unified context with N sequences has N
     streams and refuses any other count. Only the count changes, and the other streams'
-    (empty) cell counts follow the data, so buf needs 4 * (n_stream - 1) spare bytes.
+    (empty) cell counts follow the data, so buf needs 4 * (n_stream - 1) spare bytes per KV cache
+    in the state: one for most models, two for a model with sliding-window layers (gemma 2 and 3:
+    llama.cpp's iswa cache writes its full cache, then its window cache), see state_sections.
     """
     head = np.frombuffer(buf, np.uint32, 3)
     if head[0] != STATE_MAGIC or head[2] != 1:
         raise StateFormatError("not a one-stream sequence state")
     extra = 4 * (n_stream - 1)
-    if len(buf) < size + extra:
-        raise ValueError(f"need {size + extra} bytes of buffer, have {len(buf)}")
-    np.frombuffer(buf, np.uint32, 3)[2] = n_stream
-    buf[size:size + extra] = 0
-    return size + extra
+    sections = state_sections(buf, size)
+    if len(buf) < size + extra * len(sections):
+        raise ValueError(f"need {size + extra * len(sections)} bytes of buffer, have {len(buf)}")
+    if len(sections) == 1:  # the common case: no copy
+        np.frombuffer(buf, np.uint32, 3)[2] = n_stream
+        buf[size:size + extra] = 0
+        return size + extra
+    parts = [buf[:8].copy()]
+    for start, end in sections:
+        body = buf[start:end].copy()
+        body[:4] = np.frombuffer(np.uint32(n_stream).tobytes(), np.uint8)
+        parts += [body, np.zeros(extra, np.uint8)]
+    out = np.concatenate(parts)
+    buf[:len(out)] = out
+    return len(out)
+
+
+def state_sections(buf, size: int) -> list[tuple[int, int]]:
+    """Where each KV cache's part of a one-stream sequence state starts (its stream count) and ends: one part for
+    most models, two for llama.cpp's iswa cache (full-attention layers, then sliding-window layers)."""
+    mv = memoryview(buf).cast("B")[:size]
+    pos, sections = 8, []
+    try:
+        while pos < size:
+            start = pos
+            (streams,) = struct.unpack_from("<I", mv, pos)
+            pos += 4
+            for _ in range(streams):
+                (cells,) = struct.unpack_from("<I", mv, pos)
+                pos += 4
+                if not cells:
+                    continue
+                pos += 12 * cells  # pos, n_seq_id (1) and the seq id per cell, as parse_seq_state reads them
+                v_trans, n_layer = struct.unpack_from("<II", mv, pos)
+                pos += 8
+                for _ in range(n_layer):  # K rows
+                    _, row = struct.unpack_from("<iQ", mv, pos)
+                    pos += 12 + row * cells
+                for _ in range(n_layer):  # V rows, or V transposed
+                    if v_trans:
+                        _, elem, n_embd = struct.unpack_from("<iII", mv, pos)
+                        pos += 12 + elem * n_embd * cells
+                    else:
+                        _, row = struct.unpack_from("<iQ", mv, pos)
+                        pos += 12 + row * cells
+            sections.append((start, pos))
+    except struct.error:
+        raise StateFormatError(f"state ends early at byte {pos}") from None
+    if pos != size:
+        raise StateFormatError(f"a state of {size} bytes has parts ending at byte {pos}")
+    return sections

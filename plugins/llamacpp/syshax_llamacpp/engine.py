@@ -48,6 +48,13 @@ TILED_ATTENTION_ENV = "SYSHAX_FA_TILED"
 SPLIT_KV_FROM = 256
 
 
+def _meta(model, key: bytes) -> str:
+    """A metadata string of a loaded model ("" when it has none)."""
+    buf = ctypes.create_string_buffer(128)
+    n = llama_cpp.llama_model_meta_val_str(model, key, buf, len(buf))
+    return buf.value.decode("utf-8", "replace") if n > 0 else ""
+
+
 def _graph_observer(on_graph: Callable[[], None]):
     """llama.cpp's eval callback, asking to see only each graph's output node and calling on_graph there."""
     ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
@@ -128,6 +135,17 @@ class LlamaCppEngine:
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         if self.model is None:
             raise RuntimeError(f"llama.cpp could not load {path}")
+        self.arch = _meta(self.model, b"general.architecture") or "this model"
+        if llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model):
+            raise RuntimeError(f"{path.name} is a {self.arch} model, whose recurrent state this engine cannot move "
+                               "between its contexts; serve a transformer model (llama, qwen, mistral, gemma, phi)")
+        # sliding-window layers (gemma 2 and 3): llama.cpp keeps them in a second KV cache (iswa), which the KV
+        # record (ring handoffs, the prefix cache, remote nodes) does not carry; such a model serves in cpu mode,
+        # each prompt computed whole
+        self.sliding_window = llama_cpp.llama_model_n_swa(self.model) > 0
+        if self.sliding_window and spec.ring:
+            raise RuntimeError(f"{self.arch} has sliding-window attention layers, whose KV the handoff does not "
+                               "carry yet: serve it in cpu mode (--mode cpu)")
         self.vocab = Vocab(model=self.model)  # tokenizing, chat template and pieces, as every engine does them
         self.n_vocab = self.vocab.n_vocab
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
@@ -184,7 +202,9 @@ class LlamaCppEngine:
         # where nothing decodes or one slot is all there is (a sequence is then always alone)
         self.pad_lone = self.decodes and self.max_seqs > 1
         self.store = None  # the daemon's prefix cache: blocks of prompt KV, shared by its workers
-        if spec.prefix_store:
+        if spec.prefix_store and self.sliding_window:
+            log.info("no prefix cache for %s: its sliding-window layers' KV is not kept in blocks", self.arch)
+        elif spec.prefix_store:
             from syshaxd.sdk.kv.block_store import BlockStore
 
             self.store = BlockStore.attach(spec.prefix_store)
@@ -274,7 +294,7 @@ class LlamaCppEngine:
             if llama_cpp.llama_decode(self.prefill_ctx, b) != 0:
                 raise RuntimeError(f"warm-up: llama_decode of a {n}-token prompt chunk failed")
             size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
-            buf = self._state.ensure(size + 4 * self.max_seqs)
+            buf = self._state.ensure(size + 8 * self.max_seqs)  # widen_streams: 2 KV caches at most
             export_seq(self.prefill_ctx, 0, self._state)
             reference = (buf[:size].copy(), np.ctypeslib.as_array(
                 llama_cpp.llama_get_logits_ith(self.prefill_ctx, n - 1), (self.n_vocab,)).copy())
@@ -323,17 +343,27 @@ class LlamaCppEngine:
         had computed it. Leaves the prefill context empty."""
         n = len(history)
         batched = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, 0), (self.n_vocab,)).copy()
-        decoded = parse_seq_state(export_seq(self.ctx, 0, self._state).copy(), self.fingerprint)
+        if self.sliding_window:  # two KV caches: compare the states' bytes, the prompt's widened to the batch's
+            decoded_bytes = export_seq(self.ctx, 0, self._state).copy()
+        else:
+            decoded = parse_seq_state(export_seq(self.ctx, 0, self._state).copy(), self.fingerprint)
         cuts = [0, 1]  # a row alone, then 16 rows, then chunks as long as they come
         while cuts[-1] < n:
             cuts.append(min(n, cuts[-1] + (min(16, self.chunk) if len(cuts) == 2 else self.chunk)))
         llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         try:
             logits = self._run_cuts(history, cuts)
-            prompted = parse_seq_state(export_seq(self.prefill_ctx, 0, self._state), self.fingerprint)
-            same = (np.array_equal(logits, batched) and np.array_equal(decoded.positions, prompted.positions)
-                    and all(np.array_equal(a.view(np.uint16), z.view(np.uint16))
-                            for a, z in zip(decoded.k + decoded.v, prompted.k + prompted.v)))
+            if self.sliding_window:
+                size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
+                buf = self._state.ensure(size + 8 * self.max_seqs)
+                export_seq(self.prefill_ctx, 0, self._state)
+                size = widen_streams(buf, size, self.max_seqs)
+                same = np.array_equal(logits, batched) and np.array_equal(buf[:size], decoded_bytes)
+            else:
+                prompted = parse_seq_state(export_seq(self.prefill_ctx, 0, self._state), self.fingerprint)
+                same = (np.array_equal(logits, batched) and np.array_equal(decoded.positions, prompted.positions)
+                        and all(np.array_equal(a.view(np.uint16), z.view(np.uint16))
+                                for a, z in zip(decoded.k + decoded.v, prompted.k + prompted.v)))
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         if faults.fails_proof(self.spec.fault, "generated"):
@@ -592,7 +622,7 @@ class LlamaCppEngine:
             cached = self._keep_blocks(seq, None, logits)
             return [*cached, self._hand_on(seq, token, lp)]
         size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
-        buf = self._state.ensure(size + 4 * self.max_seqs)
+        buf = self._state.ensure(size + 8 * self.max_seqs)  # widen_streams: 2 KV caches at most
         export_seq(self.prefill_ctx, 0, self._state)
         cached = self._keep_blocks(seq, buf[:size], logits)
         llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)

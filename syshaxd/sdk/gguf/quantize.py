@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* values for the types syshax quantizes to (SYSHAX_QUANTIZE / `quantize`)
 FTYPES = {"q4_0": 2, "q8_0": 7}
+GGML_TYPE_Q8_0 = 8  # ggml.h's ggml_type
 # general.file_type's names (llama.h's llama_ftype), for the status and the logs
 FTYPE_NAMES = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
@@ -117,6 +118,10 @@ def _quantize(source: Path, target: Path, ftype: int) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.allow_requantize = True  # the embedded model ships as Q4_1
+    # the output matrix (the token embeddings where they are tied) in q8_0, not llama.cpp's default q6_K: this
+    # llama.cpp's q6_K product gives a row other bits in a decode batch than alone, which would break the exact
+    # promises (the warm-up's proofs compare the logits); the embedded model's is q8_0 as well
+    params.output_tensor_type = params.token_embedding_type = GGML_TYPE_Q8_0
     params.nthread = len(os.sched_getaffinity(0))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
