@@ -318,10 +318,10 @@ def test_auto_stream_holds_only_what_may_be_a_call():
     stream = ToolStream(parse_tools({"tools": TOOLS}))
     sent = "".join(stream.feed(p) for p in ["Let me ", "check.\n<tool", "_call>\n", '{"name": "add", ',
                                              '"arguments": {"a": 1, "b": 2}}\n</tool_call>'])
-    rest, calls = stream.finish()
+    rest, calls = stream.finish("stop")
     assert sent + rest == "Let me check.\n" and calls[0].name == "add"
     stream = ToolStream(parse_tools({"tools": TOOLS}))
-    assert "".join(stream.feed(p) for p in ["Hello", " <b>", "there"]) + stream.finish()[0] == "Hello <b>there"
+    assert "".join(stream.feed(p) for p in ["Hello", " <b>", "there"]) + stream.finish("stop")[0] == "Hello <b>there"
 
 
 # A template with a tool format (Hermes/Qwen2.5 style, cut down): tools and earlier calls reach it as HF passes them.

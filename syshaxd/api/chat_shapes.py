@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from syshaxd.api import logprob_shapes
 from syshaxd.api.exchange import Choice, Exchange
-from syshaxd.api.tools import parse_output
+from syshaxd.api.tools import finish_reason, parse_output
 from syshaxd.sdk.types import Delta
 
 
@@ -23,10 +23,11 @@ class ChatExchange(Exchange):
     def choice_body(self, ch: Choice, text: str) -> dict:
         message, finish = {"role": "assistant", "content": text}, ch.finish
         if self.tools is not None:
-            content, calls = parse_output(text, self.tools)
+            content, calls = parse_output(text, self.tools, cut=ch.finish == "length")
+            message = {"role": "assistant", "content": content}
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": [c.to_json() for c in calls]}
-                finish = "tool_calls"
+                message["tool_calls"] = [c.to_json() for c in calls]
+            finish = finish_reason(ch.finish, calls)
         return {"index": ch.index, "message": message, "logprobs": ch.logprobs, "finish_reason": finish}
 
     def chunk(self, index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
@@ -47,11 +48,14 @@ class ChatExchange(Exchange):
         return None if lp is not None and not lp["content"] else lp
 
     def tool_call_chunks(self, index: int, calls: list) -> list[dict]:
-        """A choice's calls as OpenAI streams them: id, type and name first, then the arguments."""
+        """A choice's calls as OpenAI streams them: id, type and name first, then the arguments (a call cut before
+        them has none)."""
         chunks = []
         for i, call in enumerate(calls):
-            for part in (call.to_json(i) | {"function": {"name": call.name, "arguments": ""}},
-                         {"index": i, "function": {"arguments": call.arguments}}):
+            parts = [call.to_json(i) | {"function": {"name": call.name, "arguments": ""}}]
+            if call.arguments:
+                parts.append({"index": i, "function": {"arguments": call.arguments}})
+            for part in parts:
                 choice = {"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
                 chunks.append(self.head(self.CHUNK_OBJECT) | {"choices": [choice]})
         return chunks

@@ -224,6 +224,11 @@ class Finish:
     cached_tokens: int
     tokens: tuple[int, ...] = ()
 
+    @property
+    def whole_calls(self) -> bool:
+        """The output is tool calls, none of them cut short by max_tokens."""
+        return bool(self.calls) and all(c.complete for c in self.calls)
+
 
 async def turn(request: web.Request, parsed: ParsedRequest, fan: Fanout, accepted: list[Accepted],
                timer: RequestTimer) -> AsyncIterator[str | Finish | None]:
@@ -258,7 +263,7 @@ async def turn(request: web.Request, parsed: ParsedRequest, fan: Fanout, accepte
         text = held.feed(event.text) if held is not None else event.text
         calls = []
         if event.finish_reason and held is not None:
-            rest, calls = held.finish()
+            rest, calls = held.finish(event.finish_reason)
             text += rest
         if text or (event.finish_reason and not shown and not calls):
             shown = True

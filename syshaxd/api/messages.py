@@ -26,6 +26,7 @@ from syshaxd.api.fields import check_fields
 from syshaxd.api.fanout import Fanout
 from syshaxd.api.generation import Finish, admitted, read_body, route_of, stream_sse, turn, typed_sse
 from syshaxd.api.keys import MODEL_NAME, STATE, VOCAB
+from syshaxd.api.tools import partial_object
 from syshaxd.api.validate import ParsedRequest, parse_chat
 from syshaxd.sdk.types import Accepted
 from syshaxd.metrics import RequestTimer
@@ -189,7 +190,7 @@ async def _stop_sequence(request: web.Request, finish: Finish, stops: tuple[str,
     """The stop sequence that ended the text, if one did. The engines finish with "stop" both at an
     end-of-generation token and at a stop string; the generated ids tell which (the first stop string in
     them is the one that ended it)."""
-    if finish.reason != "stop" or finish.calls or not stops or not finish.tokens:
+    if finish.reason != "stop" or finish.whole_calls or not stops or not finish.tokens:
         return None
     holder = request.app[VOCAB]
     vocab = await holder.get()
@@ -201,7 +202,7 @@ async def _stop_sequence(request: web.Request, finish: Finish, stops: tuple[str,
 
 
 def _stop_reason(finish: Finish, stop_sequence: str | None) -> str:
-    if finish.calls:
+    if finish.whole_calls:  # a tool_use that max_tokens cut short ends with "max_tokens", as Anthropic's does
         return "tool_use"
     if stop_sequence is not None:
         return "stop_sequence"
@@ -237,8 +238,9 @@ async def _events(request: web.Request, parsed: ParsedRequest, message_id: str, 
         index += 1
     for call in finish.calls:
         yield {"type": "content_block_start", "index": index, "content_block": _tool_use(call)}
-        yield {"type": "content_block_delta", "index": index,
-               "delta": {"type": "input_json_delta", "partial_json": call.arguments}}
+        if call.arguments:  # the SDK parses what it has after each delta: an empty one would be no JSON
+            yield {"type": "content_block_delta", "index": index,
+                   "delta": {"type": "input_json_delta", "partial_json": call.arguments}}
         yield {"type": "content_block_stop", "index": index}
         index += 1
     stop = await _stop_sequence(request, finish, parsed.generate.stop)
@@ -267,7 +269,8 @@ async def _folded(events: AsyncIterator[dict]) -> dict:
             else:
                 partial[event["index"]] = partial.get(event["index"], "") + delta["partial_json"]
         elif kind == "content_block_stop" and event["index"] in partial:
-            message["content"][event["index"]]["input"] = json.loads(partial[event["index"]])
+            # a tool_use max_tokens cut short holds what arrived whole, as the SDK reads the stream
+            message["content"][event["index"]]["input"] = partial_object(partial[event["index"]])
         elif kind == "message_delta":
             message |= event["delta"] | {"usage": event["usage"], "syshax": event["syshax"]}
     return message

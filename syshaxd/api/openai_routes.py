@@ -17,7 +17,7 @@ from syshaxd.api.fanout import Fanout
 from syshaxd.api.generation import (ClientGone, admitted, engine_failed, next_event, prepared, read_body, rejected,
                                     route_of, run, write_within)
 from syshaxd.api.keys import MODEL_NAME, STATE, VOCAB
-from syshaxd.api.tools import ToolStream
+from syshaxd.api.tools import ToolStream, finish_reason
 from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion
 from syshaxd.engine.prompts import Pieces
 from syshaxd.metrics import RequestTimer
@@ -144,12 +144,12 @@ async def _respond_stream(request, fan: Fanout, accepted: list[Accepted], ex: Ex
             if event.finish_reason:
                 ch.finish = finish = event.finish_reason
                 if held is not None:
-                    rest, calls = held[ch.index].finish()
+                    rest, calls = held[ch.index].finish(finish)
                     if rest:
                         await send(_sse(ex.chunk(ch.index, rest, None)))
                     for chunk in ex.tool_call_chunks(ch.index, calls):
                         await send(_sse(chunk))
-                    finish = "tool_calls" if calls else finish
+                    finish = finish_reason(finish, calls)
                 left -= 1
                 await send(_sse(ex.final_chunk(ch.index, finish, route_of(fan.route_stream))))
                 if not left:

@@ -262,7 +262,7 @@ async def _events(shape: _Shape, pieces: AsyncIterator, fan: Fanout) -> AsyncIte
         if piece:
             text.append(piece)
             yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
-    status = "incomplete" if finish.reason == "length" and not finish.calls else "completed"
+    status = "incomplete" if finish.reason == "length" and not finish.whole_calls else "completed"
     output: list[dict] = []
     if text is not None:
         whole = "".join(text)
@@ -273,11 +273,13 @@ async def _events(shape: _Shape, pieces: AsyncIterator, fan: Fanout) -> AsyncIte
     for call in finish.calls:
         index, item_id = len(output), f"fc_{uuid.uuid4().hex}"
         yield event("response.output_item.added", output_index=index, item=_call(item_id, call, "", "in_progress"))
-        yield event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                    delta=call.arguments)
+        if call.arguments:  # a call cut before its arguments has none
+            yield event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                        delta=call.arguments)
         yield event("response.function_call_arguments.done", item_id=item_id, output_index=index, name=call.name,
                     arguments=call.arguments)
-        output.append(_call(item_id, call, call.arguments, "completed"))
+        # max_output_tokens cut it: its arguments as far as they got, as OpenAI answers it
+        output.append(_call(item_id, call, call.arguments, "completed" if call.complete else "incomplete"))
         yield event("response.output_item.done", output_index=index, item=output[-1])
     yield event(f"response.{status}", response=shape.response(status, output, finish, route_of(fan.route_stream)))
 

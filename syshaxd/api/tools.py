@@ -6,6 +6,11 @@ and its arguments match the function's schema. "auto" leaves the model free and 
 wrote: `<tool_call>{...}</tool_call>` blocks (Qwen2.5, Hermes, and the system note a template
 without a tool format gets, gguf/chat.py) or, as Llama 3.1 answers, the whole output being one
 JSON object {"name": ..., "parameters"/"arguments": ...} naming a given tool.
+
+A call's arguments are the model's own text of them, as OpenAI gives them. A call that max_tokens cut
+short is still a call, as OpenAI answers one: its arguments as far as they got (not valid JSON), and
+the choice keeps finish_reason "length"; only its name must be known (from the text, or the one
+function allowed).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from json.decoder import scanstring
 
 from syshaxd.api.errors import invalid
 from syshaxd.api.structured import SchemaError, _check, schema_to_grammar
@@ -22,13 +28,16 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open a JSON call with it
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
+_SPACE = re.compile(r"\s*")
+_DECODER = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
 class ToolCall:
     id: str
     name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    arguments: str  # JSON text, as OpenAI sends it; a cut call's as far as it got
+    complete: bool = True  # False: the output ended inside the call (max_tokens)
 
     def to_json(self, index: int | None = None) -> dict:
         call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -47,6 +56,11 @@ class Tools:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(t["function"]["name"] for t in self.tools)
+
+    @property
+    def allowed(self) -> frozenset[str]:
+        """The functions the output may call: the one tool_choice names, or any."""
+        return self.names if self.choice in ("auto", "required") else frozenset((self.choice,))
 
 
 def _param(i: int, key: str = "") -> str:
@@ -145,36 +159,126 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call(obj, names: frozenset[str]) -> ToolCall | None:
-    """A ToolCall from a parsed {"name": ..., "arguments" | "parameters": {...}}, if it names a given tool."""
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string, as OpenAI sends them
+@dataclass(frozen=True)
+class _Member:
+    """One member of a JSON object as it was written: the value's own text, whole or cut short."""
+
+    key: str
+    raw: str
+    whole: bool
+
+
+def _members(text: str) -> tuple[list[_Member], int | None]:
+    """The members of the JSON object `text` is, and where it closed (None: it did not). Parsing stops at the first
+    member that does not arrive whole; a value cut short is kept as far as it got."""
+    members: list[_Member] = []
+    i = _SPACE.match(text).end()
+    if not text.startswith("{", i):
+        return members, None
+    i = _SPACE.match(text, i + 1).end()
+    if text.startswith("}", i):
+        return members, i + 1
+    while text.startswith('"', i):
         try:
-            args = json.loads(args)
+            key, i = scanstring(text, i + 1)
+        except ValueError:  # the key itself is cut
+            return members, None
+        i = _SPACE.match(text, i).end()
+        if not text.startswith(":", i):
+            return members, None
+        start = _SPACE.match(text, i + 1).end()
+        try:
+            end = _DECODER.raw_decode(text, start)[1]
+        except ValueError:
+            members.append(_Member(key, text[start:], whole=False))
+            return members, None
+        members.append(_Member(key, text[start:end], whole=True))
+        i = _SPACE.match(text, end).end()
+        if text.startswith("}", i):
+            return members, i + 1
+        if not text.startswith(",", i):
+            return members, None
+        i = _SPACE.match(text, i + 1).end()
+    return members, None
+
+
+def _cut_string(raw: str) -> str:
+    """The characters a JSON string cut short holds (an escape cut in two is left out)."""
+    for end in range(len(raw), max(len(raw) - 6, 0), -1):
+        try:
+            return json.loads(raw[:end] + '"')
+        except ValueError:
+            continue
+    return ""
+
+
+def _name(member: _Member | None, names: frozenset[str], known: bool) -> str | None:
+    """The function a call names: its whole name, or one cut short that fits one function only; with no name
+    written yet, the one function allowed when the text is `known` to be a call."""
+    if member is None:
+        return next(iter(names)) if known and len(names) == 1 else None
+    if member.whole:
+        name = json.loads(member.raw)
+        return name if isinstance(name, str) and name in names else None
+    if not member.raw.startswith('"'):
+        return None
+    fits = [n for n in names if n.startswith(_cut_string(member.raw))]
+    return fits[0] if len(fits) == 1 else None
+
+
+def _arguments(member: _Member | None, closed: bool) -> str | None:
+    """The arguments' text as OpenAI sends it (None: not a call's): an object's text as the model wrote it (some
+    models write it as a JSON string instead), or as far as it got."""
+    if member is None:
+        return "{}" if closed else ""
+    if not member.whole:
+        return _cut_string(member.raw) if member.raw.startswith('"') else member.raw
+    args = json.loads(member.raw)
+    if isinstance(args, str):  # the arguments as a string of JSON, as OpenAI sends them
+        try:
+            return args if isinstance(json.loads(args), dict) else None
         except ValueError:
             return None
-    if not isinstance(args, dict):
+    return member.raw if isinstance(args, dict) else None
+
+
+def _call(text: str, names: frozenset[str], cut: bool, known: bool = False) -> ToolCall | None:
+    """The call a JSON object {"name": ..., "arguments" | "parameters": {...}} makes, if it names a given tool. With
+    `cut` the output ended early, and an object that did not close is a call as far as it got (`known`: the text is
+    a call whatever it holds, so that the one function allowed is the one it calls)."""
+    if text.strip() and not text.lstrip().startswith("{"):
         return None
-    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+    members, end = _members(text)
+    if end is not None and text[end:].strip():
+        return None
+    if end is None and not cut:
+        return None
+    by_key = {m.key: m for m in members}
+    name = _name(by_key.get("name"), names, known)
+    arguments = _arguments(by_key.get("arguments", by_key.get("parameters")), end is not None)
+    if name is None or arguments is None:
+        return None
+    return ToolCall(new_call_id(), name, arguments, complete=end is not None)
 
 
-def parse_output(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) from a finished output. With no call found, the text is all content."""
-    if tools.forced:
-        try:
-            call = _call(json.loads(text), tools.names)
-        except ValueError:
-            call = None
-        return (None, [call]) if call else (text, [])
+def _cut_close(text: str) -> str:
+    """text without the start of a closing </tool_call> that max_tokens cut."""
+    for n in range(len(CLOSE) - 1, 0, -1):
+        if text.endswith(CLOSE[:n]):
+            return text[:-n]
+    return text
+
+
+def parse_output(text: str, tools: Tools, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) from a finished output; `cut`: max_tokens ended it, and the last call may be cut short.
+    With no call found, the text is all content; but a forced output is a call or nothing, never JSON text."""
+    if tools.forced:  # the grammar allows only the call: only a stop string or max_tokens ends it early
+        call = _call(text, tools.allowed, cut=True, known=True)
+        return None, [call] if call else []
     if OPEN in text:
         calls = []
-        for block in _BLOCK.findall(text):
-            try:
-                call = _call(json.loads(block), tools.names)
-            except ValueError:
-                call = None
+        for block in _BLOCK.findall(_cut_close(text) if cut else text):
+            call = _call(block, tools.names, cut, known=True)
             if call is None:  # not a call we can give back: the text stays text
                 return text, []
             calls.append(call)
@@ -182,13 +286,45 @@ def parse_output(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
         return content, calls if tools.parallel else calls[:1]
     body = text.strip().removeprefix(PYTHON_TAG).strip()
     if body.startswith("{"):
-        try:
-            call = _call(json.loads(body), tools.names)
-        except ValueError:
-            call = None
+        call = _call(body, tools.names, cut)
         if call is not None:
             return None, [call]
     return text, []
+
+
+def finish_reason(reason: str, calls: list[ToolCall]) -> str:
+    """A choice's finish_reason: "tool_calls" when it is whole calls; a call cut short keeps the engine's ("length"),
+    as OpenAI answers it."""
+    return "tool_calls" if calls and all(c.complete for c in calls) else reason
+
+
+def partial_object(text: str) -> dict:
+    """What the text of a JSON object, cut anywhere, holds: the members that arrived whole (objects and arrays as far
+    as they got; a string, number or literal cut short left out), as the anthropic SDK reads a cut tool input."""
+    ends: list[tuple[int, str]] = []  # (where the text may be cut, the brackets that then close it)
+    opened: list[str] = []
+    in_string = escaped = False
+    for i, c in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            opened.append("}" if c == "{" else "]")
+            ends.append((i + 1, "".join(reversed(opened))))
+        elif c in "}]" and opened:
+            opened.pop()
+        elif c == ",":
+            ends.append((i, "".join(reversed(opened))))
+    if not in_string:
+        ends.append((len(text), "".join(reversed(opened))))
+    for end, closing in reversed(ends):
+        try:
+            obj = json.loads(text[:end] + closing)
+        except ValueError:
+            continue
+        return obj if isinstance(obj, dict) else {}
+    return {}
 
 
 class ToolStream:
@@ -223,11 +359,11 @@ class ToolStream:
         self.sent = max(self.sent, end)
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet sent, calls) once the output is complete."""
-        content, calls = parse_output(self.text, self.tools)
+    def finish(self, reason: str) -> tuple[str, list[ToolCall]]:
+        """(content not yet sent, calls) once the output is complete, ended for `reason`."""
+        content, calls = parse_output(self.text, self.tools, cut=reason == "length")
         if not calls:
-            return self.text[self.sent:], []
+            return ("" if content is None else self.text[self.sent:]), []
         # what went out was content before the call block; what is left of that goes now
         start = self.text.find(OPEN)
         return (self.text[self.sent:start] if start > self.sent else ""), calls
