@@ -1,0 +1,497 @@
+"""Tiny random models of several model families, as GGUF files written by llama.cpp's own converter.
+
+The default model (SmolLM2-135M, llama, head_dim 64) exercises one shape of one architecture. The families here
+give the tests the others a user serves: head_dim 96/128/256, GQA and MHA, q/k norms, QKV biases, sliding-window
+attention, mixture-of-experts, sentencepiece vocabularies, and each family's real chat template. Each is a
+2-6 layer model with random weights (a fixed seed), saved by transformers with a tokenizer and converted by the
+convert_hf_to_gguf.py of the llama.cpp that llama-cpp-python 0.3.36 vendors (mk/llama-source.sh unpacks it from
+the sdist), so the GGUF carries exactly the keys, tensor names and vocab that llama.cpp expects of a real model
+of that family.
+
+    from families import FAMILIES, NOTES, make_family_model
+    path = make_family_model("qwen3", tmp_dir)            # f16; "q8_0" (converter), "q4_0", "q4_k_m" (quantized)
+
+Results are cached in out_dir under a key of the family's recipe (RECIPE, its spec, the llama.cpp version): a
+second call returns the file at once, a changed recipe builds a new one. Beside each GGUF stays the HF folder it
+was converted from (hf_folder(): config, bf16 safetensors, tokenizer), for engines that load safetensors. About 6
+to 15 seconds a model on 2 cores, most of it the converter's start (torch, transformers).
+
+Tokenizers (there is no network here to fetch the real ones):
+  * BPE families take the default model's tokenizer (SmolLM2's, GPT-2 style byte-level BPE), from the HF folder
+    syshax makes of the default GGUF. llama.cpp's converter names a BPE pre-tokenizer by the hash of the
+    tokenizer's output; SmolLM2's is known to it ("smollm"), and adding special tokens (Llama 3's headers, Qwen3's
+    <think>) leaves the hash alone. That pre-tokenizer is one real model's, whatever the architecture.
+  * gemma2/gemma3/phi3/mistral/mixtral take a sentencepiece model, as the real ones do (the converter insists on
+    tokenizer.model for gemma2 and phi3): a small BPE sentencepiece model with byte fallback is trained here in
+    a fraction of a second on text of the pinned llama.cpp source (its chat templates and converter code), so it
+    is the same on every machine, with each family's special tokens where its real vocabulary has them. The HF
+    folder's tokenizer gives the token ids llama.cpp gives for a chat prompt.
+The chat templates are the real ones the sdist ships (models/templates/*.jinja); gemma3's own template is not
+among them, so it takes Gemma 2's (which refuses a system message).
+
+Random weights: normal with std 0.1 (initializer_range), not transformers' 0.02, at which the layers barely move
+the residual stream and a model with tied embeddings repeats its input token forever; Gemma's embeddings are
+scaled to match (see _GEMMA_EMBED_STD). Greedy text then follows the prompt, and converted logits agree with
+transformers' to about 0.01-0.05 (f16).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_VERSION = "0.3.36"
+# bump when the way models are made changes in a way the specs below do not show (a file name goes with it)
+RECIPE = "1"
+SEED = 1234
+
+# the converter's own output types; the rest are made from the f16 file by llama.cpp's quantizer
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """How a family's tokenizer is made. kind "bpe": SmolLM2's, with `special`/`added` tokens appended;
+    kind "spm": a sentencepiece model trained here (vocab_size pieces; its unk/bos/eos/pad `pieces` at `ids`, -1
+    for none; `control` symbols right after them), then `added` special tokens after its pieces (as Phi-3 appends
+    its chat tokens). bos/eos/pad: the tokens that play those roles (transformers' and the GGUF's)."""
+
+    kind: str
+    bos: str | None = None
+    eos: str | None = None
+    pad: str | None = None
+    special: tuple[str, ...] = ()  # bpe: added as special (control) tokens
+    added: tuple[str, ...] = ()  # bpe: added as plain tokens; spm: special tokens after the pieces
+    # sentencepiece only
+    vocab_size: int = 4000
+    pieces: tuple[str, str, str, str] = ("<unk>", "<s>", "</s>", "<pad>")
+    ids: tuple[int, int, int, int] = (0, 1, 2, -1)
+    control: tuple[str, ...] = ()
+    dummy_prefix: bool = True  # sentencepiece's add_dummy_prefix (Llama's, Mistral's); Gemma's has none
+    hf_class: str = "LlamaTokenizer"
+    # LlamaTokenizer's legacy: a text after a special token starts with "▁" too, as llama.cpp tokenizes it
+    legacy: bool = True
+    rstrip: tuple[str, ...] = ()  # added tokens that eat the whitespace after them (Phi-3's chat tokens)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    arch: str  # transformers architecture (config.architectures[0])
+    note: str  # what the family exercises
+    tokenizer: Tokenizer
+    template: str  # a file of the sdist's models/templates/, or "smollm2": the default model's own template
+    config: dict = field(default_factory=dict)
+    embed_std: float | None = None  # the token embedding's init std, where not the config's initializer_range
+    final_norm_weight: float | None = None  # the final norm's weights (all alike), where not the init's
+
+
+_LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                   "<|eot_id|>", "<|eom_id|>", "<|python_tag|>")
+# Mistral-7B-Instruct-v0.3's control tokens, at its ids (3..9)
+_MISTRAL_CONTROL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                    "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+_MISTRAL_SPM = Tokenizer("spm", bos="<s>", eos="</s>", control=_MISTRAL_CONTROL, vocab_size=4096)
+# Gemma's layout: <pad> <eos> <bos> <unk> <mask> [@BOS@] <unused0..98> <start_of_turn>=106 <end_of_turn>=107
+_GEMMA_SPM = Tokenizer("spm", bos="<bos>", eos="<eos>", pad="<pad>", pieces=("<unk>", "<bos>", "<eos>", "<pad>"),
+                       ids=(3, 2, 1, 0),
+                       control=("<mask>", "[@BOS@]", *(f"<unused{i}>" for i in range(99)),
+                                "<start_of_turn>", "<end_of_turn>"),
+                       vocab_size=4096, dummy_prefix=False, hf_class="GemmaTokenizer")
+# Phi-3.5-mini: the Llama 2 sentencepiece model, then its chat tokens from id 32000 on (here from 4000 on)
+_PHI3_ADDED = ("<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+               "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>")
+# rstrip: Phi-3's tokenizer_config has it on all but <|endoftext|> (llama.cpp sets the same for the phi3 arch)
+_PHI3_SPM = Tokenizer("spm", bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>", vocab_size=4000,
+                      added=_PHI3_ADDED, rstrip=_PHI3_ADDED[1:])
+# Gemma multiplies its input embeddings by sqrt(hidden_size) (16): at 0.1 they drown the layers' outputs, and the
+# tied head answers the input token again ("\n\n\n..."); at 0.1 / 16 they weigh what the others' do
+_GEMMA_EMBED_STD = 0.1 / 16
+# ... but the tied head then gives logits 16 times smaller than the others' (a greedy pick among near-ties): the
+# final norm's weights at 15 (Gemma's norms scale by 1 + weight) give that factor back
+_GEMMA_FINAL_NORM = 15.0
+# Qwen's roles: no BOS of its own (the GGUF's bos is <|endoftext|>, as config.json's bos_token_id is in Qwen's)
+_QWEN_BPE = Tokenizer("bpe", bos="<|endoftext|>", eos="<|im_end|>", pad="<|endoftext|>")
+# Qwen3's tool and thinking tags are single, non-special tokens
+_QWEN3_BPE = Tokenizer("bpe", bos="<|endoftext|>", eos="<|im_end|>", pad="<|endoftext|>",
+                       added=("<tool_call>", "</tool_call>", "<think>", "</think>"))
+
+# initializer_range 0.1 (transformers' default is 0.02): at 0.02 the layers barely move the residual stream, and a
+# model with tied embeddings repeats its input token forever; at 0.1 its greedy text follows the prompt
+_DENSE = dict(num_hidden_layers=2, intermediate_size=512, max_position_embeddings=4096, initializer_range=0.1)
+
+FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
+    Family("llama3", "LlamaForCausalLM",
+           "llama arch, head_dim 128 (hidden 256, 2 heads), GQA 2:1 (1 KV head), Llama 3.1 rope scaling "
+           "(rope_freqs tensor), tied embeddings, BPE + Llama 3 header tokens, Llama 3.1 template",
+           Tokenizer("bpe", bos="<|begin_of_text|>", eos="<|eot_id|>", special=_LLAMA3_SPECIAL),
+           "meta-llama-Llama-3.1-8B-Instruct.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                tie_word_embeddings=True, max_position_embeddings=131072,
+                rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=8192))),
+    Family("llama", "LlamaForCausalLM",
+           "llama arch, head_dim 64, MHA (4 heads, 4 KV heads), SmolLM2's tokenizer and ChatML template as is",
+           Tokenizer("bpe"), "smollm2",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=100000.0))),
+    Family("qwen2", "Qwen2ForCausalLM",
+           "qwen2 arch, head_dim 64, GQA 2:1, QKV biases, tied embeddings, ChatML (Qwen2.5 template)",
+           _QWEN_BPE, "Qwen-Qwen2.5-7B-Instruct.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    Family("qwen3", "Qwen3ForCausalLM",
+           "qwen3 arch, head_dim 128 with n_head*head_dim (512) != n_embd (256), q_norm/k_norm, GQA 2:1, "
+           "<think> tokens, Qwen3 template (thinking)",
+           _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    Family("qwen3moe", "Qwen3MoeForCausalLM",
+           "qwen3moe arch, MoE (8 experts, top 2, every layer), head_dim 128, q_norm/k_norm, GQA 2:1, "
+           "Qwen3 template",
+           _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, decoder_sparse_step=1,
+                norm_topk_prob=True, tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    Family("mistral", "MistralForCausalLM",
+           "llama arch (as llama.cpp converts Mistral), head_dim 128 with n_head*head_dim (512) != n_embd "
+           "(256), GQA 4:1, sentencepiece with Mistral v0.3's control tokens, Mistral Nemo template",
+           _MISTRAL_SPM, "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+                sliding_window=None, tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    Family("mixtral", "MixtralForCausalLM",
+           "llama arch with MoE (4 experts, top 2), head_dim 64, GQA 2:1, sentencepiece (Mistral's), "
+           "Mistral Nemo template",
+           _MISTRAL_SPM, "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    Family("gemma2", "Gemma2ForCausalLM",
+           "gemma2 arch, head_dim 256, GQA 2:1, SWA (window 64) on layer 0 and global on layer 1, attention "
+           "and final logit soft-capping, sentencepiece (Gemma's layout), Gemma 2 template (no system role)",
+           _GEMMA_SPM, "google-gemma-2-2b-it.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                query_pre_attn_scalar=256, sliding_window=64, attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0, tie_word_embeddings=True),
+           embed_std=_GEMMA_EMBED_STD, final_norm_weight=_GEMMA_FINAL_NORM),
+    Family("gemma3", "Gemma3ForCausalLM",
+           "gemma3 arch (text only), head_dim 256, GQA 2:1, SWA (window 64) on 5 of 6 layers and global on "
+           "the 6th (the 5:1 pattern transformers and llama.cpp both default to), two rope bases, q/k norms, "
+           "sentencepiece (Gemma's layout), Gemma 2 template (Gemma 3's is not in the sdist)",
+           _GEMMA_SPM, "google-gemma-2-2b-it.jinja",
+           dict(_DENSE, num_hidden_layers=6, hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=256, query_pre_attn_scalar=256, sliding_window=64, tie_word_embeddings=True),
+           embed_std=_GEMMA_EMBED_STD, final_norm_weight=_GEMMA_FINAL_NORM),
+    Family("phi3", "Phi3ForCausalLM",
+           "phi3 arch, head_dim 96 (hidden 384, 4 heads), MHA, fused QKV and gate/up tensors, untied output, "
+           "sentencepiece with Phi-3's chat tokens appended (rstrip), Phi-3.5 template; sliding_window 2047 "
+           "in the file, as Phi-3-mini-4k's, which this llama.cpp ignores (Phi SWA disabled)",
+           _PHI3_SPM, "microsoft-Phi-3.5-mini-instruct.jinja",
+           dict(_DENSE, hidden_size=384, num_attention_heads=4, num_key_value_heads=4,
+                original_max_position_embeddings=4096, sliding_window=2047, tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+]}
+
+FAMILIES: list[str] = list(FAMILY_SPECS)
+NOTES: dict[str, str] = {name: f.note for name, f in FAMILY_SPECS.items()}
+
+
+class FamilyModelError(RuntimeError):
+    """A family's model could not be made; the message carries the step and the tool's own error."""
+
+
+@functools.cache
+def llama_source() -> Path:
+    """llama.cpp's converter, gguf-py and templates, unpacked from the llama-cpp-python sdist (mk/llama-source.sh)."""
+    done = subprocess.run([str(REPO / "mk" / "llama-source.sh"), sys.executable], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise FamilyModelError(f"mk/llama-source.sh failed: {done.stderr.strip()}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def recipe_key(family: str) -> str:
+    """8 hex digits of what makes the family's files (its spec less the note, RECIPE, SEED, the llama.cpp)."""
+    spec = {k: v for k, v in asdict(FAMILY_SPECS[family]).items() if k != "note"}
+    text = json.dumps([RECIPE, SEED, LLAMA_VERSION, spec], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def family_stem(family: str) -> str:
+    return f"{family}-{recipe_key(family)}"
+
+
+def hf_folder(family: str, out_dir: Path) -> Path:
+    """The family's HF folder (config, safetensors, tokenizer) in out_dir, made if needed: the model the GGUF is
+    converted from, for the engines that load safetensors."""
+    out_dir = Path(out_dir)
+    with _locked(out_dir, family):
+        return _ensure_hf(family, out_dir)
+
+
+def hf_tokenizer(family: str, out_dir: Path):
+    """The HF folder's tokenizer as its tokenizer.json says, which tokenizes as the GGUF does. (AutoTokenizer in
+    transformers 5 would give qwen2's folder Qwen2Tokenizer, with Qwen2's own pre-tokenizer, not SmolLM2's.)"""
+    from transformers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(hf_folder(family, out_dir))
+
+
+def make_family_model(family: str, out_dir: Path, quant: str = "f16") -> Path:
+    """The GGUF of `family` in `quant` in out_dir (made the first time, then cached): f32/f16/bf16/q8_0 are written
+    by the converter, any other llama.cpp file type (q4_0, q4_k_m, ...) is quantized from the f16 file."""
+    if family not in FAMILY_SPECS:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    quant = quant.lower()
+    if quant not in CONVERTER_TYPES:
+        _llama_ftype(quant)  # fail early on a type llama.cpp has not
+    out_dir = Path(out_dir)
+    target = out_dir / f"{family_stem(family)}.{quant}.gguf"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(out_dir, family):
+        if target.is_file():
+            return target
+        if quant in CONVERTER_TYPES:
+            _convert(_ensure_hf(family, out_dir), target, quant)
+        else:
+            source = out_dir / f"{family_stem(family)}.f16.gguf"
+            if not source.is_file():
+                _convert(_ensure_hf(family, out_dir), source, "f16")
+            _quantize(source, target, quant)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _locked:
+    """One builder per family and out_dir (tests of several processes may ask at once); the others wait."""
+
+    def __init__(self, out_dir: Path, family: str):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / f".{family_stem(family)}.lock"
+
+    def __enter__(self):
+        self.file = open(self.path, "w")
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+def _ensure_hf(family: str, out_dir: Path) -> Path:
+    """(Under the family's lock.) The folder is made beside its place and renamed there whole."""
+    folder = out_dir / f"{family_stem(family)}.hf"
+    if folder.is_dir():
+        return folder
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=out_dir))
+    try:
+        _build_hf(FAMILY_SPECS[family], tmp)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _build_hf(spec: Family, out: Path) -> None:
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    src = llama_source()
+    tokenizer = _make_tokenizer(spec.tokenizer, src, out)
+    if spec.template == "smollm2":
+        template = tokenizer.chat_template
+        if not template:
+            raise FamilyModelError("the default model's tokenizer has no chat template")
+    else:
+        template = (src / "models" / "templates" / spec.template).read_text(encoding="utf-8")
+    tokenizer.chat_template = template
+
+    ids = {f"{role}_token_id": tokenizer.convert_tokens_to_ids(getattr(tokenizer, f"{role}_token"))
+           for role in ("bos", "eos", "pad") if getattr(tokenizer, f"{role}_token", None)}
+    config = transformers.AutoConfig.for_model(_model_type(spec.arch), vocab_size=len(tokenizer), **ids,
+                                               **spec.config)
+    config.architectures = [spec.arch]
+    config.dtype = torch.bfloat16
+    torch.manual_seed(SEED)
+    model_cls = getattr(transformers, spec.arch)
+    model = model_cls(config)
+    if spec.embed_std is not None:
+        torch.nn.init.normal_(model.get_input_embeddings().weight, std=spec.embed_std)
+    if spec.final_norm_weight is not None:
+        torch.nn.init.constant_(model.model.norm.weight, spec.final_norm_weight)
+    model = model.to(torch.bfloat16).eval()  # as real checkpoints are stored; bf16 -> f16 is exact at these scales
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+
+
+def _model_type(arch: str) -> str:
+    import transformers
+
+    for model_type, name in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        if name == arch:
+            return model_type
+    raise FamilyModelError(f"transformers has no causal LM {arch}")
+
+
+def _smollm_tokenizer_dir() -> Path:
+    """The default model's HF folder (its tokenizer.json is SmolLM2's), made as the tests make it."""
+    folder = REPO / "models" / "SmolLM2-135M-Instruct.q4_0.hf"
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    from syshaxd.sdk.gguf.quantize import ensure_quantized
+    from syshaxd.sdk.hf_model import ensure_hf_folder
+    from syshaxd.sdk.model import prepare_default_model
+
+    models = REPO / "models"
+    return ensure_hf_folder(ensure_quantized(prepare_default_model(models), "q4_0", models))
+
+
+def _make_tokenizer(spec: Tokenizer, src: Path, out: Path):
+    from transformers import AddedToken, AutoTokenizer
+
+    if spec.kind == "bpe":
+        tok = AutoTokenizer.from_pretrained(_smollm_tokenizer_dir())
+        if spec.special:
+            tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special], special_tokens=True)
+        if spec.added:
+            tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.added])
+    elif spec.kind == "spm":
+        (out / "tokenizer.model").write_bytes(_train_spm(spec, src))
+        # the sentencepiece model's own special pieces; the roles are set below, once the added tokens exist
+        unk, bos, eos, _ = spec.pieces
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": spec.hf_class, "unk_token": unk, "bos_token": bos, "eos_token": eos,
+             "add_bos_token": True, "add_eos_token": False, "legacy": spec.legacy}))
+        tok = AutoTokenizer.from_pretrained(out)
+        if spec.added:
+            tok.add_tokens([AddedToken(t, special=True, normalized=False, rstrip=t in spec.rstrip) for t in spec.added],
+                           special_tokens=True)
+    else:
+        raise ValueError(spec.kind)
+    for role in ("bos", "eos", "pad"):
+        name = getattr(spec, role)
+        if name:
+            setattr(tok, f"{role}_token", name)
+    return tok
+
+
+def _spm_corpus(src: Path) -> list[str]:
+    """Text of the pinned llama.cpp source: the same lines on every machine, so the same vocabulary."""
+    files = sorted((src / "models" / "templates").glob("*.jinja")) + sorted((src / "conversion").glob("*.py"))
+    files += [src / "gguf-py" / "README.md", src / "LICENSE"]
+    lines = []
+    for f in files:
+        lines += [line for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return lines
+
+
+def _train_spm(spec: Tokenizer, src: Path) -> bytes:
+    import sentencepiece as spm
+
+    unk_id, bos_id, eos_id, pad_id = spec.ids
+    unk, bos, eos, pad = spec.pieces
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_spm_corpus(src)), model_writer=model, model_type="bpe",
+        vocab_size=spec.vocab_size, byte_fallback=True, character_coverage=1.0, split_digits=True,
+        normalization_rule_name="identity", add_dummy_prefix=spec.dummy_prefix, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, max_sentence_length=16384, num_threads=1, minloglevel=2,
+        unk_id=unk_id, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+        unk_piece=unk, bos_piece=bos, eos_piece=eos, pad_piece=pad, control_symbols=list(spec.control),
+    )
+    return model.getvalue()
+
+
+# The converter runs unchanged, under this start: its requirements pin transformers 4.57, which loads a folder's
+# tokenizer.json as written; transformers 5 (the venv's) instead rebuilds the tokenizer of some model types
+# (qwen2, phi3, ...: MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS) with that family's own pre-tokenizer, whatever the
+# folder says. Our folders are written by transformers 5 itself, so they are right as they are: with the list
+# emptied, AutoTokenizer reads them as 4.57 would (else qwen2's SmolLM2 vocab gets Qwen2's regex, a pre-tokenizer
+# hash the converter does not know, and the conversion stops).
+_CONVERTER_START = """
+import os, runpy, sys
+try:
+    from transformers.models.auto import tokenization_auto
+    tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS.clear()
+except (ImportError, AttributeError):
+    pass
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(script)  # as `python convert_hf_to_gguf.py` has it: conversion/, models/
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def _convert(hf: Path, target: Path, outtype: str) -> None:
+    src = llama_source()
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    # PYTHONPATH: the sdist's gguf-py, not the venv's gguf (the converter also puts it first, unless NO_LOCAL_GGUF)
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src / "gguf-py"), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-c", _CONVERTER_START, str(src / "convert_hf_to_gguf.py"), str(hf),
+           "--outfile", str(tmp), "--outtype", outtype]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise FamilyModelError(f"convert_hf_to_gguf.py {hf.name} --outtype {outtype} failed "
+                               f"(exit {done.returncode}):\n{tail}")
+    os.replace(tmp, target)
+
+
+def _llama_ftype(quant: str) -> int:
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant.upper()}", None)
+    if ftype is None:
+        raise ValueError(f"llama.cpp has no file type {quant!r} (LLAMA_FTYPE_MOSTLY_{quant.upper()})")
+    return ftype
+
+
+def _quantize(source: Path, target: Path, quant: str) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = _llama_ftype(quant)
+    params.nthread = len(os.sched_getaffinity(0))
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    # llama.cpp logs every tensor to stderr (fd 2): kept aside, and shown only if it fails
+    with tempfile.TemporaryFile() as log:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        if rc != 0 or not tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            log.seek(0)
+            tail = "\n".join(log.read().decode(errors="replace").strip().splitlines()[-15:])
+            raise FamilyModelError(f"llama.cpp could not quantize {source.name} to {quant} (error {rc}):\n{tail}")
+    os.replace(tmp, target)
+
+
+if __name__ == "__main__":  # python tests/families.py FAMILY OUT_DIR [QUANT]: one model, timed
+    t0 = time.monotonic()
+    print(make_family_model(sys.argv[1], Path(sys.argv[2]), *(sys.argv[3:4] or ["f16"])),
+          f"{time.monotonic() - t0:.1f}s")
