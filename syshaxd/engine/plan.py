@@ -129,6 +129,21 @@ def _refuse_handoff_of_window_layers(model_path: Path, mode: str) -> None:
                         "KV cache that the handoff does not carry yet; serve it in cpu mode (--mode cpu)")
 
 
+def _refuse_codecs_unproven_for(model_path: Path, mode: str, other_backends: set[str]) -> None:
+    """A torch or vLLM engine hands its prompts on in hetero and auto modes only for the families its codec is proven
+    on (sdk/hf_model.py); the llama.cpp prefill engine hands every family's on."""
+    if mode not in ("hetero", "auto") or not other_backends:
+        return
+    from syshaxd.sdk.hf_model import codec_refusal
+
+    try:
+        refusal = codec_refusal(model_path)
+    except (GGUFError, OSError):
+        return  # the engines say what is wrong with the file
+    if refusal:
+        raise PlanError(f"{mode} mode with prefill_engine {', '.join(sorted(other_backends))}: {refusal}")
+
+
 def _with_prefix_store(engines: Engines, cfg: Config, model_path: Path, instance: str) -> Engines:
     """Every worker may use the prefix cache; the engines that implement it (llama.cpp) attach the store, and keep
     what requests generate where the plan says so (cpu mode) and their tiled attention proves it exact."""
@@ -275,6 +290,7 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
             return Engines([(f"cpu{p.index}", replace(base, threads=p.threads, placement=p)) for p in placements])
         _refuse_handoff_of_window_layers(model_path, cfg.mode)
         pool = split_pool(cfg.prefill_engine, cfg.prefill_cpu_affinity, cfg.gpu_devices)
+        _refuse_codecs_unproven_for(model_path, cfg.mode, {e.backend for e in pool} - {cfg.cpu_engine})
         if cfg.mode == "gpu":
             # the engines do both phases; on a host without a GPU they run on these CPUs
             placed = [(e, plan_prefill_worker(topology, e.cpus or topology.cpus)) for e in pool]

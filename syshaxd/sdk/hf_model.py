@@ -33,6 +33,31 @@ class HFModelError(RuntimeError):
     """The HF folder cannot be made or read; the message says what is missing."""
 
 
+# the families whose HF copy hands a decoder llama.cpp's own KV, judged teacher-forced on a model of each
+# (tests/test_families.py: top-1 agreement 90 to 96 %, mean KL at most 0.0015): their dense models only. A mixture of
+# experts is refused: transformers rebuilds mixtral's experts wrongly from a GGUF (20 % agreement: garbage) and
+# qwen3moe's not at all; sliding-window families (gemma) are refused by the plan before (engine/plan.py)
+CODEC_FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
+
+
+def codec_refusal(gguf: Path) -> str | None:
+    """Why a torch or vLLM engine cannot hand `gguf`'s prompts to the llama.cpp decoders (None: it can)."""
+    from syshaxd.sdk.gguf.header import read_gguf_header
+
+    meta = read_gguf_header(gguf)[0]
+    arch = meta.get("general.architecture")
+    if arch not in CODEC_FAMILIES:
+        return (f"{Path(gguf).name} is a {arch} model; the KV handoff from a torch or vLLM engine is proven for "
+                f"{', '.join(CODEC_FAMILIES)} models only: use the llama.cpp prefill engine "
+                '(prefill_engine = "llamacpp"), which hands every family\'s KV on, or cpu mode')
+    experts = meta.get(f"{arch}.expert_count") or 0
+    if experts:
+        return (f"{Path(gguf).name} is a mixture of {experts} experts ({arch}), which the HF copy made from a GGUF "
+                'does not compute as llama.cpp does: use the llama.cpp prefill engine (prefill_engine = "llamacpp") '
+                "or cpu mode")
+    return None
+
+
 def hf_folder_for(gguf: Path, cache_dir: Path | None = None) -> Path:
     """Where the HF copy of `gguf` lives: beside it (or in cache_dir), named after it."""
     return Path(cache_dir or gguf.parent) / f"{gguf.stem}.hf"
@@ -65,6 +90,9 @@ def ensure_hf_folder(gguf: Path, cache_dir: Path | None = None) -> Path:
     gguf = Path(gguf)
     if not gguf.is_file():
         raise HFModelError(f"{gguf} does not exist; the HF folder is made from the GGUF the decoder serves")
+    refusal = codec_refusal(gguf)
+    if refusal:
+        raise HFModelError(refusal)
     fingerprint = fingerprint_from_gguf(gguf)
     folder = hf_folder_for(gguf, cache_dir)
     if _is_current(folder, fingerprint):
