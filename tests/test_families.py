@@ -12,6 +12,7 @@ written by llama.cpp's own converter), given as the F16 file a user converts, qu
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import pytest
 
@@ -57,6 +58,7 @@ def test_each_family_serves_in_cpu_mode_and_hetero_returns_its_tokens(family, tm
         assert status["exact"] == {"hetero_equals_cpu": None, "resume_exact": True, "why": []}, status["exact"]
         reference = _answers(cpu)
         assert [(n, f) for _, n, f in reference] == [(MAX_TOKENS, "length")] * len(FAMILY_CHATS)
+        _tool_turns_render_and_parse(cpu)
     finally:
         assert cpu.stop() == 0, cpu.log()
     if family.startswith("gemma"):
@@ -74,6 +76,29 @@ def test_each_family_serves_in_cpu_mode_and_hetero_returns_its_tokens(family, tm
     differ = [i for i, (g, r) in enumerate(zip(got, reference)) if g != r]
     assert not differ, f"{family}: hetero gave {len(got) - len(differ)} of {len(got)} of cpu mode's texts; chat " \
                        f"{differ[0]}:\ngot      {got[differ[0]]!r}\nexpected {reference[differ[0]]!r}"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}
+
+
+def _tool_turns_render_and_parse(daemon) -> None:
+    """Through the family's own template: a forced call comes back as a call, and a conversation holding a call and
+    its result (the id as OpenAI makes it, which Mistral's template would refuse) renders and is answered."""
+    client = client_of(daemon)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=ask, tools=[WEATHER], tool_choice="required",
+                                         max_tokens=48, temperature=0)
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and out.choices[0].finish_reason in ("tool_calls", "length")
+    turns = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_8f2a1c9d7e6b5a4f3e2d1c0b", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_8f2a1c9d7e6b5a4f3e2d1c0b", "content": '{"celsius": 18}'}]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=turns, tools=[WEATHER], max_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8
 
 
 # --- the cross-engine codec: a torch prefill engine's KV decoded by llama.cpp -----------------------------------
@@ -127,3 +152,34 @@ def test_hetero_with_a_torch_engine_refuses_a_family_its_codec_does_not_know(fam
     message = str(refused.value)
     assert "prefill_engine torch" in message and 'prefill_engine = "llamacpp"' in message, message
     assert ("mixture of 4 experts" if family == "mixtral" else "is a qwen3moe model") in message
+
+
+# each family's own tool-call format, as its real template writes an assistant's call: read back as that call
+TOOL_TEMPLATES = {
+    "Qwen-Qwen3-0.6B.jinja": ("<|im_start|>assistant\n", "<|im_end|>"),
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": ("<|im_start|>assistant\n", "<|im_end|>"),
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": ("<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": ("[/INST]", "</s>"),
+}
+
+
+@pytest.mark.parametrize("template", sorted(TOOL_TEMPLATES))
+def test_a_call_in_the_familys_own_format_is_read_back_as_that_call(template):
+    from families import llama_source
+
+    from syshaxd.api.tools import parse_output, parse_tools
+    from syshaxd.sdk.gguf.chat import ChatTemplate
+
+    opens, closes = TOOL_TEMPLATES[template]
+    chat = ChatTemplate((llama_source() / "models" / "templates" / template).read_text(), "<s>", closes)
+    call = {"id": "call_8f2a1c9d7e6b5a4f3e2d1c0b", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    before = chat.render(ask, [WEATHER])
+    after = chat.render(ask + [{"role": "assistant", "content": "", "tool_calls": [call]}], [WEATHER])
+    written = after[after.index(opens, len(before) - len(opens) - 8) + len(opens):]
+    written = written[:written.index(closes)] if closes in written else written
+    content, calls = parse_output(written, parse_tools({"tools": [WEATHER]}))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})], written
+    # Qwen3's template writes an empty thinking block before the call: it is what the reasoning parser takes
+    assert not (content or "").replace("<think>", "").replace("</think>", "").strip(), content

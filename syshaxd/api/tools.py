@@ -5,7 +5,8 @@ tool_choice "required" or a named function constrains the output to one JSON obj
 and its arguments match the function's schema. "auto" leaves the model free and parses what it
 wrote: `<tool_call>{...}</tool_call>` blocks (Qwen2.5, Hermes, and the system note a template
 without a tool format gets, gguf/chat.py) or, as Llama 3.1 answers, the whole output being one
-JSON object {"name": ..., "parameters"/"arguments": ...} naming a given tool.
+JSON object {"name": ..., "parameters"/"arguments": ...} naming a given tool, or Mistral's
+`[TOOL_CALLS][{"name": ..., "arguments": ...}, ...]` list of them.
 
 A call's arguments are the model's own text of them, as OpenAI gives them. A call that max_tokens cut
 short is still a call, as OpenAI answers one: its arguments as far as they got (not valid JSON), and
@@ -26,6 +27,7 @@ from syshaxd.api.structured import SchemaError, _check, schema_to_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open a JSON call with it
+MISTRAL_CALLS = "[TOOL_CALLS]"  # Mistral's calls follow it as a JSON list
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
 _SPACE = re.compile(r"\s*")
@@ -285,11 +287,29 @@ def parse_output(text: str, tools: Tools, cut: bool = False) -> tuple[str | None
         content = text[:text.index(OPEN)].strip() or None
         return content, calls if tools.parallel else calls[:1]
     body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if body.startswith((MISTRAL_CALLS, "[")):  # the marker is a control token, which the text may leave out
+        calls = _mistral_calls(body.removeprefix(MISTRAL_CALLS), tools.names)
+        if calls:
+            return None, calls if tools.parallel else calls[:1]
+        return text, []
     if body.startswith("{"):
         call = _call(body, tools.names, cut)
         if call is not None:
             return None, [call]
     return text, []
+
+
+def _mistral_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
+    """Mistral's calls, `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` as its templates write them: every one
+    whole and naming a given tool, or none (the text stays text)."""
+    try:
+        items, end = _DECODER.raw_decode(text.strip())
+    except ValueError:
+        return []
+    if not isinstance(items, list) or not items or text.strip()[end:].strip():
+        return []
+    calls = [_call(json.dumps(item, ensure_ascii=False), names, cut=False) for item in items]
+    return calls if all(calls) else []
 
 
 def finish_reason(reason: str, calls: list[ToolCall]) -> str:
