@@ -85,6 +85,7 @@ class Load:
     system_len: int = 0  # chat
     turns: int = 1  # chat
     prefix_len: int = 0  # staggered-shared
+    arrival_gap_s: float = 0.0  # staggered arrivals: the first `concurrency` requests sent this far apart
 
 
 def loads(quick: bool) -> list[Load]:
@@ -289,7 +290,8 @@ async def run_load(server: Server, session: aiohttp.ClientSession, work: Workloa
         else:
             prompts, lengths = work.inputs[ld.name]
             client = StreamingClient(server.url, model, ld.output_len)
-            run = await run_level(client, session, prompts, ld.concurrency, output_len=lengths)
+            run = await run_level(client, session, prompts, ld.concurrency, output_len=lengths,
+                                  arrival_gap_s=ld.arrival_gap_s)
             expected = lengths if isinstance(lengths, int) else None
     finally:
         resources = sampler.stop()

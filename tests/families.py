@@ -10,6 +10,7 @@ of that family.
 
     from families import FAMILIES, NOTES, make_family_model
     path = make_family_model("qwen3", tmp_dir)            # f16; "q8_0" (converter), "q4_0", "q4_k_m" (quantized)
+    path = make_shape_model("qwen2-1.5b-shape", out_dir)  # a real model's full shape, q4_0 only (benchmarks)
 
 Results are cached in out_dir under a key of the family's recipe (RECIPE, its spec, the llama.cpp version): a
 second call returns the file at once, a changed recipe builds a new one. Beside each GGUF stays the HF folder it
@@ -48,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,6 +210,22 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
 FAMILIES: list[str] = list(FAMILY_SPECS)
 NOTES: dict[str, str] = {name: f.note for name, f in FAMILY_SPECS.items()}
 
+# Real models' full shapes with random weights, for benchmarks (bench/bench_real_shape.py): what a decode step, a
+# prompt and a KV handoff cost at that size does not depend on the weights' values. Not in FAMILIES, so the tests
+# never build one (minutes and gigabytes each); make_shape_model() makes them, as q4_0 only. initializer_range is
+# the real models' 0.02: the families' 0.1 is for tiny models' greedy text, and 28 layers of it would grow the
+# residual stream toward f16's range.
+SHAPE_SPECS: dict[str, Family] = {f.name: f for f in [
+    Family("qwen2-1.5b-shape", "Qwen2ForCausalLM",
+           "Qwen2-1.5B's shape: qwen2 arch, hidden 1536, 28 layers, 12 heads, 2 KV heads (head_dim 128), "
+           "intermediate 8960, QKV biases, tied embeddings, rope theta 1e6; SmolLM2's 49152-token vocabulary "
+           "(Qwen2's own has 151936), ChatML (Qwen2.5 template)",
+           _QWEN_BPE, "Qwen-Qwen2.5-7B-Instruct.jinja",
+           dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                intermediate_size=8960, max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
+                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+]}
+
 
 class FamilyModelError(RuntimeError):
     """A family's model could not be made; the message carries the step and the tool's own error."""
@@ -225,8 +242,12 @@ def llama_source() -> Path:
 
 def recipe_key(family: str) -> str:
     """8 hex digits of what makes the family's files (its spec less the note, RECIPE, SEED, the llama.cpp)."""
-    spec = {k: v for k, v in asdict(FAMILY_SPECS[family]).items() if k != "note"}
-    text = json.dumps([RECIPE, SEED, LLAMA_VERSION, spec], sort_keys=True)
+    return _spec_key(FAMILY_SPECS[family])
+
+
+def _spec_key(spec: Family, *extra) -> str:
+    fields = {k: v for k, v in asdict(spec).items() if k != "note"}
+    text = json.dumps([RECIPE, SEED, LLAMA_VERSION, fields, *extra], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
@@ -276,15 +297,67 @@ def make_family_model(family: str, out_dir: Path, quant: str = "f16") -> Path:
     return target
 
 
+def shape_model_path(shape: str, out_dir: Path, layers: int | None = None) -> Path:
+    """Where make_shape_model() keeps the shape's q4_0 GGUF (layers: the layer count instead of the shape's)."""
+    spec = _shape_spec(shape, layers)
+    suffix = f"-{layers}l" if layers else ""
+    return Path(out_dir) / f"{shape}{suffix}-{_spec_key(spec, 'q4_0 q8_0-output')}.q4_0.gguf"
+
+
+def make_shape_model(shape: str, out_dir: Path, layers: int | None = None, log=print) -> Path:
+    """The q4_0 GGUF of SHAPE_SPECS[shape] in out_dir, made the first time, then cached; layers: fewer layers
+    (a smoke test of the pipeline). Made as make_family_model() makes a family's, except for what the size asks:
+    the random weights are drawn in bf16 (transformers' own init, no f32 copy: a 1.5B model is 3 GB, not 6 GB),
+    and the HF folder and the f16 GGUF (3 GB each) are deleted once the q4_0 file exists. The output matrix (the
+    token embeddings, tied) is q8_0, as syshaxd quantizes (syshaxd/sdk/gguf/quantize.py: llama.cpp's q6_K default
+    breaks the exact promises its warm-up proves). log(text) hears each step and how long it took."""
+    target = shape_model_path(shape, out_dir, layers)
+    if target.is_file():
+        return target
+    spec = _shape_spec(shape, layers)
+    out_dir = Path(out_dir)
+    with _locked(out_dir, target.stem):
+        if target.is_file():
+            return target
+        work = Path(tempfile.mkdtemp(prefix=f".{target.stem}.", dir=out_dir))
+        try:
+            t0 = time.monotonic()
+            _build_hf(spec, work / "hf", low_memory=True)
+            log(f"  random bf16 weights written: {time.monotonic() - t0:.0f} s")
+            t1 = time.monotonic()
+            f16 = work / "model.f16.gguf"
+            _convert(work / "hf", f16, "f16")
+            shutil.rmtree(work / "hf")
+            log(f"  converted to f16 by convert_hf_to_gguf.py: {time.monotonic() - t1:.0f} s")
+            t2 = time.monotonic()
+            _quantize(f16, target, "q4_0", q8_output=True)
+            log(f"  quantized to q4_0 (output q8_0): {time.monotonic() - t2:.0f} s")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _shape_spec(shape: str, layers: int | None) -> Family:
+    if shape not in SHAPE_SPECS:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPE_SPECS)}")
+    spec = SHAPE_SPECS[shape]
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers: {layers} is not allowed; it must be at least 1")
+        spec = replace(spec, config={**spec.config, "num_hidden_layers": layers})
+    return spec
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
 class _locked:
-    """One builder per family and out_dir (tests of several processes may ask at once); the others wait."""
+    """One builder per family (or file) and out_dir (tests of several processes may ask at once); the others wait."""
 
     def __init__(self, out_dir: Path, family: str):
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.path = out_dir / f".{family_stem(family)}.lock"
+        stem = family_stem(family) if family in FAMILY_SPECS else family
+        self.path = out_dir / f".{stem}.lock"
 
     def __enter__(self):
         self.file = open(self.path, "w")
@@ -309,7 +382,9 @@ def _ensure_hf(family: str, out_dir: Path) -> Path:
     return folder
 
 
-def _build_hf(spec: Family, out: Path) -> None:
+def _build_hf(spec: Family, out: Path, low_memory: bool = False) -> None:
+    """low_memory: the weights are made in bf16 from the start (a full-size shape), not in f32 and converted;
+    the families' tiny models keep the f32 draw their files were made with."""
     import torch
     import transformers
 
@@ -332,7 +407,7 @@ def _build_hf(spec: Family, out: Path) -> None:
     config.dtype = torch.bfloat16
     torch.manual_seed(SEED)
     model_cls = getattr(transformers, spec.arch)
-    model = model_cls(config)
+    model = model_cls._from_config(config, dtype=torch.bfloat16) if low_memory else model_cls(config)
     if spec.embed_std is not None:
         torch.nn.init.normal_(model.get_input_embeddings().weight, std=spec.embed_std)
     if spec.final_norm_weight is not None:
@@ -466,11 +541,16 @@ def _llama_ftype(quant: str) -> int:
     return ftype
 
 
-def _quantize(source: Path, target: Path, quant: str) -> None:
+def _quantize(source: Path, target: Path, quant: str, q8_output: bool = False) -> None:
+    """q8_output: the output matrix and the token embeddings in q8_0, as syshaxd quantizes a model."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = _llama_ftype(quant)
+    if q8_output:
+        from syshaxd.sdk.gguf.quantize import GGML_TYPE_Q8_0
+
+        params.output_tensor_type = params.token_embedding_type = GGML_TYPE_Q8_0
     params.nthread = len(os.sched_getaffinity(0))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     # llama.cpp logs every tensor to stderr (fd 2): kept aside, and shown only if it fails

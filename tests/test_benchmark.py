@@ -469,6 +469,25 @@ def test_run_level_takes_one_output_length_per_prompt(model_path: Path):
     assert summary["forced_length"]["exact"] == 4 and summary["forced_length"]["expected"] is None
 
 
+def test_run_level_staggers_the_first_arrivals():
+    # bench_real_shape's c=8 load: the first `concurrency` requests arrive arrival_gap_s apart (the rest as a slot
+    # frees; with the instant stub the first slot would take them all before the second starts)
+    prompts = [WordPromptBuilder().build(4, i) for i in range(3)]
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            client = StreamingClient(stub.url, "instant-stub", 2)
+            return await run_level(client, session, prompts, 3, arrival_gap_s=0.2)
+
+    with InstantServer() as stub:
+        run = asyncio.run(go())
+    assert all(r.ok for r in run.records)
+    starts = sorted(r.start_s for r in run.records)
+    assert starts[1] - starts[0] >= 0.19 and starts[2] - starts[1] >= 0.19, starts
+    with pytest.raises(ValueError, match="arrival_gap_s"):
+        asyncio.run(run_level(None, None, prompts, 3, arrival_gap_s=-1))
+
+
 # ---------------------------------------------------------------- started daemons
 
 

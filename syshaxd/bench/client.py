@@ -316,27 +316,41 @@ async def run_level(
     concurrency: int,
     on_record: Callable[[RequestRecord], None] | None = None,
     output_len: int | Sequence[int] | None = None,
+    arrival_gap_s: float = 0.0,
 ) -> LevelRun:
     """Send every prompt, keeping `concurrency` requests in flight, and collect all records.
 
     output_len: one length for all, or one per prompt (a staggered finish: slots free in scattered order).
+    arrival_gap_s: staggered arrivals: the k-th of the first `concurrency` prompts is sent k x arrival_gap_s
+    after the level starts (0: all at once), so that they do not all arrive in one step; each worker then sends
+    the next prompt left when its last one ends.
     """
+    if arrival_gap_s < 0:
+        raise ValueError(f"arrival_gap_s: {arrival_gap_s} is not allowed; it must be 0 or more")
     if output_len is not None and not isinstance(output_len, int) and len(output_len) != len(prompts):
         raise ValueError(f"output_len: {len(output_len)} lengths for {len(prompts)} prompts")
     pending = deque(enumerate(prompts))
+    workers = max(1, min(concurrency, len(prompts)))
+    # staggered: each worker's first prompt is its own, else a worker done before the next one starts would take it
+    first = [pending.popleft() for _ in range(min(workers, len(prompts)) if arrival_gap_s else 0)]
     records: list[RequestRecord] = []
     level_start = time.perf_counter()
 
-    async def worker() -> None:
-        while pending:
-            index, prompt = pending.popleft()
-            n = output_len if output_len is None or isinstance(output_len, int) else output_len[index]
-            record = await client.send(session, index, prompt, level_start, n)
-            records.append(record)
-            if on_record is not None:
-                on_record(record)
+    async def send(index: int, prompt: Prompt) -> None:
+        n = output_len if output_len is None or isinstance(output_len, int) else output_len[index]
+        record = await client.send(session, index, prompt, level_start, n)
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
 
-    await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(prompts))))))
+    async def worker(k: int) -> None:
+        if k < len(first):
+            await asyncio.sleep(k * arrival_gap_s)
+            await send(*first[k])
+        while pending:
+            await send(*pending.popleft())
+
+    await asyncio.gather(*(worker(k) for k in range(workers)))
     wall_s = time.perf_counter() - level_start
     records.sort(key=lambda r: r.index)
     return LevelRun(concurrency, records, wall_s)
