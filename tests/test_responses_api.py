@@ -198,7 +198,7 @@ TOOL_WITHOUT_NAME = {"type": "function", "parameters": {"type": "object", "prope
     ({"input": [{"role": "user", "content": 7}]}, "input[0].content"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),  # with no assistant turn after it
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"type": "function_call_output", "output": "18"}]}, "input[0].call_id"),
     ({"input": [{"role": "user", "content": "x", "colour": "red"}]}, "input[0].colour"),

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
 
 from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.fanout import Fanout
-from syshaxd.api.generation import read_body, run
+from syshaxd.api.generation import prepared, read_body, run
 from syshaxd.api.keys import MODEL_NAME, STATE
 from syshaxd.api.validate import ParsedRequest, parse_chat, type_error
 from syshaxd.sdk.types import Accepted
@@ -55,6 +55,9 @@ class Renames:
     rules: list[tuple[str, str | Callable[[re.Match], str]]]
     origins: list[str] = field(default_factory=list)  # chat message i came from this field of the body
     origin_prefix: str = "messages"
+    # the endpoint's field that asked the model to think (Messages' `thinking`, Responses' `reasoning.effort`): a
+    # model whose template has no thinking answers 400 naming it (reasoning.Thinking.settle)
+    thinking_field: str = ""
 
     def _name(self, text: str) -> str:
         text = re.sub(r"(?<![\w.])messages\[(\d+)\]", lambda m: self._origin(int(m.group(1))), text)
@@ -125,6 +128,9 @@ async def translated(request: web.Request, timer: RequestTimer, translate: Trans
     chat, renames = translate(body)
     try:
         parsed = parse_chat(chat, request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages)
+        if renames.thinking_field:
+            parsed = replace(parsed, thinking=replace(parsed.thinking, demanded_by=renames.thinking_field))
+        parsed = await prepared(request, parsed)  # its thinking settled: how respond() reads the output
         return await run(request, parsed, timer,
                          lambda fan, accepted: respond(request, timer, body, parsed, fan, accepted))
     except APIError as exc:

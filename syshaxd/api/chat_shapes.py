@@ -1,12 +1,12 @@
-"""Chat completions' shapes: a message per choice (tool calls read back from its text), delta chunks, and logprobs
-as `content` entries."""
+"""Chat completions' shapes: a message per choice (tool calls read back from its text, a reasoning model's thinking
+apart as `reasoning_content`), delta chunks, and logprobs as `content` entries."""
 
 from __future__ import annotations
 
 from syshaxd.api import logprob_shapes
 from syshaxd.api.exchange import Choice, Exchange
 from syshaxd.api.tools import finish_reason, parse_output
-from syshaxd.sdk.types import Delta
+from syshaxd.sdk.types import Accepted, Delta
 
 
 class ChatExchange(Exchange):
@@ -28,7 +28,22 @@ class ChatExchange(Exchange):
             if calls:
                 message["tool_calls"] = [c.to_json() for c in calls]
             finish = finish_reason(ch.finish, calls)
+        if ch.reader is not None:
+            thought = "".join(ch.thoughts) or None
+            if thought is not None and not message["content"]:
+                message["content"] = None  # all thinking (max_tokens ended it there): no answer, as vLLM gives it
+            message |= _thought_fields(thought)
         return {"index": ch.index, "message": message, "logprobs": ch.logprobs, "finish_reason": finish}
+
+    def usage(self, accepted: list[Accepted]) -> dict:
+        usage = super().usage(accepted)
+        if self.choices[0].reader is not None:  # OpenAI's count of the completion's reasoning tokens
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(ch.reader.tokens for ch in self.choices)}
+        return usage
+
+    def thought_chunk(self, index: int, thought: str, logprobs: dict | None = None) -> dict:
+        choice = {"index": index, "delta": _thought_fields(thought), "logprobs": logprobs, "finish_reason": None}
+        return self.head(self.CHUNK_OBJECT) | {"choices": [choice]}
 
     def chunk(self, index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
               role: bool = False) -> dict:
@@ -59,3 +74,9 @@ class ChatExchange(Exchange):
                 choice = {"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
                 chunks.append(self.head(self.CHUNK_OBJECT) | {"choices": [choice]})
         return chunks
+
+
+def _thought_fields(thought: str | None) -> dict:
+    """A message's or delta's thinking: `reasoning_content` (DeepSeek's and llama-server's name, which most clients
+    read) and `reasoning` (vLLM's since 0.11, and OpenRouter's)."""
+    return {"reasoning_content": thought, "reasoning": thought}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from syshaxd import __version__
+from syshaxd.api.reasoning import ThinkingReader
 from syshaxd.api.validate import ParsedRequest
 from syshaxd.engine.prompts import Pieces
 from syshaxd.sdk.types import Accepted, Delta
@@ -17,8 +18,10 @@ SYSTEM_FINGERPRINT = f"syshax-{__version__}"
 class Choice:
     """What one choice has shown so far."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, reader: ThinkingReader | None = None) -> None:
         self.index = index
+        self.reader = reader  # a reasoning model's output, read apart into thinking and answer (chat)
+        self.thoughts: list[str] = []  # the thinking shown so far; parts: the rest
         self.parts: list[str] = []
         self.n = 0  # tokens generated
         self.finish: str | None = None
@@ -43,7 +46,10 @@ class Exchange:
         self.pieces = pieces
         self.echo_texts = echo_texts  # per prompt: what echo puts before the completion
         self.prompt_ids = prompt_ids  # per prompt: its tokens, for echo's prompt logprobs
-        self.choices = [Choice(i) for i in range(len(parsed.generates))]
+        thinking = parsed.thinking
+        reading = thinking is not None and thinking.split
+        self.choices = [Choice(i, ThinkingReader(thinking.opened) if reading else None)
+                        for i in range(len(parsed.generates))]
         self.tools = parsed.tools  # chat with tools: the output is read back into tool calls
 
     def head(self, obj: str) -> dict:
@@ -63,6 +69,10 @@ class Exchange:
         raise NotImplementedError
 
     def chunk(self, index: int, text: str | None, finish: str | None, logprobs: dict | None = None) -> dict:
+        raise NotImplementedError
+
+    def thought_chunk(self, index: int, thought: str, logprobs: dict | None = None) -> dict:
+        """A stream chunk of a choice's thinking (chat's, where a reasoning model's output is read apart)."""
         raise NotImplementedError
 
     def opening_chunks(self) -> list[dict]:
@@ -90,9 +100,18 @@ class Exchange:
         ch.chars += len(text)
         return text, lp
 
+    def read_apart(self, ch: Choice, text: str, event: Delta) -> tuple[str, str]:
+        """(thinking, answer) of the text a Delta shows: a reasoning model's thinking read apart, else ("", text)."""
+        if ch.reader is None:
+            return "", text
+        return ch.reader.feed(text, event.n_tokens, event.finish_reason is not None)
+
     def add(self, ch: Choice, event: Delta) -> None:
         """Fold a Delta into the whole body: the same Deltas, shown the same way, as a stream sends."""
         text, lp = self.shown(ch, event)
+        thought, text = self.read_apart(ch, text, event)
+        if thought:
+            ch.thoughts.append(thought)
         ch.parts.append(text)
         ch.n += event.n_tokens
         if lp is not None:

@@ -64,7 +64,6 @@ HARMLESS = {
     "store": "whether the provider stores the completion; nothing is stored here",
     "service_tier": "the provider's processing tier; there is one here",
     "prompt_cache_key": "a hint for the provider's prompt cache; the prefix cache here needs none",
-    "reasoning_effort": "for reasoning models; the served model does not reason apart from its answer",
     "verbosity": "for reasoning models",
     "guided_decoding_backend": "vLLM's choice of grammar library; one grammar path serves all here",
     "cache_control": "Anthropic's prompt-cache marks (here and on content blocks); the prefix cache needs none",
@@ -93,7 +92,8 @@ _TOOL_CALL = Obj({"id": None, "type": None, "function": Obj({"name": None, "argu
 # the other part types' keys are known, so that validate.py refuses such a part for what it is (not text)
 _TEXT_PART = Obj({"type": None, "text": None, "image_url": None, "input_audio": None, "file": None})
 _MESSAGE = Obj({"role": None, "content": Each(_TEXT_PART), "name": None, "tool_calls": Each(_TOOL_CALL),
-                "tool_call_id": None, "refusal": None, "annotations": None})  # an answer's own, sent back
+                "tool_call_id": None, "refusal": None, "annotations": None,  # an answer's own, sent back
+                "reasoning_content": None, "reasoning": None})  # an answer's thinking, sent back (validate.py)
 _RESPONSE_FORMAT = Obj({"type": None, "schema": _SCHEMA,  # schema: llama-server's json_object with a schema
                         "json_schema": Obj({"name": None, "description": None, "schema": _SCHEMA, "strict": None})})
 _STRUCTURED_OUTPUTS = Obj({"json": _SCHEMA, "regex": None, "choice": None, "grammar": None, "json_object": None})
@@ -113,6 +113,9 @@ CHAT = Obj(_COMMON | {
     "messages": Each(_MESSAGE), "max_completion_tokens": None, "logprobs": None, "top_logprobs": None,
     "tools": Each(_TOOL), "tool_choice": OneOf(Obj({"type": None, "function": Obj({"name": None})})),
     "parallel_tool_calls": None,
+    # reasoning models (reasoning.py): llama-server's reasoning_format, the template's variables (vLLM's and
+    # llama-server's chat_template_kwargs), OpenAI's reasoning_effort
+    "reasoning_format": None, "chat_template_kwargs": None, "reasoning_effort": None,
 })
 COMPLETIONS = Obj(_COMMON | {"prompt": None, "echo": None, "logprobs": None, "best_of": None})
 
@@ -128,14 +131,18 @@ RESPONSES = Obj({
         "message": Obj(_ITEM_STATE | {"role": None, "content": Each(_RESPONSE_TEXT), "phase": None}),
         "function_call": Obj(_ITEM_STATE | {"call_id": None, "name": None, "arguments": None}),
         "function_call_output": Obj(_ITEM_STATE | {"call_id": None, "output": Each(_RESPONSE_TEXT)}),
+        # an earlier answer's thinking, sent back: it goes with the assistant turn after it
+        "reasoning": Obj(_ITEM_STATE | {"summary": Each(Obj({"type": None, "text": None})),
+                                        "content": Each(Obj({"type": None, "text": None})),
+                                        "encrypted_content": None}),
     }, untagged="message")),
     "tools": Each(Obj({"type": None, "name": None, "description": None, "parameters": _SCHEMA, "strict": None})),
     "tool_choice": OneOf(Obj({"type": None, "name": None})), "parallel_tool_calls": None,
     "text": Obj({"format": Obj({"type": None, "name": None, "schema": _SCHEMA, "strict": None,
                                 "description": None})}),
     # read to be refused with what to send instead (stateless) or taken at their default
-    "previous_response_id": None, "conversation": None, "include": None, "truncation": None, "reasoning": None,
-    "background": None,
+    "previous_response_id": None, "conversation": None, "include": None, "truncation": None, "background": None,
+    "reasoning": Obj({"effort": None, "summary": None}),  # effort as chat's reasoning_effort (reasoning.py)
     "syshax": Obj({"mode": None}),
 })
 
@@ -150,11 +157,12 @@ MESSAGES = Obj({
         "tool_use": Obj({"type": None, "id": None, "name": None, "input": None, "cache_control": None}),
         "tool_result": Obj({"type": None, "tool_use_id": None, "content": _TEXT_BLOCKS, "is_error": None,
                             "cache_control": None}),
+        "thinking": Obj({"type": None, "thinking": None, "signature": None, "cache_control": None}),
     }))})),
     "tools": Each(Obj({"type": None, "name": None, "description": None, "input_schema": _SCHEMA,
                        "cache_control": None, "strict": None})),
     "tool_choice": Obj({"type": None, "name": None, "disable_parallel_tool_use": None}),
-    "thinking": Obj({"type": None, "budget_tokens": None}),  # read to be refused unless disabled
+    "thinking": Obj({"type": None, "budget_tokens": None, "display": None}),  # enabled, adaptive or disabled
     "output_config": Obj({"format": Obj({"type": None, "schema": _SCHEMA})}),
     "metadata": Obj({"user_id": None}),
     "syshax": Obj({"mode": None}),

@@ -21,14 +21,16 @@ from aiohttp import web
 
 from syshaxd.api.errors import APIError
 from syshaxd.api.fanout import Fanout
-from syshaxd.api.keys import METRICS, SCHEDULER, STATE
+from syshaxd.api.keys import METRICS, SCHEDULER, STATE, VOCAB
 from syshaxd.api.long_strings import check_strings
+from syshaxd.api.reasoning import LITERAL_GRAMMAR_FIELDS, ThinkingReader, after_thinking
 from syshaxd.api.state import Draining
 from syshaxd.api.tools import ToolCall, ToolStream
 from syshaxd.api.validate import ParsedRequest, parse_json_body
 from syshaxd.engine.capabilities import Unsupported
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
 from syshaxd.engine.supervisor import EngineUnavailable
+from syshaxd.sdk.gguf.chat import THINK_OPEN
 from syshaxd.sdk.types import Accepted, Delta, GenerateRequest, Refusal, Rejected, RequestStream
 from syshaxd.metrics import RequestTimer
 
@@ -138,8 +140,9 @@ async def _accepted(request: web.Request, stream: RequestStream) -> Accepted:
 
 
 async def prepared(request: web.Request, parsed: ParsedRequest) -> ParsedRequest:
-    """parsed with each prompt rendered and tokenized once, for every choice of it (the engines get token ids); a
-    400 when a prompt cannot run. Once is enough: a tokenized prompt is not tokenized again."""
+    """parsed with each prompt rendered and tokenized once, for every choice of it (the engines get token ids), and a
+    chat request's thinking settled (how a reasoning model's output is read); a 400 when a prompt cannot run. Once is
+    enough: a tokenized prompt is not tokenized again."""
     scheduler = request.app[SCHEDULER]
     with _scheduler_refusals():  # no tokenizing for a request that no engine can take (its choices ask alike)
         scheduler.admissible(parsed.generate, parsed.route)
@@ -147,7 +150,35 @@ async def prepared(request: web.Request, parsed: ParsedRequest) -> ParsedRequest
     choices = await scheduler.prepare(parsed.generates, parsed.n)
     if isinstance(choices, Rejected):
         raise rejected(choices)
-    return replace(parsed, generates=tuple(choices), fields=fields)
+    parsed = replace(parsed, generates=tuple(choices), fields=fields)
+    if parsed.thinking is not None and not parsed.thinking.settled:
+        parsed = await _thinking_settled(request, parsed)
+    return parsed
+
+
+# tokens at the end of a rendered prompt read for an open <think>: the generation prompt's few ("<think>\n")
+_PROMPT_END_TOKENS = 32
+
+
+async def _thinking_settled(request: web.Request, parsed: ParsedRequest) -> ParsedRequest:
+    """parsed with its thinking settled from the model's template and the end of its rendered prompt (a chat request
+    has one prompt), and, where its output is read apart, a grammar the daemon built (a schema, a forced call) moved
+    after the thinking. llama-server's `grammar` stays as sent: there it holds the whole output.
+
+    Where the prompt leaves the thinking to the model, the grammar lets it open a block only if `<think>` is one
+    token of its vocabulary (Qwen3's, DeepSeek's): a model that spells it out would be steered into thinking by any
+    first "<" (measured: SmolLM2 with Qwen3's template, asked for a forced call, began "<tool_call>" and was made
+    to think to max_tokens)."""
+    holder = request.app[VOCAB]
+    vocab = await holder.get()
+    end = parsed.generate.prompt_tokens[-_PROMPT_END_TOKENS:]
+    text = b"".join(holder.pieces.bytes(t) for t in end if 0 <= t < vocab.n_vocab).decode("utf-8", errors="replace")
+    thinking = parsed.thinking.settle(vocab.template.thinking, text)
+    generates = parsed.generates
+    if thinking.split and (thinking.opened or len(vocab.tokenize(THINK_OPEN, add_special=False)) == 1):
+        generates = tuple(replace(g, grammar=after_thinking(g.grammar, thinking.opened))
+                          if g.grammar and g.grammar_field not in LITERAL_GRAMMAR_FIELDS else g for g in generates)
+    return replace(parsed, thinking=thinking, generates=generates)
 
 
 async def start(request: web.Request, parsed: ParsedRequest) -> tuple[Fanout, list[Accepted]]:
@@ -223,6 +254,7 @@ class Finish:
     completion_tokens: int
     cached_tokens: int
     tokens: tuple[int, ...] = ()
+    reasoning_tokens: int = 0  # of completion_tokens, those up to the end of the thinking
 
     @property
     def whole_calls(self) -> bool:
@@ -230,18 +262,28 @@ class Finish:
         return bool(self.calls) and all(c.complete for c in self.calls)
 
 
+@dataclass(frozen=True)
+class Thought:
+    """A piece of a reasoning model's thinking, read apart from its answer (api/reasoning.py)."""
+
+    text: str
+
+
 async def turn(request: web.Request, parsed: ParsedRequest, fan: Fanout, accepted: list[Accepted],
-               timer: RequestTimer) -> AsyncIterator[str | Finish | None]:
+               timer: RequestTimer) -> AsyncIterator[str | Thought | Finish | None]:
     """A one-choice request's output as an endpoint writes it, item by item.
 
     First None, once the engine's first event arrived: a stream may send its headers now (an error before
-    it is still an APIError the handler answers with an HTTP status). Then the text, in non-empty pieces as
+    it is still an APIError the handler answers with an HTTP status). Then, for a reasoning model whose output
+    is read apart, its thinking in non-empty Thoughts; then the text, in non-empty pieces as
     they may go out (with tools, text that may be a call is held until the output is complete: api/tools.py),
-    or one empty text when the answer has neither text nor a call; last one Finish. ClientGone when the
-    client left.
+    or one empty text when the answer has neither thinking, text nor a call; last one Finish. ClientGone when
+    the client left.
     """
     deadline = time.monotonic() + request.app[STATE].config.request_timeout
     held = ToolStream(parsed.tools) if parsed.tools is not None else None
+    thinking = parsed.thinking
+    reader = ThinkingReader(thinking.opened) if thinking is not None and thinking.split else None
     n = 0
     started = shown = False
     ids: list[int] = []
@@ -260,7 +302,13 @@ async def turn(request: web.Request, parsed: ParsedRequest, fan: Fanout, accepte
         n += event.n_tokens
         ids += event.tokens
         timer.tokens(event.n_tokens)
-        text = held.feed(event.text) if held is not None else event.text
+        text = event.text
+        if reader is not None:
+            thought, text = reader.feed(text, event.n_tokens, event.finish_reason is not None)
+            if thought:
+                shown = True
+                yield Thought(thought)
+        text = held.feed(text) if held is not None else text
         calls = []
         if event.finish_reason and held is not None:
             rest, calls = held.finish(event.finish_reason)
@@ -271,7 +319,7 @@ async def turn(request: web.Request, parsed: ParsedRequest, fan: Fanout, accepte
         if event.finish_reason:
             timer.finished(event.finish_reason)
             yield Finish(event.finish_reason, calls, accepted[0].prompt_tokens, n, accepted[0].cached_tokens,
-                         tuple(ids))
+                         tuple(ids), reader.tokens if reader is not None else 0)
             return
 
 

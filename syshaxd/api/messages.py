@@ -2,9 +2,10 @@
 
 The body becomes a chat body (system -> a system message, tool_use / tool_result blocks ->
 assistant tool calls and tool messages, tools with input_schema, tool_choice auto / any / tool /
-none, output_config.format -> response_format) that parse_chat checks; the output is read as
-text and tool calls (generation.turn) and written as Anthropic's stream events. A JSON answer
-is folded from the same events. Errors leave in Anthropic's shape (app.py's middleware), their
+none, output_config.format -> response_format, thinking -> enable_thinking) that parse_chat checks;
+the output is read as thinking, text and tool calls (generation.turn) and written as Anthropic's stream
+events: a reasoning model's thinking is a `thinking` block before the text. A JSON answer is folded from
+the same events. Errors leave in Anthropic's shape (app.py's middleware), their
 message naming the field.
 """
 
@@ -18,13 +19,13 @@ from typing import Any
 
 from aiohttp import web
 
-from syshaxd.api.chat_form import (TOOL_RULES, Renames, chat_tool, chat_tools, expect, refuse, required,
+from syshaxd.api.chat_form import (TOOL_RULES, Renames, chat_tool, chat_tools, expect, required,
                                    text_parts, translated)
 from syshaxd.api import fields
 from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.fields import check_fields
 from syshaxd.api.fanout import Fanout
-from syshaxd.api.generation import Finish, admitted, read_body, route_of, stream_sse, turn, typed_sse
+from syshaxd.api.generation import Finish, Thought, admitted, read_body, route_of, stream_sse, turn, typed_sse
 from syshaxd.api.keys import MODEL_NAME, STATE, VOCAB
 from syshaxd.api.tools import partial_object
 from syshaxd.api.validate import ParsedRequest, parse_chat
@@ -34,6 +35,8 @@ from syshaxd.metrics import RequestTimer
 routes = web.RouteTableDef()
 
 ROLES = ("user", "assistant")
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
+DISPLAYS = ("summarized", "omitted")  # summarized: the thinking as the model wrote it (no summary is made)
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # "tool" names one: chat's named function
 
 # chat's names for what this endpoint calls otherwise (error params and messages)
@@ -53,7 +56,8 @@ def _texts(content: Any, where: str) -> str:
 
 
 def _turn(i: int, m: Any) -> list[dict]:
-    """One Anthropic message as chat messages: tool results become tool messages, tool uses an assistant's calls."""
+    """One Anthropic message as chat messages: tool results become tool messages, tool uses an assistant's calls, and
+    an assistant's thinking blocks its `reasoning_content` (which some templates render)."""
     where = f"messages[{i}]"
     expect(m, dict, where, "an object")
     role = m.get("role")
@@ -65,6 +69,7 @@ def _turn(i: int, m: Any) -> list[dict]:
         return [{"role": role, "content": content}]
     expect(content, list, f"{where}.content", "a string or an array of content blocks")
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict] = []
     results: list[dict] = []
     for j, block in enumerate(content):
@@ -73,6 +78,11 @@ def _turn(i: int, m: Any) -> list[dict]:
         kind = block.get("type")
         if kind == "text":
             texts.append(expect(required(block, "text", at), str, f"{at}.text", "a string"))
+        elif kind == "thinking" and role == "assistant":
+            thoughts.append(expect(required(block, "thinking", at), str, f"{at}.thinking", "a string"))
+        elif kind == "redacted_thinking" and role == "assistant":
+            raise invalid(f"Invalid '{at}.type': 'redacted_thinking' is another server's encrypted thinking, which "
+                          "cannot be read here; leave the block out.", param=f"{at}.type")
         elif kind == "tool_use" and role == "assistant":
             args = expect(required(block, "input", at), dict, f"{at}.input", "an object")
             calls.append({"id": expect(required(block, "id", at), str, f"{at}.id", "a string"), "type": "function",
@@ -86,11 +96,13 @@ def _turn(i: int, m: Any) -> list[dict]:
                             "tool_call_id": expect(required(block, "tool_use_id", at), str, f"{at}.tool_use_id",
                                                    "a string")})
         else:
-            allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
+            allowed = "text, thinking and tool_use" if role == "assistant" else "text and tool_result"
             raise invalid(f"Invalid '{at}.type': {kind!r}; a {role} message takes {allowed} blocks here (images, "
-                          "documents and thinking are not supported).", param=f"{at}.type")
+                          "documents are not supported).", param=f"{at}.type")
     if role == "assistant":
         message = {"role": "assistant", "content": "".join(texts)}
+        if thoughts:
+            message["reasoning_content"] = "".join(thoughts)
         return [message | {"tool_calls": calls}] if calls else [message]
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
@@ -121,14 +133,36 @@ def _tool_choice(body: dict, chat: dict) -> None:
                                                  "a boolean")
 
 
-def _options(body: dict, chat: dict) -> None:
-    """thinking, output_config and metadata: what of them this server serves."""
+def _thinking(body: dict, chat: dict) -> str:
+    """thinking: "disabled" renders the template with enable_thinking false; "enabled" (its budget_tokens is not held
+    apart: max_tokens bounds the thinking and the answer together) and "adaptive" ask for the model's thinking, which
+    is its own default. The field that asks the model to think ("" when none does)."""
     thinking = body.get("thinking")
-    if thinking is not None:
-        expect(thinking, dict, "thinking", "an object")
-        if thinking.get("type") != "disabled":
-            raise refuse("thinking", "the served model has no extended thinking; send {\"type\": \"disabled\"} or "
-                                     "leave it out.")
+    if thinking is None:
+        return ""
+    expect(thinking, dict, "thinking", "an object")
+    kind = thinking.get("type")
+    if kind not in THINKING_TYPES:
+        raise invalid(f"Invalid 'thinking.type': {kind!r}; it must be one of {', '.join(map(repr, THINKING_TYPES))}.",
+                      param="thinking.type")
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled":
+        budget = expect(required(thinking, "budget_tokens", "thinking"), int, "thinking.budget_tokens", "an integer")
+    if budget is not None and (kind != "enabled" or budget < 1):
+        raise invalid("Invalid 'thinking.budget_tokens': it goes with type 'enabled', as a positive integer.",
+                      param="thinking.budget_tokens")
+    display = thinking.get("display")
+    if display is not None and (kind == "disabled" or display not in DISPLAYS):
+        raise invalid(f"Invalid 'thinking.display': {display!r}; with thinking enabled or adaptive it is one of "
+                      f"{', '.join(map(repr, DISPLAYS))}.", param="thinking.display")
+    if kind == "disabled":
+        chat["chat_template_kwargs"] = {"enable_thinking": False}
+        return ""
+    return "thinking"
+
+
+def _options(body: dict, chat: dict) -> None:
+    """output_config and metadata: what of them this server serves."""
     config = body.get("output_config")
     if config is not None:
         expect(config, dict, "output_config", "an object")
@@ -182,8 +216,9 @@ def to_chat(body: dict, counting: bool = False) -> tuple[dict, Renames]:
     if tools is not None:
         chat["tools"] = tools
     _tool_choice(body, chat)
+    thinking_field = _thinking(body, chat)
     _options(body, chat)
-    return chat, Renames(_RULES, origins)
+    return chat, Renames(_RULES, origins, thinking_field=thinking_field)
 
 
 async def _stop_sequence(request: web.Request, finish: Finish, stops: tuple[str, ...]) -> str | None:
@@ -214,8 +249,10 @@ def _tool_use(call) -> dict:
 
 
 async def _events(request: web.Request, parsed: ParsedRequest, message_id: str, prompt_tokens: int,
-                  pieces: AsyncIterator, fan: Fanout) -> AsyncIterator[dict]:
-    """Anthropic's stream events for one output, in order; the first comes with the engine's first token."""
+                  pieces: AsyncIterator, fan: Fanout, shown_thinking: bool = True) -> AsyncIterator[dict]:
+    """Anthropic's stream events for one output, in order; the first comes with the engine's first token. A reasoning
+    model's thinking is a thinking block before the text (its text left out with `shown_thinking` false: thinking
+    display "omitted"); its signature is empty, as nothing here signs it."""
     await anext(pieces)
     yield {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": parsed.model, "content": [],
@@ -223,17 +260,30 @@ async def _events(request: web.Request, parsed: ParsedRequest, message_id: str, 
         "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}
     yield {"type": "ping"}
     index = 0
-    open_text = False
+    open_text = open_thought = False
     async for piece in pieces:
         if isinstance(piece, Finish):
             finish = piece
             break
+        if isinstance(piece, Thought):
+            if not open_thought:
+                open_thought = True
+                yield {"type": "content_block_start", "index": index,
+                       "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
+            if shown_thinking:
+                yield {"type": "content_block_delta", "index": index,
+                       "delta": {"type": "thinking_delta", "thinking": piece.text}}
+            continue
+        if open_thought:  # the thinking ended where the answer begins
+            open_thought = False
+            yield {"type": "content_block_stop", "index": index}
+            index += 1
         if not open_text:
             open_text = True
             yield {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}
         if piece:
             yield {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": piece}}
-    if open_text:
+    if open_thought or open_text:
         yield {"type": "content_block_stop", "index": index}
         index += 1
     for call in finish.calls:
@@ -266,6 +316,8 @@ async def _folded(events: AsyncIterator[dict]) -> dict:
             delta = event["delta"]
             if delta["type"] == "text_delta":
                 message["content"][event["index"]]["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                message["content"][event["index"]]["thinking"] += delta["thinking"]
             else:
                 partial[event["index"]] = partial.get(event["index"], "") + delta["partial_json"]
         elif kind == "content_block_stop" and event["index"] in partial:
@@ -284,7 +336,8 @@ async def _respond(request: web.Request, timer: RequestTimer, body: dict, parsed
                    accepted: list[Accepted]) -> web.StreamResponse:
     message_id = f"msg_{uuid.uuid4().hex}"
     pieces = turn(request, parsed, fan, accepted, timer)
-    events = _events(request, parsed, message_id, accepted[0].prompt_tokens, pieces, fan)
+    shown_thinking = (body.get("thinking") or {}).get("display") != "omitted"
+    events = _events(request, parsed, message_id, accepted[0].prompt_tokens, pieces, fan, shown_thinking)
     if parsed.stream:
         return await stream_sse(request, fan, message_id, typed_sse(events, _failed))
     message = await _folded(events)

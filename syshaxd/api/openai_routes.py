@@ -136,9 +136,13 @@ async def _respond_stream(request, fan: Fanout, accepted: list[Accepted], ex: Ex
                 await send(_sse(err.body()))
                 break
             text, lp = ex.shown(ch, event)
+            thought, text = ex.read_apart(ch, text, event)  # a reasoning model's thinking goes first, apart
+            lp = ex.streamed_logprobs(lp)
+            if thought:
+                await send(_sse(ex.thought_chunk(ch.index, thought, logprobs=lp)))
+                lp = None
             if held is not None:  # text that may be a tool call waits until it is known
                 text = held[ch.index].feed(text)
-            lp = ex.streamed_logprobs(lp)
             if text or lp is not None:
                 await send(_sse(ex.chunk(ch.index, text, None, logprobs=lp)))
             if event.finish_reason:

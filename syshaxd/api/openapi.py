@@ -12,6 +12,8 @@ from __future__ import annotations
 from syshaxd import __version__
 from syshaxd.api import messages, responses
 from syshaxd.api.fields import DEFAULT_ONLY, HARMLESS, MESSAGES, RESPONSES, Obj
+from syshaxd.api.reasoning import EFFORTS, ReasoningFormat
+from syshaxd.sdk.gguf.chat import RENDER_NAMES
 from syshaxd.api.validate import CHAT_ROLES, INTEGER_RANGES, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP, NUMBER_RANGES
 
 ERROR_STATUSES = {
@@ -173,6 +175,10 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
                            "items": {"type": "object", "required": ["id", "type", "function"]}},
             "tool_call_id": {"type": "string", "description": "Required in a `tool` message: the call it answers."},
             "name": {"type": "string"}, "refusal": {}, "annotations": {},
+            **{name: _nullable({"type": "string", "description": "An assistant message's thinking, sent back (an "
+                                                                 "answer's `reasoning_content`); templates that "
+                                                                 "render it (Qwen3's) get it."})
+               for name in ("reasoning_content", "reasoning")},
         },
         "additionalProperties": False,
     }
@@ -199,6 +205,19 @@ def _chat_request(common: dict, n_ctx: int) -> dict:
                                 "function": {"type": "object", "required": ["name"],
                                              "properties": {"name": {"type": "string"}}}}}]}),
             "parallel_tool_calls": _nullable({"type": "boolean"}),
+            "reasoning_format": _nullable({"type": "string", "enum": [str(f) for f in ReasoningFormat],
+                                           "description": "llama-server's: `deepseek` reads a reasoning model's "
+                                                          "<think> block into `reasoning_content`; `none` leaves it "
+                                                          "in content; `auto` (the default) is deepseek where the "
+                                                          "model's chat template is a thinking template."}),
+            "chat_template_kwargs": _nullable({
+                "type": "object", "properties": {"enable_thinking": _nullable({"type": "boolean"})},
+                "propertyNames": {"not": {"enum": sorted(RENDER_NAMES)}},
+                "description": "Variables for the model's chat template (vLLM's and llama-server's), e.g. "
+                               "`enable_thinking: false` (Qwen3)."}),
+            "reasoning_effort": _nullable({"type": "string", "enum": list(EFFORTS),
+                                           "description": "`none`: enable_thinking false; the others are passed "
+                                                          "to the template as `reasoning_effort`."}),
         },
         "additionalProperties": False,
     }
@@ -406,6 +425,8 @@ def _schemas() -> dict:
                                    "message": {"type": "object", "required": ["role", "content"],
                                                "properties": {"role": {"const": "assistant"},
                                                               "content": {"type": ["string", "null"]},
+                                                              "reasoning_content": {"type": ["string", "null"]},
+                                                              "reasoning": {"type": ["string", "null"]},
                                                               "tool_calls": {"type": "array",
                                                                              "items": tool_call}}}}}},
                 "usage": _ref("Usage"),
@@ -432,6 +453,7 @@ def _schemas() -> dict:
                                       "index": {"type": "integer"},
                                       "delta": {"type": "object", "properties": {
                                           "role": {"type": "string"}, "content": {"type": "string"},
+                                          "reasoning_content": {"type": "string"}, "reasoning": {"type": "string"},
                                           "tool_calls": {"type": "array", "items": tool_call_delta}}},
                                       "logprobs": chat_lp,
                                       "finish_reason": {"type": ["string", "null"]}}}},

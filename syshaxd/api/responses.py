@@ -1,9 +1,11 @@
 """POST /v1/responses: OpenAI's Responses API (the Agents SDK's default), stateless, over the chat pipeline.
 
 The body becomes a chat body (instructions -> a system message, input items -> messages,
-function tools, text.format -> response_format) that parse_chat checks; the output is read
-as text and tool calls (generation.turn) and written as the Responses API's typed events.
-A JSON answer is the `response` of the last event a stream would send.
+function tools, text.format -> response_format, reasoning.effort -> reasoning_effort) that parse_chat
+checks; the output is read as thinking, text and tool calls (generation.turn) and written as the Responses
+API's typed events: a reasoning model's thinking is a `reasoning` item before the message, as OpenAI's
+(its text as `reasoning_text` content; no summaries are made). A JSON answer is the `response` of the last
+event a stream would send.
 
 Stateless: syshaxd keeps no store of responses or conversations, so `previous_response_id`,
 `conversation` and `item_reference` items are a 400 that says to send the whole conversation
@@ -27,7 +29,8 @@ from syshaxd.api import fields
 from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.fields import check_fields
 from syshaxd.api.fanout import Fanout
-from syshaxd.api.generation import Finish, admitted, route_of, stream_sse, turn, typed_sse
+from syshaxd.api.generation import Finish, Thought, admitted, route_of, stream_sse, turn, typed_sse
+from syshaxd.api.reasoning import EFFORTS
 from syshaxd.api.validate import ParsedRequest
 from syshaxd.sdk.types import Accepted
 from syshaxd.metrics import RequestTimer
@@ -36,7 +39,8 @@ routes = web.RouteTableDef()
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+SUMMARIES = ("auto", "concise", "detailed")  # reasoning.summary: accepted; the thinking itself is given, not a summary
 
 # chat's names for what this endpoint calls otherwise (error params and messages)
 _RULES = [
@@ -44,6 +48,7 @@ _RULES = [
     (r"(?<![\w.])max_completion_tokens\b|(?<![\w.])max_tokens\b", "max_output_tokens"),
     (r"response_format\.json_schema\.(schema|name|strict)", r"text.format.\1"),
     (r"response_format(\.json_schema)?", "text.format"),
+    (r"(?<![\w.])reasoning_effort\b", "reasoning.effort"),
     *TOOL_RULES,
 ]
 
@@ -52,10 +57,33 @@ def _text_of(content: Any, where: str) -> str:
     return text_parts(content, where, TEXT_PARTS)
 
 
+def _thought(item: dict, at: str) -> str:
+    """A reasoning item's text: its reasoning_text content, or where it has none (OpenAI's own items carry only a
+    summary and encrypted content) its summary."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        expect(parts, list, f"{at}.{key}", "an array")
+        texts = []
+        for j, part in enumerate(parts):
+            where = f"{at}.{key}[{j}]"
+            expect(part, dict, where, "an object")
+            if part.get("type") != kind:
+                raise invalid(f"Invalid '{where}.type': {part.get('type')!r}; expected {kind!r}.",
+                              param=f"{where}.type")
+            texts.append(expect(required(part, "text", where), str, f"{where}.text", "a string"))
+        if texts:
+            return "".join(texts)
+    return ""
+
+
 def _messages(body: dict) -> tuple[list[dict], list[str]]:
-    """The chat messages of instructions + input, and for each the field of the body it came from."""
+    """The chat messages of instructions + input, and for each the field of the body it came from. A reasoning item
+    goes with the assistant turn after it, as its thinking (`reasoning_content`, which some templates render)."""
     messages: list[dict] = []
     origins: list[str] = []
+    thought: tuple[str, str] | None = None  # (the field, its text) of a reasoning item waiting for its turn
     instructions = body.get("instructions")
     if instructions is not None:
         messages.append({"role": "system", "content": expect(instructions, str, "instructions", "a string")})
@@ -73,22 +101,33 @@ def _messages(body: dict) -> tuple[list[dict], list[str]]:
         at = f"input[{i}]"
         expect(item, dict, at, "an object")
         kind = item.get("type", "message" if "role" in item else None)
+        if thought is not None and not (kind == "function_call" or (kind == "message"
+                                                                     and item.get("role") == "assistant")):
+            raise invalid(f"Invalid '{thought[0]}': a reasoning item goes right before the assistant message or "
+                          "function_call it led to.", param=thought[0])
+        if kind == "reasoning":
+            thought = (at, _thought(item, at))
+            continue
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
                 raise invalid(f"Invalid '{at}.role': {role!r}; it must be one of {', '.join(ROLES)}.",
                               param=f"{at}.role")
             messages.append({"role": role, "content": _text_of(required(item, "content", at), f"{at}.content")})
+            if thought is not None:
+                messages[-1]["reasoning_content"], thought = thought[1], None
         elif kind == "function_call":
             call = {"id": expect(required(item, "call_id", at), str, f"{at}.call_id", "a string"), "type": "function",
                     "function": {"name": expect(required(item, "name", at), str, f"{at}.name", "a string"),
                                  "arguments": expect(required(item, "arguments", at), str, f"{at}.arguments",
                                                      "a string of JSON")}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # text then calls: one assistant turn
+            if last is not None and last["role"] == "assistant" and thought is None:  # text then calls: one turn
                 last.setdefault("tool_calls", []).append(call)
                 continue
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if thought is not None:
+                messages[-1]["reasoning_content"], thought = thought[1], None
         elif kind == "function_call_output":
             messages.append({"role": "tool",
                              "tool_call_id": expect(required(item, "call_id", at), str, f"{at}.call_id", "a string"),
@@ -98,8 +137,11 @@ def _messages(body: dict) -> tuple[list[dict], list[str]]:
                                        "itself.")
         else:
             raise invalid(f"Invalid '{at}.type': {kind!r}; this server reads {', '.join(ITEM_TYPES)} items "
-                          "(reasoning, hosted tool calls and files are not supported).", param=f"{at}.type")
+                          "(hosted tool calls and files are not supported).", param=f"{at}.type")
         origins.append(at)
+    if thought is not None:
+        raise invalid(f"Invalid '{thought[0]}': a reasoning item goes right before the assistant message or "
+                      "function_call it led to.", param=thought[0])
     return messages, origins
 
 
@@ -150,13 +192,32 @@ def _stateless(body: dict) -> None:
         raise refuse("include[0]", f"{items[0]!r} is not served; send include: [] or leave it out.")
     if body.get("truncation") not in (None, "disabled"):
         raise refuse("truncation", "only 'disabled': an input that does not fit the context is a 400, never cut.")
-    if body.get("reasoning") not in (None, {}):
-        raise refuse("reasoning", "the served model has no reasoning settings.")
     if body.get("metadata") is not None:
         expect(body["metadata"], dict, "metadata", "an object")
     options = body.get("stream_options")
     if options is not None:
         expect(options, dict, "stream_options", "an object")
+
+
+def _reasoning_effort(body: dict, chat: dict) -> str:
+    """reasoning {effort, summary}: effort as chat's reasoning_effort ("none": no thinking); the field that asks the
+    model to think ("" when none does)."""
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return ""
+    expect(reasoning, dict, "reasoning", "an object")
+    summary = reasoning.get("summary")
+    if summary is not None and summary not in SUMMARIES:
+        raise invalid(f"Invalid 'reasoning.summary': {summary!r}; it must be one of {', '.join(map(repr, SUMMARIES))}.",
+                      param="reasoning.summary")
+    effort = reasoning.get("effort")
+    if effort is None:
+        return ""
+    if effort not in EFFORTS:
+        raise invalid(f"Invalid 'reasoning.effort': {effort!r}; it must be one of {', '.join(map(repr, EFFORTS))}.",
+                      param="reasoning.effort")
+    chat["reasoning_effort"] = effort
+    return "" if effort == "none" else "reasoning.effort"
 
 
 def to_chat(body: dict) -> tuple[dict, Renames]:
@@ -165,6 +226,7 @@ def to_chat(body: dict) -> tuple[dict, Renames]:
     _stateless(body)
     messages, origins = _messages(body)
     chat = {"messages": messages}
+    thinking_field = _reasoning_effort(body, chat)
     for name in ("model", "temperature", "top_p", "top_k", "seed", "stream", "parallel_tool_calls", "syshax"):
         if name in body:
             chat[name] = body[name]
@@ -178,7 +240,7 @@ def to_chat(body: dict) -> tuple[dict, Renames]:
     fmt = _response_format(body)
     if fmt is not None:
         chat["response_format"] = fmt
-    return chat, Renames(_RULES, origins)
+    return chat, Renames(_RULES, origins, thinking_field=thinking_field)
 
 
 class _Shape:
@@ -204,7 +266,8 @@ class _Shape:
             "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
             "model": self.model, "output": output,
             "parallel_tool_calls": b.get("parallel_tool_calls", True) is not False,
-            "previous_response_id": None, "reasoning": None, "store": False,  # stateless: nothing is stored
+            "previous_response_id": None, "store": False,  # stateless: nothing is stored
+            "reasoning": ({"effort": None, "summary": None} | b["reasoning"]) if b.get("reasoning") else None,
             "temperature": b.get("temperature", 1.0), "top_p": b.get("top_p", 1.0),
             "text": {"format": (b.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": b.get("tool_choice") or "auto", "tools": self.tools(), "truncation": "disabled",
@@ -217,7 +280,7 @@ class _Shape:
                             # prompt tokens whose KV came from the prefix cache
                             "input_tokens_details": {"cached_tokens": finish.cached_tokens, "cache_write_tokens": 0},
                             "output_tokens": finish.completion_tokens,
-                            "output_tokens_details": {"reasoning_tokens": 0},
+                            "output_tokens_details": {"reasoning_tokens": finish.reasoning_tokens},
                             "total_tokens": finish.prompt_tokens + finish.completion_tokens}
         if route is not None:
             out["syshax"] = route
@@ -238,8 +301,19 @@ def _call(item_id: str, call, arguments: str, status: str) -> dict:
             "status": status}
 
 
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
+def _reasoning(item_id: str, text: str | None, status: str) -> dict:
+    """A reasoning item, OpenAI's shape: the model's thinking as reasoning_text content (no summaries are made)."""
+    content = [] if text is None else [_reasoning_part(text)]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
 async def _events(shape: _Shape, pieces: AsyncIterator, fan: Fanout) -> AsyncIterator[dict]:
-    """The Responses API's events for one output, in order; the first comes with the engine's first token."""
+    """The Responses API's events for one output, in order; the first comes with the engine's first token. A reasoning
+    model's thinking is a reasoning item before the message."""
     await anext(pieces)
     seq = itertools.count()
 
@@ -248,28 +322,57 @@ async def _events(shape: _Shape, pieces: AsyncIterator, fan: Fanout) -> AsyncIte
 
     yield event("response.created", response=shape.response("in_progress", []))
     yield event("response.in_progress", response=shape.response("in_progress", []))
-    msg_id = f"msg_{uuid.uuid4().hex}"
-    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+    output: list[dict] = []
+    thought_id, msg_id = f"rs_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+    thought: list[str] | None = None  # the thinking, while its item is open
     text: list[str] | None = None  # the message's text, once it has begun
+
+    def thought_done(status: str) -> list[dict]:
+        """The events that close the reasoning item."""
+        whole = "".join(thought)
+        at = {"item_id": thought_id, "output_index": len(output), "content_index": 0}
+        output.append(_reasoning(thought_id, whole, status))
+        return [event("response.reasoning_text.done", **at, text=whole),
+                event("response.content_part.done", **at, part=_reasoning_part(whole)),
+                event("response.output_item.done", output_index=at["output_index"], item=output[-1])]
+
     async for piece in pieces:
         if isinstance(piece, Finish):
             finish = piece
             break
+        if isinstance(piece, Thought):
+            at = {"item_id": thought_id, "output_index": len(output), "content_index": 0}
+            if thought is None:
+                thought = []
+                yield event("response.output_item.added", output_index=len(output),
+                            item=_reasoning(thought_id, None, "in_progress"))
+                yield event("response.content_part.added", **at, part=_reasoning_part(""))
+            thought.append(piece.text)
+            yield event("response.reasoning_text.delta", **at, delta=piece.text)
+            continue
         if text is None:
+            if thought is not None:  # the thinking ended where the answer begins
+                for done in thought_done("completed"):
+                    yield done
+                thought = None
             text = []
-            yield event("response.output_item.added", output_index=0, item=_message(msg_id, None, "in_progress"))
+            where = {"item_id": msg_id, "output_index": len(output), "content_index": 0}
+            yield event("response.output_item.added", output_index=len(output),
+                        item=_message(msg_id, None, "in_progress"))
             yield event("response.content_part.added", **where, part=_text_part(""))
         if piece:
             text.append(piece)
             yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
     status = "incomplete" if finish.reason == "length" and not finish.whole_calls else "completed"
-    output: list[dict] = []
+    if thought is not None:  # all thinking: max_output_tokens ended it there, or the model ended with it
+        for done in thought_done(status):
+            yield done
     if text is not None:
         whole = "".join(text)
         yield event("response.output_text.done", **where, text=whole, logprobs=[])
         yield event("response.content_part.done", **where, part=_text_part(whole))
         output.append(_message(msg_id, whole, status))
-        yield event("response.output_item.done", output_index=0, item=output[-1])
+        yield event("response.output_item.done", output_index=where["output_index"], item=output[-1])
     for call in finish.calls:
         index, item_id = len(output), f"fc_{uuid.uuid4().hex}"
         yield event("response.output_item.added", output_index=index, item=_call(item_id, call, "", "in_progress"))

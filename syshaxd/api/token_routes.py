@@ -12,6 +12,7 @@ from aiohttp import web
 
 from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.keys import CONFIG, MODEL_NAME, VOCAB
+from syshaxd.api.reasoning import template_kwargs
 from syshaxd.api.validate import parse_json_body, parse_message, type_error
 from syshaxd.sdk.types import GenerateRequest
 
@@ -56,7 +57,8 @@ async def tokenize(request: web.Request) -> web.Response:
         if not _flag(body, ("add_generation_prompt",), True):
             raise invalid("'add_generation_prompt': false is not supported; the engines always render the "
                           "assistant's turn start.", param="add_generation_prompt", code="unsupported_parameter")
-        req = GenerateRequest("tokenize", None, messages=tuple(parse_message(i, m) for i, m in enumerate(messages)))
+        req = GenerateRequest("tokenize", None, messages=tuple(parse_message(i, m) for i, m in enumerate(messages)),
+                              chat_template_kwargs=template_kwargs(body.get("chat_template_kwargs")) or None)
     else:
         name = "content" if "content" in body else "prompt"
         text = body.get(name)

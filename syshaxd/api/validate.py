@@ -12,6 +12,7 @@ from syshaxd.api.errors import APIError, invalid
 from syshaxd.api import fields
 from syshaxd.api.constraints import Constraint, parse_constraint
 from syshaxd.api.fields import check_fields
+from syshaxd.api.reasoning import Thinking, parse_thinking
 from syshaxd.api.tools import Tools, call_grammar, parse_tools
 from syshaxd.config import MODES
 from syshaxd.sdk.types import GenerateRequest, SamplingParams
@@ -57,6 +58,7 @@ class ParsedRequest:
     route: str = ""  # syshax.mode: a mode for this request alone ("auto" lets the decider choose); "": the daemon's
     # the request's fields as routing rules read them (api/generation.rule_fields), taken before its prompt is rendered
     fields: dict | None = None
+    thinking: Thinking | None = None  # chat: how the output is read for a reasoning model's thinking (api/reasoning.py)
 
     @property
     def generate(self) -> GenerateRequest:
@@ -335,6 +337,9 @@ def parse_message(i: int, m: Any) -> dict:
     out = {"role": role, "content": _text(f"{where}.content", content)}
     if role == "assistant" and m.get("tool_calls"):
         out["tool_calls"] = _tool_calls(where, m["tool_calls"])
+    reasoning = _reasoning(where, m)
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
     if role == "tool":
         call_id = m.get("tool_call_id")
         if not isinstance(call_id, str):
@@ -344,6 +349,26 @@ def parse_message(i: int, m: Any) -> dict:
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
     return out
+
+
+def _reasoning(where: str, m: dict) -> str | None:
+    """An assistant message's thinking sent back (as a chat answer gives it: `reasoning_content`, llama-server's and
+    DeepSeek's name, or `reasoning`, vLLM's newer one), for templates that render it (Qwen3's, in the turns after the
+    last user message)."""
+    names = [name for name in ("reasoning_content", "reasoning") if m.get(name) is not None]
+    if not names:
+        return None
+    if m.get("role") != "assistant":
+        raise invalid(f"Invalid '{where}.{names[0]}': only an assistant message carries its thinking.",
+                      param=f"{where}.{names[0]}")
+    for name in names:
+        if not isinstance(m[name], str):
+            raise type_error(f"{where}.{name}", "a string", m[name])
+    texts = {_text(f"{where}.{name}", m[name]) for name in names}
+    if len(texts) > 1:
+        raise invalid(f"Invalid '{where}.reasoning': it differs from '{where}.reasoning_content'; send the thinking "
+                      "once (either name).", param=f"{where}.reasoning")
+    return texts.pop()
 
 
 def _tool_calls(where: str, calls: Any) -> list[dict]:
@@ -391,6 +416,7 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
             raise invalid(f"'{constraint.field}' cannot be combined with a forced tool call (tool_choice 'required' "
                           "or a named function): the call's arguments follow its schema.", param=constraint.field)
         constraint = Constraint(call_grammar(tools), "tool_choice")
+    thinking, template_kwargs = parse_thinking(body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     req = GenerateRequest(
         request_id=rid,
@@ -405,9 +431,10 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         grammar=constraint.grammar if constraint else "",
         grammar_field=constraint.field if constraint else "response_format",
         tools=tools.tools if tools else (),
+        chat_template_kwargs=template_kwargs or None,
     )
     generates = _choices(req, n)
     if n > 1:
         generates = [replace(g, request_id=f"{rid}-{i}") for i, g in enumerate(generates)]
     return ParsedRequest(tuple(generates), stream, include_usage, model, n=n, logprobs=logprobs, tools=tools,
-                         route=_route(body))
+                         route=_route(body), thinking=thinking)

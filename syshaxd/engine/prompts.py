@@ -61,4 +61,4 @@ class PromptTokenizer:
         if isinstance(admitted, Rejected):
             return admitted
         tokens, _ = admitted
-        return replace(request, prompt_tokens=tuple(tokens), prompt=None, messages=None)
+        return replace(request, prompt_tokens=tuple(tokens), prompt=None, messages=None, chat_template_kwargs=None)

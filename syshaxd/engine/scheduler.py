@@ -208,7 +208,8 @@ class Scheduler:
             tokenized = await self.prompts.tokenize(choices[first])
             if isinstance(tokenized, Rejected):
                 return tokenized
-            prepared += [replace(choice, prompt_tokens=tokenized.prompt_tokens, prompt=None, messages=None)
+            prepared += [replace(choice, prompt_tokens=tokenized.prompt_tokens, prompt=None, messages=None,
+                                 chat_template_kwargs=None)
                          for choice in choices[first:first + n]]
         return prepared
 

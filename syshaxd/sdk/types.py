@@ -220,6 +220,8 @@ class GenerateRequest:
     grammar_field: str = "response_format"  # the request field the grammar came from: refusals name it
     # chat: the tools the template renders into the prompt ({"type": "function", "function": {...}})
     tools: tuple[dict, ...] = ()
+    # chat: the template's variables from the request (chat_template_kwargs: enable_thinking, ...); None: none
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass(frozen=True)

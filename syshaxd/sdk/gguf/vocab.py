@@ -96,8 +96,8 @@ class Vocab:
             return list(request.prompt_tokens)
         if request.messages is not None:
             # the template writes its own special tokens (BOS and the role markers)
-            return self.tokenize(self.template.render(list(request.messages), list(request.tools) or None),
-                                 add_special=False)
+            return self.tokenize(self.template.render(list(request.messages), list(request.tools) or None,
+                                                      request.chat_template_kwargs), add_special=False)
         return self.tokenize(request.prompt or "", add_special=True)
 
     def close(self) -> None:
