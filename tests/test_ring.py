@@ -319,10 +319,21 @@ def test_two_producers_write_one_ring_at_once_and_every_record_is_whole(instance
             lines: queue.Queue = queue.Queue()
             for p in producers:  # each producer's reports as they come, whichever writes first
                 threading.Thread(target=lambda out=p.stdout: [lines.put(x) for x in out], daemon=True).start()
-            pending = []
-            for _ in range(600):
-                off, k, seq = map(int, lines.get(timeout=30).split())
+            pending, got, deadline = [], 0, time.monotonic() + 120
+            while got < 600:
+                assert time.monotonic() < deadline, f"{got} of 600 records read"
+                try:
+                    line = lines.get(timeout=0.5)
+                except queue.Empty:
+                    # the lines come in the order the producers print them, not the ring's: a record held here may
+                    # be the oldest, and the tail waits on it, so while nothing comes, every held one is released
+                    for off in pending:
+                        ring.release(off)
+                    pending = []
+                    continue
+                off, k, seq = map(int, line.split())
                 assert bytes(ring.read(off)) == (b"%d:%d;" % (k, seq)) * (50 + seq % 200)
+                got += 1
                 pending.append(off)
                 if len(pending) > 3:  # released a little out of order: the second, then the first
                     ring.release(pending.pop(1))
