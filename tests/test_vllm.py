@@ -339,7 +339,9 @@ def test_a_pool_of_vllm_engines_places_a_chat_turn_where_its_prefix_is_cached(de
         first = chat(turn)
         holder = wait_for(lambda: next((n for n in ("gpu0", "gpu1") if stats(n)["finished"] == 1), None), 10,
                           "the engine of the first turn")
-        busy = threading.Thread(target=chat, args=([{"role": "user", "content": "Count to a thousand."}], 300))
+        answered = []
+        busy = threading.Thread(target=lambda: answered.append(chat(
+            [{"role": "user", "content": "Count to a thousand."}], 100)["usage"]["completion_tokens"]))
         busy.start()  # it goes to the engine of the first turn (both idle: the first ready), which is busier then
         wait_for(lambda: stats(holder)["running"] >= 1, 30, "the busy request on the holder")
         cached = stats(holder)["cached_tokens"]
@@ -347,6 +349,7 @@ def test_a_pool_of_vllm_engines_places_a_chat_turn_where_its_prefix_is_cached(de
                  {"role": "user", "content": "And the first pendulum clock?"}]
         chat(turn)
         busy.join(300)
+        assert answered == [100]  # the busy request was answered too (a thread's failure would go unseen)
         assert d.status()["prefix_routing"]["placed_by_prefix"] == 1, d.status()["prefix_routing"]
         assert stats(holder)["cached_tokens"] - cached >= 16 * 5  # vLLM found the system prompt's blocks there
     finally:
