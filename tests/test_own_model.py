@@ -95,3 +95,20 @@ def test_a_q4_k_m_file_is_served_as_it_is_and_the_status_says_what_holds(default
         assert [n for _, n, _ in got] == [128] * len(got)
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_a_ring_too_small_for_one_prompt_of_n_ctx_tokens_is_said_at_start(default_model, caplog):
+    """A handoff record must fit the ring whole: the plan says so when a prompt of n_ctx tokens would not (the seed's
+    32B model's 2,048 tokens are 512 MiB, past the default 256)."""
+    import logging
+
+    from syshaxd.engine.plan import _warn_if_the_ring_is_small
+
+    per_token = 2 * 30 * 3 * 64 * 2  # SmolLM2-135M: 30 layers, 3 KV heads of 64, f16 K and V
+    with caplog.at_level(logging.WARNING, logger="syshaxd.engine.plan"):
+        _warn_if_the_ring_is_small(default_model, per_token * 4096, 4096)
+        assert not caplog.records
+        _warn_if_the_ring_is_small(default_model, per_token * 4095, 4096)
+    (said,) = caplog.records
+    assert "holds the KV of a prompt of at most 4095 tokens" in said.getMessage()
+    assert f"ring_size_mb = {-(-per_token * 4096 >> 20)} holds one of n_ctx tokens" in said.getMessage()

@@ -129,6 +129,23 @@ def _refuse_handoff_of_window_layers(model_path: Path, mode: str) -> None:
                         "KV cache that the handoff does not carry yet; serve it in cpu mode (--mode cpu)")
 
 
+def _warn_if_the_ring_is_small(model_path: Path, capacity: int, n_ctx: int) -> None:
+    """A prompt's KV record must fit the ring whole, or its decoder computes the prompt again: say so at start when
+    the ring cannot hold one prompt of n_ctx tokens of this model (a 32B model's 2,048 tokens are 512 MiB)."""
+    from syshaxd.sdk.gguf.header import fingerprint_from_gguf
+
+    try:
+        fp = fingerprint_from_gguf(model_path)
+    except (GGUFError, OSError):
+        return
+    per_token = 2 * fp.n_layer * fp.n_head_kv * fp.head_dim * 2  # K and V in f16
+    if capacity < per_token * n_ctx:
+        log.warning("ring_size_mb %d holds the KV of a prompt of at most %d tokens of this model (%d KiB a token), "
+                    "n_ctx is %d: a longer prompt is computed again by its decoder; ring_size_mb = %d holds one of "
+                    "n_ctx tokens", capacity >> 20, capacity // per_token, per_token >> 10, n_ctx,
+                    -(-per_token * n_ctx >> 20))
+
+
 def _refuse_codecs_unproven_for(model_path: Path, mode: str, other_backends: set[str]) -> None:
     """A torch or vLLM engine hands its prompts on in hetero and auto modes only for the families its codec is proven
     on (sdk/hf_model.py); the llama.cpp prefill engine hands every family's on."""
@@ -312,6 +329,7 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
     _cpu_backend(cfg.cpu_engine, cfg.mode)
     instance = instance or f"{os.getpid()}"
     ring = RingPlan(instance, cfg.ring_size_mb * 1024 * 1024)
+    _warn_if_the_ring_is_small(model_path, ring.size, cfg.n_ctx)
     if cfg.mode == "auto":  # the GPU engines generate, and hand a prompt on when told to
         workers = [(f"gpu{i}", _gpu_spec(base, e, p, Role.GENERATE, Pool.GPU, cfg.max_num_seqs,
                                          _prefill_backend(e.backend, cfg.mode), instance))
