@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -45,7 +46,15 @@ def _gguf_value(mv, pos: int, vtype: int):
 
 def read_gguf_header(path: str | os.PathLike) -> tuple[dict, list[tuple[str, tuple[int, ...], int]]]:
     """The metadata (long arrays left out) and the tensor table (name, shape, ggml type) of a GGUF file;
-    GGUFError when the file is not one (too short, cut off, an unknown value type)."""
+    GGUFError when the file is not one (too short, cut off, an unknown value type). Read once per version of the
+    file (about 50 ms: the vocabulary is walked): the start-up asks it several things. The caller must not change
+    what it returns."""
+    st = os.stat(path)
+    return _cached_header(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_header(path: str, size: int, mtime_ns: int) -> tuple[dict, list[tuple[str, tuple[int, ...], int]]]:
     try:
         return _read_header(path)
     except GGUFError:
