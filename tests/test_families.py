@@ -183,3 +183,20 @@ def test_a_call_in_the_familys_own_format_is_read_back_as_that_call(template):
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})], written
     # Qwen3's template writes an empty thinking block before the call: it is what the reasoning parser takes
     assert not (content or "").replace("<think>", "").replace("</think>", "").strip(), content
+
+
+def test_only_a_template_that_refuses_every_system_turn_gets_it_folded_into_the_first_user_turn():
+    """Gemma's template refuses a system turn: its text goes at the head of the first user turn, as Gemma 3's own
+    template puts it. Another template's refusal that names the system message (Qwen3.5's "System message must be at
+    the beginning.") is the request's mistake, and stays a refusal."""
+    from families import llama_source
+
+    from syshaxd.sdk.gguf.chat import ChatTemplate
+
+    templates = llama_source() / "models" / "templates"
+    gemma = ChatTemplate((templates / "google-gemma-2-2b-it.jinja").read_text(), "<bos>", "<eos>")
+    prompt = gemma.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}])
+    assert "<start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>" in prompt, prompt
+    qwen = ChatTemplate((templates / "Qwen3.5-4B.jinja").read_text(), "", "<|im_end|>")
+    with pytest.raises(ValueError, match="System message must be at the beginning"):
+        qwen.render([{"role": "user", "content": "Hi!"}, {"role": "system", "content": "Be brief."}])

@@ -64,9 +64,10 @@ class ChatTemplate:
         try:
             return self._render(messages, kw)
         except ValueError as exc:
-            # Gemma's templates refuse a system turn (Gemma 3's own folds it into the first user turn): do that
-            # for them, so a system message, or the tool note above, reaches such a model too
-            folded = _system_folded(messages) if "system" in str(exc).lower() else None
+            # Gemma's templates refuse any system turn (Gemma 3's own folds it into the first user turn): do that
+            # for them, so a system message, or the tool note above, reaches such a model too. Only that refusal:
+            # others that name the system message ("must be at the beginning") are the request's to fix
+            folded = _system_folded(messages) if SYSTEM_REFUSED in str(exc) else None
             if folded is None:
                 raise
             return self._render(folded, kw)
@@ -78,6 +79,10 @@ class ChatTemplate:
             raise
         except Exception as exc:  # jinja errors from the model's template
             raise ValueError(f"the model's chat template could not render these messages: {exc}") from None
+
+
+# the refusal of Gemma's templates (google-gemma-2-2b-it.jinja in llama.cpp's models/templates)
+SYSTEM_REFUSED = "System role not supported"
 
 
 def _system_folded(messages: list[dict]) -> list[dict] | None:
