@@ -27,7 +27,7 @@ from syshaxd.sdk.rate import TokenRate
 from syshaxd.sdk.types import (Accepted, Cached, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest,
                                   Handling, Imported, Prefilled, Proofs, Refusal, Rejected, TokenLogprob)
 from syshaxd.sdk.gguf.header import fingerprint_from_gguf
-from syshax_llamacpp.codec import StateBuffer, StateImportError, export_seq, parse_seq_state, widen_streams
+from syshax_llamacpp.codec import StateBuffer, StateImportError, export_seq, widen_streams
 
 log = logging.getLogger(__name__)
 
@@ -343,27 +343,20 @@ class LlamaCppEngine:
         had computed it. Leaves the prefill context empty."""
         n = len(history)
         batched = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, 0), (self.n_vocab,)).copy()
-        if self.sliding_window:  # two KV caches: compare the states' bytes, the prompt's widened to the batch's
-            decoded_bytes = export_seq(self.ctx, 0, self._state).copy()
-        else:
-            decoded = parse_seq_state(export_seq(self.ctx, 0, self._state).copy(), self.fingerprint)
+        decoded = export_seq(self.ctx, 0, self._state).copy()  # every KV cache of the model's (gemma: two)
         cuts = [0, 1]  # a row alone, then 16 rows, then chunks as long as they come
         while cuts[-1] < n:
             cuts.append(min(n, cuts[-1] + (min(16, self.chunk) if len(cuts) == 2 else self.chunk)))
         llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         try:
             logits = self._run_cuts(history, cuts)
-            if self.sliding_window:
-                size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
-                buf = self._state.ensure(size + 8 * self.max_seqs)
-                export_seq(self.prefill_ctx, 0, self._state)
-                size = widen_streams(buf, size, self.max_seqs)
-                same = np.array_equal(logits, batched) and np.array_equal(buf[:size], decoded_bytes)
-            else:
-                prompted = parse_seq_state(export_seq(self.prefill_ctx, 0, self._state), self.fingerprint)
-                same = (np.array_equal(logits, batched) and np.array_equal(decoded.positions, prompted.positions)
-                        and all(np.array_equal(a.view(np.uint16), z.view(np.uint16))
-                                for a, z in zip(decoded.k + decoded.v, prompted.k + prompted.v)))
+            # the prompt's state, addressed as the batch context's stream 0: the same bytes where every K and V
+            # (and every position) is the same
+            size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
+            buf = self._state.ensure(size + 8 * self.max_seqs)
+            export_seq(self.prefill_ctx, 0, self._state)
+            size = widen_streams(buf, size, self.max_seqs)
+            same = np.array_equal(logits, batched) and np.array_equal(buf[:size], decoded)
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         if faults.fails_proof(self.spec.fault, "generated"):
