@@ -301,15 +301,26 @@ def parse_output(text: str, tools: Tools, cut: bool = False) -> tuple[str | None
 
 def _mistral_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
     """Mistral's calls, `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` as its templates write them: every one
-    whole and naming a given tool, or none (the text stays text)."""
-    try:
-        items, end = _DECODER.raw_decode(text.strip())
-    except ValueError:
+    whole and naming a given tool, or none (the text stays text). Each call keeps the model's own text."""
+    body = text.strip()
+    if not body.startswith("["):
         return []
-    if not isinstance(items, list) or not items or text.strip()[end:].strip():
-        return []
-    calls = [_call(json.dumps(item, ensure_ascii=False), names, cut=False) for item in items]
-    return calls if all(calls) else []
+    calls, i = [], _SPACE.match(body, 1).end()
+    while True:
+        try:
+            end = _DECODER.raw_decode(body, i)[1]
+        except ValueError:
+            return []
+        call = _call(body[i:end], names, cut=False)
+        if call is None:
+            return []
+        calls.append(call)
+        i = _SPACE.match(body, end).end()
+        if body.startswith("]", i):
+            return calls if not body[i + 1:].strip() else []
+        if not body.startswith(",", i):
+            return []
+        i = _SPACE.match(body, i + 1).end()
 
 
 def finish_reason(reason: str, calls: list[ToolCall]) -> str:
