@@ -51,6 +51,14 @@ def invalid(message: str, param: str | None = None, code: str | None = "invalid_
     return APIError(400, message, param=param, code=code)
 
 
+def one_of(value, choices, param: str):
+    """value, if it is one of choices; else the 400 that names the field and every value it takes."""
+    if value not in choices:
+        raise invalid(f"Invalid '{param}': {value!r}; it must be one of {', '.join(repr(str(c)) for c in choices)}.",
+                      param=param)
+    return value
+
+
 def error_type_for(status: int) -> str:
     return {
         401: "authentication_error",

@@ -22,7 +22,7 @@ from aiohttp import web
 from syshaxd.api.chat_form import (TOOL_RULES, Renames, chat_tool, chat_tools, expect, required,
                                    text_parts, translated)
 from syshaxd.api import fields
-from syshaxd.api.errors import APIError, invalid
+from syshaxd.api.errors import APIError, invalid, one_of
 from syshaxd.api.fields import check_fields
 from syshaxd.api.fanout import Fanout
 from syshaxd.api.generation import Finish, Thought, admitted, read_body, route_of, stream_sse, turn, typed_sse
@@ -142,9 +142,7 @@ def _thinking(body: dict, chat: dict) -> str:
         return ""
     expect(thinking, dict, "thinking", "an object")
     kind = thinking.get("type")
-    if kind not in THINKING_TYPES:
-        raise invalid(f"Invalid 'thinking.type': {kind!r}; it must be one of {', '.join(map(repr, THINKING_TYPES))}.",
-                      param="thinking.type")
+    one_of(kind, THINKING_TYPES, "thinking.type")
     budget = thinking.get("budget_tokens")
     if kind == "enabled":
         budget = expect(required(thinking, "budget_tokens", "thinking"), int, "thinking.budget_tokens", "an integer")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from enum import Enum, StrEnum
 from typing import Any
 
-from syshaxd.api.errors import invalid
+from syshaxd.api.errors import invalid, one_of
 from syshaxd.sdk.gguf.chat import RENDER_NAMES, THINK_CLOSE, THINK_OPEN
 
 
@@ -72,16 +72,12 @@ def parse_thinking(body: dict) -> tuple[Thinking, dict[str, Any]]:
     fmt = body.get("reasoning_format")
     if fmt is None:
         fmt = ReasoningFormat.AUTO
-    elif fmt not in tuple(ReasoningFormat):
-        raise invalid(f"Invalid 'reasoning_format': {fmt!r}; it must be one of "
-                      f"{', '.join(repr(str(f)) for f in ReasoningFormat)}.", param="reasoning_format")
+    else:
+        one_of(fmt, tuple(ReasoningFormat), "reasoning_format")
     kwargs = template_kwargs(body.get("chat_template_kwargs"))
     effort = body.get("reasoning_effort")
     if effort is not None:
-        if effort not in EFFORTS:
-            raise invalid(f"Invalid 'reasoning_effort': {effort!r}; it must be one of "
-                          f"{', '.join(map(repr, EFFORTS))}.", param="reasoning_effort")
-        if effort == "none":
+        if one_of(effort, EFFORTS, "reasoning_effort") == "none":
             if kwargs.get("enable_thinking") is True:
                 raise invalid("'reasoning_effort': 'none' turns thinking off, and 'chat_template_kwargs."
                               "enable_thinking' turns it on; send one of them.", param="reasoning_effort")

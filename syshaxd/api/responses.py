@@ -26,7 +26,7 @@ from aiohttp import web
 from syshaxd.api.chat_form import (TOOL_RULES, Renames, chat_tool, chat_tools, expect, refuse, required,
                                    text_parts, translated)
 from syshaxd.api import fields
-from syshaxd.api.errors import APIError, invalid
+from syshaxd.api.errors import APIError, invalid, one_of
 from syshaxd.api.fields import check_fields
 from syshaxd.api.fanout import Fanout
 from syshaxd.api.generation import Finish, Thought, admitted, route_of, stream_sse, turn, typed_sse
@@ -207,16 +207,12 @@ def _reasoning_effort(body: dict, chat: dict) -> str:
         return ""
     expect(reasoning, dict, "reasoning", "an object")
     summary = reasoning.get("summary")
-    if summary is not None and summary not in SUMMARIES:
-        raise invalid(f"Invalid 'reasoning.summary': {summary!r}; it must be one of {', '.join(map(repr, SUMMARIES))}.",
-                      param="reasoning.summary")
+    if summary is not None:
+        one_of(summary, SUMMARIES, "reasoning.summary")
     effort = reasoning.get("effort")
     if effort is None:
         return ""
-    if effort not in EFFORTS:
-        raise invalid(f"Invalid 'reasoning.effort': {effort!r}; it must be one of {', '.join(map(repr, EFFORTS))}.",
-                      param="reasoning.effort")
-    chat["reasoning_effort"] = effort
+    chat["reasoning_effort"] = one_of(effort, EFFORTS, "reasoning.effort")
     return "" if effort == "none" else "reasoning.effort"
 
 

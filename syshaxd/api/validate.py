@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from syshaxd.api.errors import APIError, invalid
+from syshaxd.api.errors import APIError, invalid, one_of
 from syshaxd.api import fields
 from syshaxd.api.constraints import Constraint, parse_constraint
 from syshaxd.api.fields import check_fields
@@ -211,10 +211,7 @@ def _route(body: dict) -> str:
     mode = ext.get("mode")
     if mode is None:
         return ""
-    if mode not in MODES:
-        raise invalid(f"Invalid 'syshax.mode': {mode!r}; it must be one of {', '.join(map(repr, MODES))}.",
-                      param="syshax.mode")
-    return mode
+    return one_of(mode, MODES, "syshax.mode")
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, low: int = 1) -> int | None:
