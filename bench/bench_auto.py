@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from syshaxd.bench.client import StreamingClient, run_level  # noqa: E402
 from syshaxd.bench.daemon import start_daemon, stop_daemon  # noqa: E402
 from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 from syshaxd.bench.report import level_summary  # noqa: E402
-from syshaxd.bench.resources import describe_machine  # noqa: E402
+from syshaxd.bench.resources import describe_machine, save_figures  # noqa: E402
 
 MODES = ("cpu", "gpu", "auto")
 
@@ -111,14 +110,10 @@ def main(argv=None) -> int:
         asyncio.run(stop_daemon(daemon.process))
     print()
     print(table(rows))
-    load = os.getloadavg()
+    load = save_figures(args.json, started, args, rows)
     print(f"\n{describe_machine().get('cpu_model', '')} {os.cpu_count()} CPUs; GPU engine {args.prefill_engine} "
           f"(max_num_seqs {args.max_num_seqs}) on CPU 0, decoder on the rest; load average at the end {load[0]:.2f}")
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"started": started, "args": vars(args), "machine": describe_machine(),
-                                "load_average_end": load, "rows": rows}, indent=1, default=str))
-    print(f"figures in {path}")
+    print(f"figures in {args.json}")
     return 0
 
 

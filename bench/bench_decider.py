@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from syshaxd.bench.client import StreamingClient  # noqa: E402
 from syshaxd.bench.daemon import start_daemon, stop_daemon  # noqa: E402
 from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
-from syshaxd.bench.resources import describe_machine  # noqa: E402
+from syshaxd.bench.resources import describe_machine, save_figures  # noqa: E402
 
 SCENARIOS = {"short": (128, 64), "medium": (512, 128), "long": (1536, 96)}
 MIX = ["short"] * 4 + ["medium"] * 2 + ["long"]  # seven requests in a round: four short, two medium, one long
@@ -124,13 +124,9 @@ def main(argv=None) -> int:
               f"{', '.join(f'{k} {v}' for k, v in r['routes'].items())} |")
     print(f"\nmeasured / thresholds: {m['output_tok_s'] / t['output_tok_s']:.2f}x tok/s, TPOT p99 "
           f"{m['tpot_ms']['p99'] / t['tpot_ms']['p99']:.2f}x")
-    load = os.getloadavg()
+    load = save_figures(args.json, started, args, rows)
     print(f"{describe_machine().get('cpu_model', '')} {os.cpu_count()} CPUs; load average at the end {load[0]:.2f}")
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"started": started, "args": vars(args), "machine": describe_machine(),
-                                "load_average_end": load, "rows": rows}, indent=1, default=str))
-    print(f"figures in {path}")
+    print(f"figures in {args.json}")
     return 0
 
 

@@ -422,14 +422,14 @@ async def run_all(args: argparse.Namespace, binary: str | None, rounds: list[Wor
     return results
 
 
-def _stop_on_sigterm(signum, frame) -> None:
+def stop_on_sigterm(signum, frame) -> None:
     # Python's default SIGTERM ends the process without its finally blocks: the servers would outlive it.
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
     binary = None if args.only == OURS else find_llama_server(args.llama_server)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 from syshaxd.bench.client import StreamingClient  # noqa: E402
 from syshaxd.bench.daemon import start_daemon, stop_daemon  # noqa: E402
 from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
-from syshaxd.bench.resources import describe_machine  # noqa: E402
+from syshaxd.bench.resources import describe_machine, save_figures  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -119,14 +119,10 @@ def main(argv=None) -> int:
     for name, r in rows.items():
         print(f"| {name} | {r['cached_tokens']} of {r['prompt_tokens']} ({r['cached_tokens'] / max(1, r['prompt_tokens']):.0%})"
               f" | {r['later_turns_ttft_ms']['p50']} / {r['later_turns_ttft_ms']['p99']} | {r['output_tok_s']} |")
-    load = os.getloadavg()
+    load = save_figures(args.json, started, args, rows)
     print(f"\n{describe_machine().get('cpu_model', '')} {os.cpu_count()} CPUs; pool: 2 x {args.prefill_engine}; load "
           f"average at the end {load[0]:.2f}")
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"started": started, "args": vars(args), "machine": describe_machine(),
-                                "load_average_end": load, "rows": rows}, indent=1, default=str))
-    print(f"figures in {path}")
+    print(f"figures in {args.json}")
     return 0
 
 

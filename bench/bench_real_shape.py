@@ -57,7 +57,7 @@ import aiohttp  # noqa: E402
 
 import bench_hetero  # noqa: E402
 from bench_peers import (OURS, PARALLEL, PEER, Load, Server, find_llama_server, format_table, run_load,  # noqa: E402
-                         start_ours, start_peer, summary_rows, warm_up)
+                         start_ours, start_peer, stop_on_sigterm, summary_rows, warm_up)
 from families import SHAPE_SPECS, make_shape_model  # noqa: E402
 from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
 from syshaxd.bench.daemon import daemon_command, start_daemon  # noqa: E402
@@ -536,13 +536,9 @@ def format_paper(paper: dict, long_len: int) -> str:
     return "\n".join(lines)
 
 
-def _stop_on_sigterm(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
     made_here = args.model is None

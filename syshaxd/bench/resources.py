@@ -6,11 +6,13 @@ when it is installed and a GPU answers, and are simply absent otherwise.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
@@ -256,3 +258,14 @@ def _brief(values: list[float]) -> dict:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
+
+
+def save_figures(path: str | Path, started: str, args, rows) -> tuple[float, float, float]:
+    """A bench's figures with its arguments, the machine, and the load average at the end (how busy the host was,
+    which decides whether the ratios mean anything); returns that load average."""
+    load = os.getloadavg()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"started": started, "args": vars(args), "machine": describe_machine(),
+                                "load_average_end": load, "rows": rows}, indent=1, default=str))
+    return load
