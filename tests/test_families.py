@@ -103,7 +103,7 @@ def _tool_turns_render_and_parse(daemon) -> None:
 
 # --- the cross-engine codec: a torch prefill engine's KV decoded by llama.cpp -----------------------------------
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3"])
 def test_torch_prefill_hands_each_proven_family_on_teacher_forced(family, tmp_path):
     """The torch engine's record, imported into the llama.cpp decoder, gives the decoder's own next-token
     distributions: judged teacher-forced (random weights make near-ties common, hence 85 %, where the default model
@@ -113,7 +113,7 @@ def test_torch_prefill_hands_each_proven_family_on_teacher_forced(family, tmp_pa
     import uuid
 
     from teacher_forced import Decoder, judge
-    from test_torch_prefill import instance_of, prefill, take_record
+    from test_torch_prefill import instance_of, records_of
 
     from syshax_torch.engine import TorchPrefillEngine
     from syshaxd.sdk.gguf.quantize import ensure_quantized
@@ -127,12 +127,7 @@ def test_torch_prefill_hands_each_proven_family_on_teacher_forced(family, tmp_pa
                                            cache_dir=str(cache)))
     decoder = Decoder(ensure_quantized(source, "q4_0", cache))
     try:
-        def record_bytes_for(tokens):
-            done = prefill(engine, tokens)
-            assert done.handle is not None, done.reason
-            return take_record(ring, done.handle)
-
-        good, _ = judge(decoder, record_bytes_for)
+        good, _ = judge(decoder, records_of(engine, ring))
         print(f"\n{family}: torch prefill -> llama.cpp decode, teacher-forced: {good}")
         assert good.steps == 150 and good.agreement >= 0.85 and good.mean_kl <= 0.005, good
     finally:

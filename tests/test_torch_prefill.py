@@ -65,13 +65,18 @@ def take_record(ring, handle) -> bytes:
         ring.release(handle.offset)
 
 
-def test_torch_prefill_decodes_like_llamacpp_teacher_forced(torch_engine, decoder, ring):
+def records_of(engine, ring):
+    """record_bytes_for, as teacher_forced.judge takes it: the bytes of the record `engine` writes for a prompt."""
     def record_bytes_for(tokens):
-        done = prefill(torch_engine, tokens)
+        done = prefill(engine, tokens)
         assert done.handle is not None, done.reason
         return take_record(ring, done.handle)
 
-    good, control = judge(decoder, record_bytes_for)
+    return record_bytes_for
+
+
+def test_torch_prefill_decodes_like_llamacpp_teacher_forced(torch_engine, decoder, ring):
+    good, control = judge(decoder, records_of(torch_engine, ring))
     print(f"\ntorch prefill -> llama.cpp decode, teacher-forced: {good}")
     print(f"the same with the K permutation left out (control): {control}")
     assert good.steps == 150
