@@ -88,8 +88,7 @@ system-deps:
 	fi
 
 test: install-test system-deps
-	$(VENV)/bin/syshax model prepare --model-dir $(MODEL_DIR) >/dev/null
-	$(PY) -m syshaxd.sdk.hf_model --model-dir $(MODEL_DIR) >/dev/null  # the torch/vLLM copy of the q4_0 GGUF, once
+	$(VENV)/bin/syshax model prepare --hf --model-dir $(MODEL_DIR) >/dev/null  # the torch/vLLM copy of the q4_0 GGUF, once
 	$(PY) -m pytest -x -q $(PYTEST_ARGS)
 
 bench: install-test

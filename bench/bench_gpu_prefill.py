@@ -59,7 +59,7 @@ def hetero_comparison(repeats: int, threads: int) -> list[dict]:
                                    SamplingParams)
     from syshaxd.sdk.hf_model import ensure_hf_folder
     from syshaxd.sdk.kv.ring import KVRing
-    from syshaxd.sdk.model import prepare_default_model
+    from syshaxd.model import prepare_default_model
 
     model_dir = REPO / "models"
     gguf = ensure_quantized(prepare_default_model(model_dir), "q4_0", model_dir)

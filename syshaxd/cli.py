@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -179,7 +180,7 @@ def _print_status(st: dict) -> None:
     import time
 
     from syshaxd.engine.status import SchedulerStatus
-    from syshaxd.sdk.numa import format_cpulist
+    from syshaxd.sdk.placement import format_cpulist
 
     sched = SchedulerStatus.from_json(st)  # a key the daemon renamed fails here, not as a silent blank
     state = "draining" if st["draining"] else ("ready" if sched.ready else "not ready")
@@ -405,11 +406,21 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from syshaxd.sdk.model import ModelError, prepare_default_model
+    from syshaxd.model import ModelError, prepare_default_model
 
+    model_dir = Path(args.model_dir)
     try:
-        path = prepare_default_model(Path(args.model_dir))
-    except ModelError as exc:
+        path = prepare_default_model(model_dir)
+        if args.hf:  # the torch/vLLM copy of the q4_0 GGUF the CPU decoders load (hf_model says why)
+            from syshaxd.sdk.gguf.quantize import ensure_quantized
+            from syshaxd.sdk.hf_model import HFModelError, ensure_hf_folder
+
+            logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's own loader log
+            try:
+                path = ensure_hf_folder(ensure_quantized(path, "q4_0", model_dir))
+            except HFModelError as exc:
+                raise ModelError(str(exc)) from exc
+    except (ModelError, RuntimeError) as exc:
         print(f"syshax: {exc}", file=sys.stderr)
         return 1
     print(path)
@@ -478,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("model", help="prepare the embedded default model (SmolLM2-135M-Instruct)")
     s.add_argument("action", choices=["prepare"])
     s.add_argument("--model-dir", default="models", help="where to put it (default ./models)")
+    s.add_argument("--hf", action="store_true",
+                   help="also make its q4_0 copy and the Hugging Face folder the torch and vLLM prefill engines load "
+                        "from it (else the first gpu/hetero start makes them); prints the folder")
     s.set_defaults(func=cmd_model)
 
     try:

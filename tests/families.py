@@ -433,7 +433,7 @@ def _smollm_tokenizer_dir() -> Path:
         return folder
     from syshaxd.sdk.gguf.quantize import ensure_quantized
     from syshaxd.sdk.hf_model import ensure_hf_folder
-    from syshaxd.sdk.model import prepare_default_model
+    from syshaxd.model import prepare_default_model
 
     models = REPO / "models"
     return ensure_hf_folder(ensure_quantized(prepare_default_model(models), "q4_0", models))

@@ -25,7 +25,7 @@ from syshaxd.bench.report import MODE_RATIOS, level_summary
 from syshaxd.bench.scenarios import parse_concurrency, scenario_named
 from syshaxd.bench.stats import percentile, summarize
 from syshaxd.bench.stub import InstantServer
-from syshaxd.sdk.model import DEFAULT_QUANTIZED_NAME
+from syshaxd.model import DEFAULT_QUANTIZED_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

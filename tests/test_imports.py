@@ -118,6 +118,27 @@ def layering_errors(imports: list[Import], plugins: set[str]) -> list[str]:
     return errors
 
 
+WORKER_ENTRY = "syshaxd.sdk.worker"  # the worker process's loop: where a plugin's engine runs
+
+
+def sdk_strays(imports: list[Import], sdk_modules: set[str], plugins: set[str]) -> list[str]:
+    """The SDK's modules that neither a plugin nor the worker process reaches (directly or through other SDK
+    modules): daemon-only code that belongs on the serving side."""
+    graph: dict[str, set[str]] = {}
+    for i in imports:
+        graph.setdefault(i.importer, set()).add(i.imported)
+    reached: set[str] = set()
+    todo = [i.imported for i in imports if top(i.importer) in plugins and in_sdk(i.imported)] + [WORKER_ENTRY]
+    while todo:
+        module = todo.pop()
+        if module in reached:
+            continue
+        reached.add(module)
+        todo.extend(m for m in graph.get(module, ()) if in_sdk(m))
+    packages = {m.rpartition(".")[0] for m in reached}  # a reached module's package __init__ runs too
+    return sorted(m for m in sdk_modules if m not in reached and m not in packages and m != SDK)
+
+
 def import_cycles(imports: list[Import], deferred: bool = False) -> list[list[str]]:
     """Cycles among the imports that run at import time, or with deferred, among those and the imports inside
     functions too (each found once, as the modules along it)."""
@@ -158,6 +179,16 @@ def analyse(root: Path, deferred: bool = False) -> tuple[list[str], list[list[st
     known = set(modules)
     imports = [i for name, path in modules.items() for i in imports_of(name, path, known)]
     return layering_errors(imports, {p.name for p in plugin_dirs}), import_cycles(imports, deferred)
+
+
+def test_the_sdk_holds_only_what_plugins_and_workers_import():
+    # sdk/ is what a plugin may import; a module there that no plugin and no worker reaches is the daemon's own
+    # and belongs under syshaxd/engine, syshaxd/api or beside the daemon
+    core, plugin_dirs = project_packages(REPO)
+    modules = modules_under(REPO, [core, *plugin_dirs])
+    imports = [i for name, path in modules.items() for i in imports_of(name, path, set(modules))]
+    strays = sdk_strays(imports, {m for m in modules if in_sdk(m)}, {p.name for p in plugin_dirs})
+    assert not strays, f"only the daemon uses {strays}: move them out of {SDK}"
 
 
 def test_the_tree_has_plugins_and_a_core():
@@ -206,5 +237,10 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
                       "syshax_one.engine:2: plugin syshax_one imports plugin syshax_two.plugin",
                       "syshax_two.plugin:1: plugin syshax_two imports syshaxd.b, outside the SDK (syshaxd.sdk)"]
     assert cycles == [["syshaxd.a", "syshaxd.b", "syshaxd.a"]]
+    (tmp_path / "syshaxd/sdk/worker.py").write_text("from syshaxd.sdk import types\n")
+    (tmp_path / "syshaxd/sdk/pipe.py").write_text("")  # no plugin or worker imports it
+    modules = modules_under(tmp_path, [tmp_path / "syshaxd", tmp_path / "plugins/one/syshax_one"])
+    imports = [i for name, path in modules.items() for i in imports_of(name, path, set(modules))]
+    assert sdk_strays(imports, {m for m in modules if in_sdk(m)}, {"syshax_one"}) == ["syshaxd.sdk.pipe"]
     _, all_cycles = analyse(tmp_path, deferred=True)
     assert all_cycles == [["syshaxd.a", "syshaxd.b", "syshaxd.a"], ["syshaxd.f", "syshaxd.g", "syshaxd.f"]]

@@ -1,4 +1,5 @@
-"""Tests for syshaxd.sdk.numa: a fake Kunpeng 920 sysfs tree for planning, this host's real /sys for applying."""
+"""Tests for syshaxd.engine.numa (planning, on a fake Kunpeng 920 sysfs tree) and syshaxd.sdk.placement
+(applying, on this host's real /sys)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from syshaxd.sdk import numa
-from syshaxd.sdk.numa import NumaNode, PlacementError, Topology
+from syshaxd.engine import numa
+from syshaxd.engine.numa import NumaNode, Topology
+from syshaxd.sdk import placement as applying
+from syshaxd.sdk.placement import PlacementError
 
 KUNPENG = Path(__file__).parent / "data" / "sysfs-kunpeng920" / "devices" / "system" / "node"
 
@@ -39,12 +42,12 @@ def test_reads_the_kunpeng_920_layout(kunpeng):
 
 
 def test_cpulist_parsing_and_formatting():
-    assert numa.parse_cpulist("0-39,80-119\n") == frozenset([*range(40), *range(80, 120)])
-    assert numa.parse_cpulist("0-7:2") == frozenset({0, 2, 4, 6})
-    assert numa.parse_cpulist("\n") == frozenset()
-    assert numa.format_cpulist({0, 1, 2, 3, 8, 9, 10, 11, 20}) == "0-3,8-11,20"
+    assert applying.parse_cpulist("0-39,80-119\n") == frozenset([*range(40), *range(80, 120)])
+    assert applying.parse_cpulist("0-7:2") == frozenset({0, 2, 4, 6})
+    assert applying.parse_cpulist("\n") == frozenset()
+    assert applying.format_cpulist({0, 1, 2, 3, 8, 9, 10, 11, 20}) == "0-3,8-11,20"
     with pytest.raises(PlacementError, match=r"node0/cpulist='0-a'"):
-        numa.parse_cpulist("0-a", what="node0/cpulist")
+        applying.parse_cpulist("0-a", what="node0/cpulist")
 
 
 def test_a_missing_sysfs_root_is_an_error_but_the_host_falls_back_to_one_node(tmp_path):
@@ -181,10 +184,10 @@ def test_bad_arguments_are_refused(kunpeng):
 # ---------------------------------------------------------------- applying, on this host
 
 
-def _apply_in_child(placement: numa.Placement) -> dict:
+def _apply_in_child(placement: applying.Placement) -> dict:
     """Runs in a spawned child: apply, then read the result back from the kernel independently."""
-    before = numa.get_mempolicy()
-    applied = numa.apply_placement(placement)
+    before = applying.get_mempolicy()
+    applied = applying.apply_placement(placement)
     bytearray(8 << 20)  # touch fresh memory under the new policy
     status = Path("/proc/self/status").read_text()
     numa_maps = Path("/proc/self/numa_maps").read_text()
@@ -193,7 +196,7 @@ def _apply_in_child(placement: numa.Placement) -> dict:
         "applied": applied,
         "affinity": sorted(os.sched_getaffinity(0)),
         "cpus_allowed_list": re.search(r"^Cpus_allowed_list:\s*(\S+)", status, re.M).group(1),
-        "mempolicy": numa.get_mempolicy(),
+        "mempolicy": applying.get_mempolicy(),
         "omp": os.environ.get("OMP_NUM_THREADS"),
         # numa_maps shows each mapping's effective policy (the task's, unless the mapping has its own)
         "map_policies": {line.split()[1] for line in numa_maps.splitlines()},
@@ -216,7 +219,7 @@ def test_apply_placement_in_a_spawned_worker_on_this_host():
         seen = pool.apply(_apply_in_child, (placement,))
 
     assert seen["affinity"] == list(placement.cpus)
-    assert numa.parse_cpulist(seen["cpus_allowed_list"]) == frozenset(placement.cpus)
+    assert applying.parse_cpulist(seen["cpus_allowed_list"]) == frozenset(placement.cpus)
     assert seen["omp"] == str(placement.threads)
     assert seen["applied"].cpus == placement.cpus
     assert sorted(os.sched_getaffinity(0)) == cpus  # the daemon itself stays unpinned
@@ -225,8 +228,8 @@ def test_apply_placement_in_a_spawned_worker_on_this_host():
         pytest.skip("this kernel has no NUMA: no memory policy to check")
     if seen["applied"].warnings:
         pytest.skip(f"memory policy refused on this host: {seen['applied'].warnings[0]}")
-    assert seen["before"][0] == numa.MPOL_DEFAULT
-    assert seen["mempolicy"] == (numa.MPOL_BIND, placement.mem_nodes)
+    assert seen["before"][0] == applying.MPOL_DEFAULT
+    assert seen["mempolicy"] == (applying.MPOL_BIND, placement.mem_nodes)
     assert (seen["applied"].mempolicy, seen["applied"].mem_nodes) == ("bind", placement.mem_nodes)
     nodes = ",".join(str(n) for n in placement.mem_nodes)
     assert seen["map_policies"] == {f"bind:{nodes}"}
@@ -234,5 +237,5 @@ def test_apply_placement_in_a_spawned_worker_on_this_host():
 
 def test_unknown_architecture_is_enosys():
     with pytest.raises(OSError) as info:
-        numa.set_mempolicy(numa.MPOL_BIND, [0], machine="vax")
-    assert info.value.errno == numa.errno.ENOSYS
+        applying.set_mempolicy(applying.MPOL_BIND, [0], machine="vax")
+    assert info.value.errno == applying.errno.ENOSYS

@@ -66,7 +66,7 @@ def test_rpm_holds_the_unit_config_and_entry_points(built_rpm):
     ):
         assert path in files, f"{path} not in {built_rpm.name}"
     sitelib = {f for f in files if re.fullmatch(r"/usr/lib/python3\.\d+/site-packages/.*", f)}
-    for module in ("syshaxd/__init__.py", "syshaxd/sdk/numa.py", "syshaxd/notify.py", "syshax_llamacpp/__init__.py"):
+    for module in ("syshaxd/__init__.py", "syshaxd/sdk/placement.py", "syshaxd/notify.py", "syshax_llamacpp/__init__.py"):
         assert any(f.endswith("site-packages/" + module) for f in sitelib), f"{module} not packaged"
     assert any(re.search(r"site-packages/syshax-[^/]+\.dist-info/entry_points\.txt$", f) for f in sitelib)
 

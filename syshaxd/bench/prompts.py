@@ -23,14 +23,14 @@ _FIT_ATTEMPTS = 64
 
 
 def default_tokenizer_path() -> Path:
-    """The prepared default model (the q4_0 copy `syshaxd.sdk.model` makes) in the models folder.
+    """The prepared default model (the q4_0 copy `syshaxd.model` makes) in the models folder.
 
     That folder is the daemon's default `model_dir` (relative to the working directory,
     as a started syshaxd sees it) when the model is there, else the checkout's models/.
     Computed when called, never at import, so a later models/ or a moved tree is seen.
     """
     from syshaxd.config import Config
-    from syshaxd.sdk.model import DEFAULT_QUANTIZED_NAME
+    from syshaxd.model import DEFAULT_QUANTIZED_NAME
 
     in_model_dir = Config().model_dir_path() / DEFAULT_QUANTIZED_NAME
     if in_model_dir.is_file():

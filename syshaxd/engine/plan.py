@@ -15,15 +15,8 @@ from syshaxd.config import Config
 from syshaxd.sdk import faults
 from syshaxd.sdk.types import EngineSpec, GpuSettings, Pool, Role
 from syshaxd.sdk.gguf.header import GGUFError, read_gguf_header
-from syshaxd.sdk.numa import (
-    ENV_CPU_AFFINITY,
-    ENV_THREADS,
-    PlacementError,
-    format_cpulist,
-    plan_cpu_workers,
-    plan_prefill_worker,
-    read_host_topology,
-)
+from syshaxd.engine.numa import ENV_CPU_AFFINITY, plan_cpu_workers, plan_prefill_worker, read_host_topology
+from syshaxd.sdk.placement import ENV_THREADS, PlacementError, format_cpulist
 
 
 log = logging.getLogger(__name__)

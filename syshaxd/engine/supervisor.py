@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from syshaxd.engine.attempts import new_attempt, request_of
-from syshaxd.sdk.channel import ChannelClosed, ChannelFull, WorkerChannel
+from syshaxd.engine.channel import ChannelClosed, ChannelFull, WorkerChannel
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.status import WorkerStatus
 from syshaxd.sdk.types import (

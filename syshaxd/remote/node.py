@@ -350,7 +350,7 @@ async def serve_node(cfg, notifier, stop: asyncio.Event | None = None) -> int:
     from syshaxd.engine.plan import PlanError, plan_node
     from syshaxd.remote.transfer import TransferUnavailable
     from syshaxd.sdk.gguf.header import GGUFError, fingerprint_from_gguf
-    from syshaxd.sdk.model import ModelError, resolve_model, served_name
+    from syshaxd.model import ModelError, resolve_model, served_name
 
     host, port = split_address(cfg.node_listen, "node_listen")  # checked with the config
     try:

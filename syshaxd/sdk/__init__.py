@@ -4,10 +4,12 @@
   device, capabilities), and how the daemon and each worker find them;
 * `types`: the typed messages between the daemon and a worker, and the Engine protocol;
 * `output`, `rate`, `admission`: the output rules (stop strings, lengths), tokens/s, whether a prompt fits;
-* `worker`, `channel`, `faults`: the worker process's loop, its pipe, its fault injection for tests;
+* `worker`, `faults`: the worker process's loop (where a plugin's engine runs), its fault injection for tests;
+* `placement`: where a worker runs, applied in the worker before its engine loads;
 * `kv`: the KV record format, the shared-memory ring and the prefix cache's block store;
-* `gguf`, `model`, `hf_model`, `numa`: the model files an engine loads, and where its worker runs.
+* `gguf`, `hf_model`: the model files an engine loads (the GGUF, its quantized copy, the HF folder).
 
 The serving side (`syshaxd.engine`, `syshaxd.api`, the daemon) stands on this package; nothing here
-imports it.
+imports it, and nothing here is the daemon's alone (tests/test_imports.py checks both): the daemon's end of
+a worker's pipe is `engine/channel.py`, the NUMA planning `engine/numa.py`, the model to serve `model.py`.
 """

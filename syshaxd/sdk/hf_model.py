@@ -6,18 +6,16 @@ is only exact when both hold the same weights, so the folder is made from that G
 The folder records the GGUF's KV fingerprint, so a prefill engine stamps its records with
 exactly what the decoder will expect, and a stale folder (the GGUF changed) is rebuilt.
 
-    python -m syshaxd.sdk.hf_model [GGUF] [--model-dir DIR]     prints the folder, making it if needed
+`syshax model prepare --hf` makes the default model's folder ahead (the first prefill would otherwise).
 """
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -154,30 +152,3 @@ def _build(gguf: Path, out: Path, fingerprint: ModelFingerprint) -> None:
         "source": gguf.name, "source_bytes": gguf.stat().st_size, "fingerprint": fingerprint.to_bytes().hex(),
         "dtype": SAVED_DTYPE, "arch": fingerprint.arch, "rope_type": fingerprint.rope_type,
     }, indent=2) + "\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m syshaxd.sdk.hf_model", description=__doc__.split("\n\n")[0])
-    p.add_argument("gguf", nargs="?", help="the GGUF the decoder serves (default: the default model, as q4_0)")
-    p.add_argument("--model-dir", default="models", help="where the default model is prepared (default: models)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's own loader log
-    model_dir = Path(args.model_dir)
-    try:
-        if args.gguf:
-            gguf = Path(args.gguf)
-        else:  # the default model, quantized as the CPU decoders quantize it
-            from syshaxd.sdk.gguf.quantize import ensure_quantized
-            from syshaxd.sdk.model import prepare_default_model
-
-            gguf = ensure_quantized(prepare_default_model(model_dir), "q4_0", model_dir)
-        print(ensure_hf_folder(gguf))
-    except (HFModelError, RuntimeError) as exc:
-        print(f"syshax: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

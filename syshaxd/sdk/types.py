@@ -103,7 +103,7 @@ class EngineSpec:
     max_batch_size: int = 8
     threads: int = 1
     prefill_chunk_size: int = 256
-    placement: object = None  # a syshaxd.sdk.numa.Placement, applied in the worker before the model loads
+    placement: object = None  # a syshaxd.sdk.placement.Placement, applied in the worker before the model loads
     ring: str = ""  # the KV ring's instance name (hetero mode); empty: no ring
     handoff_timeout: float = 2.0  # seconds a prefill may wait for ring space before it falls back
     quantize: str = ""

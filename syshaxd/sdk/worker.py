@@ -54,7 +54,7 @@ def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -
     if spec.gpu.devices:  # before torch or vLLM look: this engine sees its own devices alone (gpu_devices)
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu.devices
     if spec.placement is not None:
-        from syshaxd.sdk.numa import apply_placement
+        from syshaxd.sdk.placement import apply_placement
 
         # before the model loads, so its pages and threads land on this node
         applied = apply_placement(spec.placement)

