@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -23,6 +24,7 @@ from syshaxd.api.limits import CappedTCPSite
 from syshaxd.api.state import ServiceState
 from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, load
 from syshaxd.engine.scheduler import Scheduler
+from syshaxd.engine.engine_handle import EngineHandle
 from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.plan import Engines, PlanError, plan_engines
@@ -35,6 +37,9 @@ from syshaxd.sdk.gguf.quantize import load_plan
 from syshaxd.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
 from syshaxd.startup import StartupError, create_ring, create_store
+
+if TYPE_CHECKING:
+    from syshaxd.remote.front import RemoteNode
 
 log = logging.getLogger("syshaxd")
 
@@ -101,7 +106,8 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
                 segment.close()
 
 
-def _remote_nodes(cfg: Config, ring: KVRing | None, ledger: KVLedger, model_path: Path, model_name: str) -> list:
+def _remote_nodes(cfg: Config, ring: KVRing | None, ledger: KVLedger, model_path: Path,
+                  model_name: str) -> list[RemoteNode]:
     """The front's decode nodes on other hosts (remote_nodes), each one more CPU decoder; none when unset."""
     if not cfg.remote_nodes:
         return []
@@ -145,7 +151,7 @@ class Service:
                                                    chunk_tokens=prefix.chunk_tokens, n_wide=prefix.n_wide,
                                                    wide_bytes=prefix.wide_bytes, keep_tokens=prefix.keep_tokens)
                           if prefix is not None else None)
-        self.workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
+        self.workers: list[EngineHandle] = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
                                      ledger, on_failed=self._worker_failed) for name, spec in engines.workers]
         self.workers += _remote_nodes(cfg, ring, ledger, model_path, model_name)
         # prompts are tokenized once, in the daemon, as the engines would (and the prefix cache planned from them)

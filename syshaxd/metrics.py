@@ -100,7 +100,7 @@ class Metrics:
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """The exposition in the format the scraper asks for (Accept), and its content type."""
-        encode, content_type = choose_encoder(accept)  # Prometheus' text 0.0.4 unless OpenMetrics is asked for
+        encode, content_type = choose_encoder(accept or "")  # Prometheus' text 0.0.4 unless OpenMetrics is asked for
         return encode(self.registry), content_type
 
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 
 from syshaxd.engine.decider import Decision
-from syshaxd.engine.journey import Engines, Journey, Stage
+from syshaxd.engine.journey import Journey, SchedulerCalls, Stage
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
 from syshaxd.sdk.types import Accepted, Delta, EngineSpec, GenerateRequest, Pool, Rejected, Route, SamplingParams
@@ -93,7 +93,7 @@ async def until(check, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def engines(cpu, gpu=None, decide=None) -> Engines:
+def engines(cpu, gpu=None, decide=None) -> SchedulerCalls:
     """The scheduler's side for a journey: cpu() and gpu() pick a worker; none comes back within the test."""
     async def never_ready(pool):
         return False
@@ -104,7 +104,7 @@ def engines(cpu, gpu=None, decide=None) -> Engines:
             raise EngineUnavailable(f"no {pool} worker is ready")
         return worker
 
-    return Engines(pick=pick, wait_ready=never_ready, decide=decide)
+    return SchedulerCalls(pick=pick, wait_ready=never_ready, decide=decide)
 
 
 def test_a_decoder_that_dies_before_its_first_token_hands_the_request_to_another(default_model):

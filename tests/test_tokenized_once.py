@@ -14,7 +14,7 @@ from syshaxd.config import Config
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.sdk.types import Rejected
-from syshaxd.sdk.admission import admit
+from syshaxd.sdk.prompt_fit import fit_prompt
 
 
 def prepared_counting(default_model, parsed):
@@ -46,7 +46,7 @@ def test_n_choices_of_a_chat_prompt_are_tokenized_once(default_model):
     assert len({c.request_id for c in choices}) == 5  # each choice is still its own request
     # the engine takes the ids as they are: no second tokenization there
     before = len(calls)
-    tokens, _ = admit(vocab, choices[0], 4096)
+    tokens, _ = fit_prompt(vocab, choices[0], 4096)
     assert tokens == expected and len(calls) == before
 
 

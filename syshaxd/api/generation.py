@@ -145,7 +145,7 @@ async def prepared(request: web.Request, parsed: ParsedRequest) -> ParsedRequest
     enough: a tokenized prompt is not tokenized again."""
     scheduler = request.app[SCHEDULER]
     with _scheduler_refusals():  # no tokenizing for a request that no engine can take (its choices ask alike)
-        scheduler.admissible(parsed.generate, parsed.route)
+        scheduler.check_capabilities(parsed.generate, parsed.route)
     fields = parsed.fields if parsed.fields is not None else rule_fields(parsed)  # messages are still messages here
     choices = await scheduler.prepare(parsed.generates, parsed.n)
     if isinstance(choices, Rejected):

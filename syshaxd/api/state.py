@@ -163,7 +163,7 @@ class ServiceState:
             level = change.applied["log_level"][1]
             logging.getLogger().setLevel(level.upper())
             for worker in self.scheduler.workers:  # engine workers take it when they next (re)start
-                worker.log_level = level
+                worker.set_log_level(level)
         return change
 
     # --- mode -----------------------------------------------------------------------------

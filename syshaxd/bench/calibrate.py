@@ -33,7 +33,7 @@ async def calibrate_client(concurrency: int, output_len: int, requests: int | No
                            f" {failed[0].error_detail})")
     chunks = sum(r.chunks for r in full.records)
     tokens = sum(r.output_tokens for r in full.records)
-    e2e = [r.e2e_s for r in short.records]
+    e2e = [r.e2e_s for r in short.records if r.e2e_s is not None]
     return {
         "concurrency": concurrency,
         "output_len": output_len,

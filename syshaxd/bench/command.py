@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import asyncio
+import functools
 import json
 import sys
 import time
@@ -122,7 +123,7 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def _parse_urls(values: list[str] | None) -> list[tuple[str, str]]:
     """(label, url) pairs from [LABEL=]URL values; an unlabelled URL is labelled by its host and port."""
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for value in values or ():
         label, sep, url = value.partition("=")
         if not sep or "://" in label:
@@ -222,7 +223,7 @@ class _Bench:
         self.args = args
         self.settings = settings
         self.progress = progress
-        self.builder = None
+        self.builder: PromptBuilder | WordPromptBuilder | None = None
         self.extra_body = dict(settings["extra_body"] or {})
 
     def prepare_prompts(self, need_tokenizer: bool) -> None:
@@ -231,7 +232,7 @@ class _Bench:
             path = _tokenizer_path(self.args)
             self.progress.note(f"building prompts of {s['input_len']} tokens with the tokenizer of {path}")
             tokenizer = GGUFTokenizer(path)
-            self.builder = PromptBuilder(tokenizer)
+            builder: PromptBuilder | WordPromptBuilder = PromptBuilder(tokenizer)
             s["tokenizer"] = str(path)
             s["prompt_unit"] = "tokens"
             if s["suppress_eos"]:
@@ -239,25 +240,26 @@ class _Bench:
                 self.extra_body.setdefault("logit_bias", bias)
                 s["suppressed_eos_ids"] = sorted(int(i) for i in bias)
         else:
-            self.builder = WordPromptBuilder()
+            builder = WordPromptBuilder()
             s["tokenizer"] = None
             s["prompt_unit"] = "words (the instant stub counts words)"
+        self.builder = builder
         started = time.perf_counter()
         if s["scenario"] == CHAT:
             chat = s["chat"]
             self.conversations = {
-                c: build_conversations(self.builder, s["iterations"] or c, system_len=chat["system_len"],
+                c: build_conversations(builder, s["iterations"] or c, system_len=chat["system_len"],
                                        turn_len=s["input_len"], turns=chat["turns"], seed=s["seed"],
-                                       user_seed=lambda k, c=c: _prompt_seed(s["seed"], c, k))
+                                       user_seed=functools.partial(_prompt_seed, s["seed"], c))
                 for c in s["concurrency"]
             }
             self.prompts = {}
         else:
             self.prompts = {
-                c: [self.builder.build(s["input_len"], _prompt_seed(s["seed"], c, i)) for i in range(s["iterations"])]
+                c: [builder.build(s["input_len"], _prompt_seed(s["seed"], c, i)) for i in range(s["iterations"])]
                 for c in s["concurrency"]
             }
-        self.warmup_prompts = [self.builder.build(s["input_len"], _prompt_seed(s["seed"] + 7919, 0, i))
+        self.warmup_prompts = [builder.build(s["input_len"], _prompt_seed(s["seed"] + 7919, 0, i))
                                for i in range(s["warmup"])]
         s["prompt_build_s"] = time.perf_counter() - started
 

@@ -52,7 +52,9 @@ def level_summary(run: LevelRun, output_len: int | None, resources: dict | None)
     ok = [r for r in records if r.ok]
 
     def asked(r) -> int:
-        return r.max_tokens if r.max_tokens is not None else output_len
+        wanted = r.max_tokens if r.max_tokens is not None else output_len
+        assert wanted is not None, "a request without max_tokens in a run without one output length"
+        return wanted
     errors = Counter(r.error for r in records if not r.ok)
     output_tokens = sum(r.output_tokens for r in ok)
     wall = run.wall_s if run.wall_s > 0 else math.nan
@@ -74,10 +76,10 @@ def level_summary(run: LevelRun, output_len: int | None, resources: dict | None)
         "output_throughput_tok_s": output_tokens / wall if ok else 0.0,
         "total_throughput_tok_s": (output_tokens + sum(r.input_tokens for r in ok)) / wall if ok else 0.0,
         "request_throughput_req_s": len(ok) / wall if ok else 0.0,
-        "ttft_s": summarize([r.ttft_s for r in ok]),
+        "ttft_s": summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_s": summarize([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_s": summarize(itl),
-        "e2e_s": summarize([r.e2e_s for r in ok]),
+        "e2e_s": summarize([r.e2e_s for r in ok if r.e2e_s is not None]),
         "forced_length": {
             "expected": output_len,
             "exact": sum(1 for r in ok if r.output_tokens == asked(r)),
@@ -115,9 +117,9 @@ def turn_summaries(records) -> list[dict]:
             "completed": len(ok),
             "input_tokens": summarize([r.input_tokens for r in ok]),
             "server_prompt_tokens": summarize([r.prompt_tokens for r in ok if r.prompt_tokens is not None]),
-            "ttft_s": summarize([r.ttft_s for r in ok]),
+            "ttft_s": summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
             "tpot_s": summarize([r.tpot_s for r in ok if r.tpot_s is not None]),
-            "e2e_s": summarize([r.e2e_s for r in ok]),
+            "e2e_s": summarize([r.e2e_s for r in ok if r.e2e_s is not None]),
         })
     return rows
 
@@ -322,7 +324,7 @@ def _notes(document: dict) -> list[str]:
                     " streamed fewer text chunks than tokens (the server merged some tokens into one chunk) and sent"
                     " no usage: their counts, and tok/s, are slightly low"
                 )
-        sources = Counter()
+        sources: Counter[str] = Counter()
         for level in target["levels"]:
             sources.update(level["forced_length"]["counted_from"])
         if sources.get("chunks"):

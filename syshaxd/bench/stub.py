@@ -116,7 +116,8 @@ class InstantServer:
             return
         self._ready.set()
         loop.run_forever()
-        loop.run_until_complete(self._runner.cleanup())
+        if self._runner is not None:
+            loop.run_until_complete(self._runner.cleanup())
         loop.close()
 
     async def _start(self) -> None:

@@ -82,6 +82,7 @@ class Targets:
 
 
 def _speed_words(name: str, side: SideSpeed) -> str:
+    assert side.tpot_s is not None  # only measured sides are named
     ttft = f", TTFT {1000 * side.ttft_s:.0f} ms" if side.ttft_s is not None else ""
     return f"{name} {1 / side.tpot_s:.1f} tok/s per request (TPOT {1000 * side.tpot_s:.1f} ms{ttft})"
 
@@ -105,7 +106,7 @@ def decide_measured(gpu: EngineState, cpu: EngineState, t: Thresholds, gpu_speed
         return fallback
 
     def meets(speed: SideSpeed) -> bool:
-        return ((not targets.tpot_ms or 1000 * speed.tpot_s <= targets.tpot_ms)
+        return ((not targets.tpot_ms or 1000 * (speed.tpot_s or 0.0) <= targets.tpot_ms)  # both measured (above)
                 and (not targets.ttft_ms or speed.ttft_s is None or 1000 * speed.ttft_s <= targets.ttft_ms))
 
     within = [s for s in sides if meets(s[1])]

@@ -11,8 +11,12 @@ agreement, KL: tests/teacher_forced.py), not token for token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from syshaxd.sdk.types import Pool
+
+if TYPE_CHECKING:
+    from syshaxd.engine.engine_handle import EngineHandle
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ def _why_not(worker, file_type: str = "") -> str:
             "built by mk/llama-wheel.sh?): a near-tie can flip")
 
 
-def exactness(workers, hetero: bool, file_type: str = "") -> ExactStatus:
+def exactness(workers: list[EngineHandle], hetero: bool, file_type: str = "") -> ExactStatus:
     """The promises over `workers` (local handles and remote nodes); `hetero`: the daemon serves the hetero route;
     `file_type`: the served GGUF's weight type (Q4_K_M, ...), named where it is why a promise fails."""
     decoders = [w for w in workers if w.spec.pool in (Pool.CPU, Pool.GPU)]  # they generate: resumes run there

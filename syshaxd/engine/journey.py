@@ -1,18 +1,21 @@
 """One request's journey through the engines: one state machine, whichever route it takes.
 
-    queued ──> prefill ──> handoff ──> decode ──> done
-       │          │                      │  ▲
-       │          └── (prefill lost) ────┤  │ (worker lost: resume on another worker
-       └──────────────────────────────> decode │  with the prompt + tokens so far)
-                                         │  └──┘
-                                         └──> moved (auto: the rest of an offloaded decode on the GPU) ──> done
+    prefill ──> handoff ──> decode ──────────────────> done
+       │                     │  ▲
+       └── (prefill lost) ──>┤  │ (worker lost: queued until a worker of its pool is ready,
+                             │  │  then resumed there with the prompt + tokens so far)
+                             │  └──┘
+                             └──> moved (auto: the rest of an offloaded decode on the GPU) ──> done
 
-* queued: accepted by the scheduler, not yet on a worker (or waiting for a restarted one).
+A journey starts at prefill (hetero, and auto's offloads) or at decode (the cpu and gpu routes): the
+scheduler submits it to a worker as it creates it.
+
 * prefill: hetero and auto offload: the prompt runs on the prefill worker (or the GPU engine), which
   hands its KV record on through the ring.
 * handoff: the record is lent to a decoder, which has not answered yet.
 * decode: a worker generates (the whole request on the cpu and gpu routes).
 * moved: an offloaded decode went back to the GPU engine at a token limit (sysHAX's offload).
+* queued: between workers, never at the start: its worker died and it waits (bounded) for a ready one.
 * done: finished, refused, failed or cancelled.
 
 A worker that dies is a transition, not the end of the request. Before the request's first token
@@ -49,7 +52,8 @@ from enum import StrEnum
 from syshaxd.engine.decider import Decision
 from syshaxd.engine.estimates import Estimates
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle, WorkerStream
+from syshaxd.engine.engine_handle import EngineHandle
+from syshaxd.engine.supervisor import EngineUnavailable, WorkerStream
 from syshaxd.sdk.types import (Accepted, Delta, Event, Fallback, GenerateRequest, Handling, Imported, Pool,
                                   Prefilled, Refusal, Rejected, Route, WorkerLost)
 
@@ -80,14 +84,14 @@ class JourneyCounts:
 
 
 @dataclass
-class Engines:
+class SchedulerCalls:
     """What a journey may ask of the scheduler: workers of a pool, a wait for one, the prefix plan, the decider."""
 
     # a ready worker of the pool for a request (the least loaded, or the one holding its prefix), or EngineUnavailable
-    pick: Callable[..., WorkerHandle]
+    pick: Callable[..., EngineHandle]
     wait_ready: Callable[[Pool], Awaitable[bool]]  # False: none came back within request_timeout
     # the handling with the request's prefix plan when the worker reads the prefix cache
-    with_prefix: Callable[[GenerateRequest, Handling, WorkerHandle], Handling] = lambda request, how, worker: how
+    with_prefix: Callable[[GenerateRequest, Handling, EngineHandle], Handling] = lambda request, how, worker: how
     decide: Callable[[], Decision] | None = None  # auto mode's decider, for an offloaded decode's token limit
     counts: JourneyCounts = field(default_factory=JourneyCounts)
     estimates: Estimates | None = None  # what requests got (TTFT, TPOT), by side: decider v2 reads it
@@ -102,19 +106,18 @@ class Journey:
     happens here, so that EngineUnavailable reaches the scheduler's caller before any task starts.
     """
 
-    def __init__(self, request: GenerateRequest, route: Route, engines: Engines, ledger: KVLedger,
-                 prefill: WorkerHandle | None = None, reason: str = "", token_limit: int = 0,
+    def __init__(self, request: GenerateRequest, route: Route, calls: SchedulerCalls, ledger: KVLedger,
+                 prefill: EngineHandle | None = None, reason: str = "", token_limit: int = 0,
                  decided_by: str = "") -> None:
         self.request_id = request.request_id
         self.route, self.reason, self.moved_to = route, reason, ""
         self.decided_by = decided_by  # auto: what placed it (a routing rule, the measurements, the thresholds)
-        self.stage = Stage.QUEUED
         self.finished = False
         self.tokens_sent = 0
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self._request = request  # what the client asked for (a continuation asks for the rest)
         self._handling = Handling()  # how the worker running it now was told to run it
-        self._engines = engines
+        self._scheduler = calls
         self._ledger = ledger
         self._pool = Pool.GPU if route == Route.GPU else Pool.CPU  # where it decodes
         self._token_limit = token_limit
@@ -126,13 +129,14 @@ class Journey:
         self._started = time.monotonic()
         self._first_seen = False  # its first token came (its TTFT was reported)
         self._last_token: float | None = None  # when its latest token came; None after a death: no gap to report
+        self.stage: Stage
         if prefill is not None:
             self.stage = Stage.PREFILL
             # a GPU engine in auto mode also generates: handoff asks it for the prompt alone and its KV record
             self._inner: WorkerStream = self._submit(prefill, Handling(handoff=True))
         else:
             self.stage = Stage.DECODE
-            self._inner = self._submit(engines.pick(self._pool, request), Handling())
+            self._inner = self._submit(calls.pick(self._pool, request), Handling())
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # --- the RequestStream the API reads ---------------------------------------------------------------
@@ -157,11 +161,11 @@ class Journey:
 
     # --- the journey ---------------------------------------------------------------------------------
 
-    def _submit(self, worker: WorkerHandle, handling: Handling) -> WorkerStream:
+    def _submit(self, worker: EngineHandle, handling: Handling) -> WorkerStream:
         """Send the request to worker with its prefix plan (held for it until the worker reports, or released here
         when the worker cannot take it)."""
         try:
-            return worker.submit(self._request, self._engines.with_prefix(self._request, handling, worker))
+            return worker.submit(self._request, self._scheduler.with_prefix(self._request, handling, worker))
         except EngineUnavailable:
             self._ledger.prefix_release(self.request_id)
             raise
@@ -208,7 +212,7 @@ class Journey:
         # the prefill worker's prefix plan was done with when it handed on: the decoder recomputes or imports
         self._handling = handling
         try:
-            worker = self._engines.pick(Pool.CPU)
+            worker = self._scheduler.pick(Pool.CPU)
             self._inner = worker.submit(self._request, handling)
         except EngineUnavailable as exc:
             self._ledger.drop(self.request_id)
@@ -253,7 +257,7 @@ class Journey:
     def _observe(self, delta: Delta) -> None:
         """Tell the estimates what this request got: its TTFT by route, each later token's gap by the side that
         decoded it (the GPU engine, or a CPU worker); a gap across a worker's death says nothing of either."""
-        estimates = self._engines.estimates
+        estimates = self._scheduler.estimates
         if estimates is None or not delta.n_tokens:
             return
         now = time.monotonic()
@@ -267,7 +271,7 @@ class Journey:
 
     async def _lost(self, event: WorkerLost) -> bool:
         """The worker running the request died: go on elsewhere (True), or end the request saying why (False)."""
-        counts = self._engines.counts
+        counts = self._scheduler.counts
         pool = self._pool  # a decode moved to the GPU engine goes back to the CPU: that engine is restarting
         if event.failed:  # given up on: it will not be back, and its pool may have no other
             return self._end(event, f"the engine worker failed: {event.error}", final=True)
@@ -299,7 +303,7 @@ class Journey:
     def _end(self, event: WorkerLost, why: str = "", final: bool = False) -> bool:
         """End the request over a death it does not survive: a 503 before its first token (nothing was sent:
         the client may retry), an error that ends the answer after."""
-        self._engines.counts.lost += 1
+        self._scheduler.counts.lost += 1
         self._ledger.drop(self.request_id)
         if self._generated:
             during = f"the engine worker {event.why} mid-stream"
@@ -320,6 +324,7 @@ class Journey:
     def _continuation(self) -> tuple[GenerateRequest, Handling]:
         """The request that generates the rest, and its handling: its prompt, then the tokens generated so far
         (their prompt logprobs went out with the first token)."""
+        assert self._accepted is not None  # a resume follows the first token, which follows Accepted
         remaining = self._accepted.max_tokens - len(self._generated)
         return (replace(self._request, prompt_logprobs=None, max_tokens=remaining),
                 Handling(resume_tokens=tuple(self._generated)))
@@ -330,12 +335,12 @@ class Journey:
         stage, self.stage = self.stage, Stage.QUEUED
         try:
             try:
-                self._inner = self._engines.pick(pool).submit(request, handling)
+                self._inner = self._scheduler.pick(pool).submit(request, handling)
             except EngineUnavailable as exc:
                 # none ready: its own worker is restarting (perhaps with safer kernels); wait for it, bounded
-                if exc.final or not await self._engines.wait_ready(pool):
+                if exc.final or not await self._scheduler.wait_ready(pool):
                     raise
-                self._inner = self._engines.pick(pool).submit(request, handling)
+                self._inner = self._scheduler.pick(pool).submit(request, handling)
         except EngineUnavailable as exc:
             self.stage = stage
             return exc
@@ -344,16 +349,17 @@ class Journey:
 
     def _reconsider(self) -> None:
         """auto: decide again at the token limit; move the rest of the decode to the GPU engine when it has room."""
-        counts = self._engines.counts
+        counts = self._scheduler.counts
         counts.reconsidered += 1
-        decision = self._engines.decide()
+        assert self._scheduler.decide is not None  # only auto reconsiders, and auto's scheduler gives its decider
+        decision = self._scheduler.decide()
         # a grammar-constrained decode stays: vLLM's structured outputs cannot start a grammar mid-output
         if decision.route != Route.GPU or self._accepted is None or self._request.grammar:
             self._next_check = len(self._generated) + (decision.token_limit or self._token_limit)
             return
         continuation, handling = self._continuation()
         try:
-            stream = self._engines.pick(Pool.GPU).submit(continuation, handling)
+            stream = self._scheduler.pick(Pool.GPU).submit(continuation, handling)
         except EngineUnavailable as exc:
             counts.move_failed += 1
             log.info("%s: staying on the CPU (%s)", self.request_id, exc)

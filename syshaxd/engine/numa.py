@@ -187,7 +187,7 @@ def plan_cpu_workers(
     if not cpu_sets:
         raise PlacementError("no CPUs available for CPU workers")
 
-    placements = []
+    placements: list[Placement] = []
     for cpus in cpu_sets:
         kept = cpus - reserved_cpus
         if not kept:

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from syshaxd.sdk.kv.block_keys import block_keys
+
+if TYPE_CHECKING:
+    from syshaxd.engine.engine_handle import EngineHandle
 
 BLOCK_TOKENS = 16  # vLLM's block: what its prefix cache matches in
 REMEMBERED = 65_536  # blocks remembered per engine (about a million prompt tokens), least recently sent first out
@@ -32,7 +36,7 @@ class PrefixRouting:
     matched_blocks: int = 0  # leading blocks those requests found on their engine
     by_load: int = 0  # requests placed least loaded (no engine held more of them, or it was too busy)
 
-    def choose(self, workers: list, tokens) -> object:
+    def choose(self, workers: list[EngineHandle], tokens) -> EngineHandle:
         """The worker of `workers` (ready, keeping their own prefix caches) to send a prompt of `tokens` to."""
         least = min(workers, key=lambda w: w.in_flight)
         keys = block_keys(tokens, BLOCK_TOKENS) if tokens else []

@@ -14,7 +14,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from syshaxd.sdk.types import GenerateRequest, Rejected
-from syshaxd.sdk.admission import admit
+from syshaxd.sdk.prompt_fit import fit_prompt
 from syshaxd.sdk.gguf.vocab import Vocab
 
 
@@ -57,8 +57,8 @@ class PromptTokenizer:
             return request
         vocab = await self.vocab.get()
         n_ctx = min(self.n_ctx, vocab.n_ctx_train or self.n_ctx)
-        admitted = await asyncio.to_thread(admit, vocab, request, n_ctx)
-        if isinstance(admitted, Rejected):
-            return admitted
-        tokens, _ = admitted
+        fitted = await asyncio.to_thread(fit_prompt, vocab, request, n_ctx)
+        if isinstance(fitted, Rejected):
+            return fitted
+        tokens, _ = fitted
         return replace(request, prompt_tokens=tuple(tokens), prompt=None, messages=None, chat_template_kwargs=None)

@@ -15,12 +15,13 @@ from syshaxd.engine.decider import Decision, EngineState, Targets, Thresholds, d
 from syshaxd.engine.estimates import Estimates
 from syshaxd.engine.exactness import exactness
 from syshaxd.engine.routing_rules import RoutingRule
-from syshaxd.engine.journey import Engines, Journey, JourneyCounts
+from syshaxd.engine.journey import Journey, JourneyCounts, SchedulerCalls
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.prefix_routing import PrefixRouting
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
-from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
+from syshaxd.engine.engine_handle import EngineHandle
+from syshaxd.engine.supervisor import EngineUnavailable
 from syshaxd.sdk.plugins import backend_capabilities
 from syshaxd.sdk.types import Fallback, GenerateRequest, Handling, Pool, Rejected, RequestStream, Route
 
@@ -53,7 +54,7 @@ class Scheduler:
     mode is the default route; a request may name another that this daemon serves.
     """
 
-    def __init__(self, config: Config, workers: list[WorkerHandle], ledger: KVLedger | None = None,
+    def __init__(self, config: Config, workers: list[EngineHandle], ledger: KVLedger | None = None,
                  prompts: PromptTokenizer | None = None) -> None:
         self.config = config
         self.workers = workers
@@ -81,9 +82,9 @@ class Scheduler:
         self.estimates = Estimates()  # what requests got on each side, for decider v2
         self.prefix_routing = PrefixRouting()  # which engine of a pool was sent which prompt blocks
         self._pids: dict[str, int | None] = {}  # each worker's process when last picked: a new one forgot its cache
-        self.engines = Engines(pick=self.pick, wait_ready=lambda pool: self.wait_ready(self.pools[pool]),
-                               with_prefix=self._with_prefix, decide=self.decide, counts=self.journeys,
-                               estimates=self.estimates)
+        self.calls = SchedulerCalls(pick=self.pick, wait_ready=lambda pool: self.wait_ready(self.pools[pool]),
+                                    with_prefix=self._with_prefix, decide=self.decide, counts=self.journeys,
+                                    estimates=self.estimates)
         self.last_decision: AutoDecision | None = None
         self._unservable = self._why_unservable()  # the pools never change: worked out once, read per request
 
@@ -105,7 +106,7 @@ class Scheduler:
     def _why_unservable(self) -> dict[str, str]:
         restart = "; set mode = \"{}\" in the config file (syshax config set mode {} --save) and restart syshaxd"
         exports = any(w.spec.ring for w in self.gpu)
-        why = {}
+        why: dict[str, str] = {}
         why[Mode.CPU] = "" if self.decoders else "this daemon has no CPU workers (gpu mode)" + restart.format(
             "auto", "auto")
         why[Mode.GPU] = "" if self.gpu else "this daemon has no GPU engine" + restart.format("gpu", "gpu")
@@ -154,20 +155,20 @@ class Scheduler:
         return max(0, sum(w.generating for w in self.workers) - self.slots(Pool.CPU) - self.slots(Pool.GPU))
 
     @classmethod
-    def _least_loaded(cls, workers: list[WorkerHandle], what: str) -> WorkerHandle:
+    def _least_loaded(cls, workers: list[EngineHandle], what: str) -> EngineHandle:
         ready = [w for w in workers if w.state == "ready"]
         if not ready:
             raise cls._unready(workers, f"no {what}")
         return min(ready, key=lambda w: w.in_flight)
 
     @classmethod
-    def _unready(cls, workers: list[WorkerHandle], what: str) -> EngineUnavailable:
+    def _unready(cls, workers: list[EngineHandle], what: str) -> EngineUnavailable:
         """Why none of `workers` can take a request: retry shortly, unless every one of them failed for good."""
         if workers and all(w.state == "failed" for w in workers):
             return EngineUnavailable(f"{what} can serve: {cls._states(workers)}", final=True)
         return EngineUnavailable(f"{what} is ready ({cls._states(workers)}); retry shortly")
 
-    async def wait_ready(self, workers: list[WorkerHandle]) -> bool:
+    async def wait_ready(self, workers: list[EngineHandle]) -> bool:
         """Wait, up to request_timeout, until one of `workers` is ready; False when that did not happen (each
         failed for good, or the time ran out). A request whose worker died before its first token waits here
         for the worker's restart rather than fail at once."""
@@ -180,14 +181,14 @@ class Scheduler:
             await asyncio.sleep(0.1)
         return False
 
-    def pick(self, pool: Pool, request: GenerateRequest | None = None) -> WorkerHandle:
+    def pick(self, pool: Pool, request: GenerateRequest | None = None) -> EngineHandle:
         """A ready worker of pool (CPU: the decoders; GPU: the GPU engines) for request: the least loaded, or in a
         pool of engines with their own prefix caches the one holding the request's prefix (engine/prefix_routing)."""
         workers = self.pools[pool]
         least = self._least_loaded(workers, "GPU engine" if pool == Pool.GPU else "CPU worker")
         return self._by_prefix([w for w in workers if w.state == "ready"], request) or least
 
-    def _by_prefix(self, ready: list[WorkerHandle], request: GenerateRequest | None) -> WorkerHandle | None:
+    def _by_prefix(self, ready: list[EngineHandle], request: GenerateRequest | None) -> EngineHandle | None:
         """The engine holding the request's prompt prefix, where the engines keep their own prefix caches; None:
         placement by load alone."""
         if (request is None or request.prompt_tokens is None or len(ready) < 2 or not self.config.prefix_routing
@@ -213,7 +214,7 @@ class Scheduler:
                          for choice in choices[first:first + n]]
         return prepared
 
-    def _with_prefix(self, request: GenerateRequest, handling: Handling, worker: WorkerHandle) -> Handling:
+    def _with_prefix(self, request: GenerateRequest, handling: Handling, worker: EngineHandle) -> Handling:
         """The handling with the request's prefix plan when `worker` reads the prefix cache; the plan's blocks are
         held for the request until the worker reports on them or the request's stream there ends."""
         if (request.prompt_tokens is None or not request.cache_prompt or handling.resume_tokens
@@ -238,14 +239,14 @@ class Scheduler:
             self.refused["unavailable"] += 1
             raise self._unready(needed, "no engine")
 
-    def admissible(self, request: GenerateRequest, route: str = "") -> None:
+    def check_capabilities(self, request: GenerateRequest, route: str = "") -> None:
         """Raises as servable does for the route (a mode for this request alone; "": the daemon's), or
         capabilities.Unsupported when the request asks an engine on its way for what that engine's backend lacks."""
         mode = route or self.mode
         self.servable(mode)
         capabilities.check(request, mode, self._way(mode, request))
 
-    def _stop(self, pool: list[WorkerHandle], hands_on: bool = False) -> list[capabilities.Stop]:
+    def _stop(self, pool: list[EngineHandle], hands_on: bool = False) -> list[capabilities.Stop]:
         # a pool of engines of several backends (prefill_engine = "vllm,torch"): what any of them lacks is refused,
         # as the request may meet any one
         backends = dict.fromkeys(w.spec.backend for w in pool)
@@ -297,23 +298,23 @@ class Scheduler:
                 # both sides are full: wait in the GPU engine's queue, which admission bounded above
                 self.queued_for_gpu += 1
                 decision = replace(decision, route=Route.GPU, reason=f"{decision.reason}; queued for the GPU engine")
-        route = decision.route if decision is not None else Route(mode)
-        stream = self._dispatch(route, request, decision)
-        self.routes[route] += 1
+        target = decision.route if decision is not None and decision.route is not None else Route(mode)
+        stream = self._dispatch(target, request, decision)
+        self.routes[target] += 1
         return stream
 
     def _dispatch(self, route: Route, request: GenerateRequest, decision: Decision | None) -> RequestStream:
         reason = decision.reason if decision is not None else ""
         by = decision.by if decision is not None else ""
         if route != Route.HETERO:
-            return Journey(request, route, self.engines, self.ledger, reason=reason, decided_by=by)
+            return Journey(request, route, self.calls, self.ledger, reason=reason, decided_by=by)
         # a pool: the ready engine holding the request's prefix (engines with their own caches), else the least loaded
         ready = [w for w in self.prefill or self.gpu if w.state == "ready"]
         prefill = (self._by_prefix(ready, request) or min(ready, key=lambda w: w.in_flight)) if ready else None
         if prefill is None:
             # every prefill engine is restarting (or dropped): decode it on the CPU meanwhile, and say so
             self.ledger.fallback(Fallback.PREFILL_UNAVAILABLE)
-        return Journey(request, route, self.engines, self.ledger, prefill=prefill, reason=reason,
+        return Journey(request, route, self.calls, self.ledger, prefill=prefill, reason=reason,
                        token_limit=decision.token_limit if decision is not None else 0, decided_by=by)
 
     # --- auto: sysHAX's offload decider over live engine state ----------------------------------
@@ -426,7 +427,7 @@ class Scheduler:
             kv=self.ledger.status(),
             prefix_cache=self.ledger.prefix_status(),
             workers=[w.status() for w in self.workers],
-            nodes=[w.link_status() for w in self.workers if w.remote],
+            nodes=[link for w in self.workers if (link := w.link_status()) is not None],
             exact=exactness(self.workers, hetero=not self._unservable[Mode.HETERO],
                             file_type=self.served_type()),
             prefix_routing=self.prefix_routing.to_json(),

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.process
 import signal
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -39,6 +42,9 @@ from syshaxd.sdk.types import (
 )
 from syshaxd.sdk.worker import worker_main
 
+if TYPE_CHECKING:
+    from syshaxd.engine.engine_handle import EngineHandle
+
 log = logging.getLogger(__name__)
 
 
@@ -59,7 +65,7 @@ class WorkerStream:
     """
 
     request_id: str
-    worker: "WorkerHandle"
+    worker: "EngineHandle"  # a local WorkerHandle or a remote node
     attempt: str = ""  # the id the worker knows this submission by; empty: request_id
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tokens_sent: int = 0
@@ -119,15 +125,15 @@ class WorkerHandle:
         self.last_heartbeat = 0.0
         self.streams: dict[str, WorkerStream] = {}  # by attempt id: what the worker is running for us
         self.barren_deaths = 0  # deaths since it last served a token: CRASH_LOOP of them is a crash loop
-        self.fallback: dict = {}  # what its engine said gives safer kernels (WorkerWarming), tried once
-        self.fallback_loses = ""
-        self.fell_back = ""  # why it runs its fallback, for the status; "" while it runs as configured
+        self.safer_kernels: dict = {}  # what its engine said gives safer kernels (WorkerWarming), tried once
+        self.safer_kernels_lose = ""
+        self.on_safer_kernels = ""  # why it runs safer kernels, for the status; "" while it runs as configured
         self._warmup_error = ""  # what the worker said when its warm-up raised
         self._on_failed = on_failed  # told once the worker is given up on (the daemon's status line)
         self.ledger = ledger or KVLedger()  # the owner of the KV records this worker writes or reads
         self.ready = asyncio.Event()
-        self._process = None
-        self._conn = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
         self._channel: WorkerChannel | None = None
         self._stopping = False
         self._restart_task: asyncio.Task | None = None
@@ -141,20 +147,21 @@ class WorkerHandle:
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(
+        process = ctx.Process(
             target=worker_main, args=(child, self.spec, self.name, self.log_level), name=self.name, daemon=True
         )
+        self._process = process
         self.state = "starting"
         self.ready.clear()
-        self._process.start()
+        process.start()
         child.close()
         self._conn = parent  # owns the fd; the channel reads and writes it
         self._channel = WorkerChannel(parent.fileno(), self._loop, self._dispatch, self._on_channel_broken)
-        self._loop.add_reader(self._process.sentinel, self._on_exit)
+        self._loop.add_reader(process.sentinel, self._on_exit)
         self._hung_for = 0.0
         self._cpu_seen = None
         self._schedule_watch()
-        log.info("%s: started worker pid %d (%s, %s)", self.name, self._process.pid, self.spec.backend, self.spec.role)
+        log.info("%s: started worker pid %d (%s, %s)", self.name, process.pid, self.spec.backend, self.spec.role)
 
     async def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -212,7 +219,7 @@ class WorkerHandle:
             silent = time.monotonic() - self.last_heartbeat
             if silent <= self.heartbeat_timeout:
                 self._cpu_seen = None
-            elif self._process is proc and self._hung(proc.pid, silent):
+            elif self._process is proc and proc.pid is not None and self._hung(proc.pid, silent):
                 self.hangs += 1
                 self._hung_for = silent
                 log.error("%s: worker pid %d sent nothing for %.1fs (worker_heartbeat_timeout %gs): it is hung; "
@@ -271,12 +278,12 @@ class WorkerHandle:
             self.stats = msg.stats
         elif isinstance(msg, WorkerWarming):
             self.info = msg.info
-            self.fallback, self.fallback_loses = dict(msg.fallback), msg.fallback_loses
+            self.safer_kernels, self.safer_kernels_lose = dict(msg.safer_kernels), msg.safer_kernels_lose
             self.state = "warming"
             log.info("%s: engine built; warming up (kernels: %s, %s)", self.name, msg.info.get("kernels", "?"),
                      msg.info.get("kernels_why", ""))
-        elif isinstance(msg, WorkerFailed) and msg.during == "warm-up" and self.fallback:
-            self._warmup_error = msg.message  # it exits now; _on_exit restarts it with the fallback
+        elif isinstance(msg, WorkerFailed) and msg.during == "warm-up" and self.safer_kernels:
+            self._warmup_error = msg.message  # it exits now; _on_exit restarts it with safer kernels
         elif isinstance(msg, WorkerReady):
             self.info = msg.info
             if msg.proofs is not None:  # its restarts run on this CPU and build too: they need not prove it again
@@ -321,7 +328,7 @@ class WorkerHandle:
         self.streams.clear()
         for stream in lost:
             self.ledger.prefix_release(stream.request_id)
-        verdict = ""  # how this death is answered: "" restart as it was, "fallback" or "failed"
+        verdict = ""  # how this death is answered: "" restart as it was, "safer" (kernels) or "failed"
         if not self._stopping and not was_failed:
             self.barren_deaths += 1
             verdict = self._judge_death(code, warming)
@@ -334,20 +341,20 @@ class WorkerHandle:
         for stream in lost:  # each request's journey goes on elsewhere, or ends saying why
             stream.queue.put_nowait(WorkerLost(stream.request_id, why, failed=verdict == "failed", error=self.error,
                                                stopping=self._stopping))
-        if not self._stopping:
+        if not self._stopping and pid is not None:  # it ran (a process never started has no pid)
             self.ledger.worker_gone(self.name, pid)
         if self._stopping or was_failed or verdict == "failed":
             return  # the engine cannot be built or keeps dying; restarting would fail the same way
         self.state = "restarting"
         self.restarts += 1
-        if verdict != "fallback":
+        if verdict != "safer":
             log.error("%s: worker exited (%s%s) with %d requests in flight; restarting in %.1fs", self.name,
                       _exit_words(code), ", killed as hung" if self._hung_for else "", len(lost), self.restart_delay)
         self._restart_task = self._loop.create_task(self._restart_later())
 
     def _judge_death(self, code: int | None, warming: bool) -> str:
         """A death in the warm-up or the CRASH_LOOP-th in a row without a token served says the engine cannot
-        run as it is: restart it with its fallback (safer kernels) once, else give it up ("failed")."""
+        run as it is: restart it with its safer kernels once, else give it up ("failed")."""
         how = _exit_words(code)
         kernels = self.info.get("kernels", "")
         if warming:
@@ -362,18 +369,18 @@ class WorkerHandle:
         if code == -signal.SIGILL:
             cause += ("; SIGILL means its native code uses instructions this CPU lacks: it was built on another "
                       "CPU (for llama.cpp, rebuild it here with make install, which runs mk/llama-wheel.sh)")
-        if self.fallback:
-            changes, loses = self.fallback, self.fallback_loses
+        if self.safer_kernels:
+            changes, loses = self.safer_kernels, self.safer_kernels_lose
             self.spec = replace(self.spec, **changes, proven=None)  # other kernels: their bits are proved anew
-            self.fallback, self.barren_deaths = {}, 0
-            self.fell_back = f"{loses} turned off: the engine {cause}"
+            self.safer_kernels, self.barren_deaths = {}, 0
+            self.on_safer_kernels = f"{loses} turned off: the engine {cause}"
             settings = ", ".join(f'{k} = "{v}"' for k, v in changes.items())
             log.error("%s: the engine %s. Restarting it with %s turned off (as with %s in the config): it serves "
                       "correctly, prompts run slower. Set that in the config to skip this on later starts.",
                       self.name, cause, loses, settings)
-            return "fallback"
+            return "safer"
         self.state = "failed"
-        self.error = f"the engine {cause}; not restarted (nothing safer to fall back to)"
+        self.error = f"the engine {cause}; not restarted (it has no safer kernels to try)"
         log.error("%s: %s", self.name, self.error)
         if self._on_failed is not None:
             self._on_failed(self)
@@ -420,13 +427,19 @@ class WorkerHandle:
         """Requests it holds that take (or wait for) a batch slot: all but prompts it only hands on."""
         return sum(1 for s in self.streams.values() if not s.handoff)
 
+    def set_log_level(self, level: str) -> None:
+        self.log_level = level  # a worker reads it when it starts: the next (re)start takes it
+
+    def link_status(self) -> None:
+        return None  # a process of this host has no link
+
     def status(self) -> WorkerStatus:
         return WorkerStatus(name=self.name, backend=self.spec.backend, role=self.spec.role, pool=self.spec.pool,
                             state=self.state, pid=self.pid, error=self.error, restarts=self.restarts,
                             hangs=self.hangs, in_flight=self.in_flight, cpus=list(self.info.get("cpus", [])),
                             threads=self.spec.threads, stats=self.stats,
                             kernels=str(self.info.get("kernels", "")),
-                            kernels_why=self.fell_back or str(self.info.get("kernels_why", "")),
+                            kernels_why=self.on_safer_kernels or str(self.info.get("kernels_why", "")),
                             attention=str(self.info.get("attention", "")),
                             exact_decode=bool(self.info.get("exact_decode", False)),
                             keeps_generated=bool(self.info.get("keeps_generated", False)))
@@ -441,7 +454,7 @@ def _exit_words(code: int | None) -> str:
             sig = signal.Signals(-code)
         except ValueError:
             return f"signal {-code}"
-        return f"{sig.name} ({signal.strsignal(sig).lower()})"
+        return f"{sig.name} ({(signal.strsignal(sig) or sig.name).lower()})"
     return f"exit code {code}"
 
 

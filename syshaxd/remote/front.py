@@ -108,7 +108,6 @@ class RemoteNode:
     """A decode node, to the scheduler one more CPU decoder (with the slots of all the node's decoders)."""
 
     remote = True  # not a process of this host: the daemon's start-up and watchdog do not wait for it
-    hangs = 0
 
     def __init__(self, address: str, secret: bytes, spec: EngineSpec, ledger: KVLedger, fingerprint: bytes,
                  transfer: FrontTransfer, link_timeout: float = 3.0, retry: float = RETRY,
@@ -117,7 +116,6 @@ class RemoteNode:
         self.host, self.port = split_address(address, "remote_nodes")
         self.name = f"node {address}"
         self.spec = spec
-        self.log_level = "info"
         self.secret = secret
         # who this front is to the node, the same over reconnections (a node serves several fronts at once)
         self.front_id = front_id or default_front_id()
@@ -414,6 +412,9 @@ class RemoteNode:
                             state=self.state, pid=None, error=self.error, restarts=self.restarts, hangs=0,
                             in_flight=self.in_flight, cpus=list(self.info.get("cpus", [])),
                             threads=sum(d.threads for d in self.decoders), stats=self.stats)
+
+    def set_log_level(self, level: str) -> None:
+        pass  # the node's own config sets its workers' log level
 
     def link_status(self) -> RemoteNodeStatus:
         decoders = [NodeDecoderStatus(d.name, d.state, d.in_flight, d.max_batch_size, d.threads, list(d.cpus), d.error)

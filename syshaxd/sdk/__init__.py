@@ -3,7 +3,7 @@
 * `hookspecs`, `backend`, `plugins`: the hook a plugin implements, the Backend it declares (roles,
   device, capabilities), and how the daemon and each worker find them;
 * `types`: the typed messages between the daemon and a worker, and the Engine protocol;
-* `output`, `rate`, `admission`: the output rules (stop strings, lengths), tokens/s, whether a prompt fits;
+* `output`, `rate`, `prompt_fit`: the output rules (stop strings, lengths), tokens/s, whether a prompt fits;
 * `worker`, `faults`: the worker process's loop (where a plugin's engine runs), its fault injection for tests;
 * `placement`: where a worker runs, applied in the worker before its engine loads;
 * `kv`: the KV record format, the shared-memory ring and the prefix cache's block store;

@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from syshaxd.sdk.kv.ring import RingFull
+from syshaxd.sdk.placement import Placement
 
 
 # Five enums say "where" or "what", each of a different thing, and are kept apart: config.Mode is a daemon's (or a
@@ -103,7 +104,7 @@ class EngineSpec:
     max_batch_size: int = 8
     threads: int = 1
     prefill_chunk_size: int = 256
-    placement: object = None  # a syshaxd.sdk.placement.Placement, applied in the worker before the model loads
+    placement: Placement | None = None  # applied in the worker before the model loads
     ring: str = ""  # the KV ring's instance name (hetero mode); empty: no ring
     handoff_timeout: float = 2.0  # seconds a prefill may wait for ring space before it falls back
     quantize: str = ""
@@ -340,14 +341,15 @@ class WorkerLost:
 class WorkerWarming:
     """The engine is built and now proves its kernels (a warm-up that runs what serving runs).
 
-    fallback: the spec changes (EngineSpec field -> value) that give safer kernels, and what they turn
+    safer_kernels: the spec changes (EngineSpec field -> value) that give safer kernels, and what they turn
     off in words; the supervisor restarts with them if the worker dies before it is ready, or dies on
-    every request. Empty when nothing is safer.
+    every request. Empty when nothing is safer. (A KV "fallback" is something else: a decoder that
+    recomputes a prompt whose record it did not get.)
     """
 
     info: dict
-    fallback: dict = field(default_factory=dict)
-    fallback_loses: str = ""
+    safer_kernels: dict = field(default_factory=dict)
+    safer_kernels_lose: str = ""
 
 
 @dataclass(frozen=True)
@@ -385,7 +387,7 @@ class WorkerStats:
 @dataclass(frozen=True)
 class WorkerFailed:
     """The engine could not be built (or, during="warm-up", failed its warm-up); the supervisor reports this
-    instead of restarting forever, after trying the engine's fallback for a failed warm-up."""
+    instead of restarting forever, after trying the engine's safer kernels for a failed warm-up."""
 
     message: str
     during: str = "build"
@@ -433,7 +435,7 @@ class Engine(Protocol):
         """Run once what serving runs (a full prompt chunk, a full decode batch, ...), before the worker says
         ready: kernels that crash on this CPU crash here, not in a user's request. Raise if it went wrong."""
 
-    def fallback(self) -> tuple[dict, str]:
+    def safer_kernels(self) -> tuple[dict, str]:
         """The EngineSpec changes that give safer kernels, and what they turn off in words; ({}, "") if none."""
 
     def proofs(self) -> Proofs | None:

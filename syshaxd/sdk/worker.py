@@ -77,9 +77,9 @@ def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -
         "mem_nodes": list(applied.mem_nodes) if applied else [],
     }
     # Prove the kernels before saying ready: if they crash on this CPU, the supervisor sees the death while
-    # warming and restarts with the fallback (safer kernels), or reports the worker failed.
-    fallback, loses = engine.fallback() if hasattr(engine, "fallback") else ({}, "")
-    conn.send(WorkerWarming(info, fallback, loses))
+    # warming and restarts with safer kernels, or reports the worker failed.
+    safer, loses = engine.safer_kernels() if hasattr(engine, "safer_kernels") else ({}, "")
+    conn.send(WorkerWarming(info, safer, loses))
     kernels = str(info.get("kernels", "plain"))
     faults.crash_at(spec.fault, "warmup", kernels)
     started = time.monotonic()

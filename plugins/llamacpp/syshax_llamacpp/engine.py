@@ -16,7 +16,7 @@ import numpy as np
 
 from syshaxd.sdk import faults
 from syshaxd.sdk.gguf.quantize import ensure_quantized
-from syshaxd.sdk.admission import admit
+from syshaxd.sdk.prompt_fit import fit_prompt
 from syshaxd.sdk.gguf.vocab import Vocab
 from syshax_llamacpp import kernels, logprobs, prefix
 from syshax_llamacpp.sampling import (GrammarDeadEnd, GrammarError, accept, grammar_parses, make_sampler,
@@ -273,7 +273,7 @@ class LlamaCppEngine:
     def proofs(self) -> Proofs:
         return Proofs(self.exact_decode, self.exact_resume, self.pad_lone)
 
-    def fallback(self) -> tuple[dict, str]:
+    def safer_kernels(self) -> tuple[dict, str]:
         if not self.kernels.fallback:
             return {}, ""
         return {"repack": self.kernels.fallback}, f"weight repacking ({self.kernels.kernels} kernels)"
@@ -471,10 +471,10 @@ class LlamaCppEngine:
                              f"'{request.grammar_field}'; check a grammar's syntax, or simplify a schema (a "
                              "'pattern', most likely).",
                              "unsupported_schema", request.grammar_field)]
-        admitted = admit(self.vocab, request, self.n_ctx)
-        if isinstance(admitted, Rejected):
-            return [admitted]
-        prompt, max_tokens = admitted
+        fitted = fit_prompt(self.vocab, request, self.n_ctx)
+        if isinstance(fitted, Rejected):
+            return [fitted]
+        prompt, max_tokens = fitted
         prompt += handling.resume_tokens  # a decode moved here continues after what it generated
         seq = _Sequence(request=request, prompt=prompt, max_tokens=max_tokens, started=time.monotonic(),
                         handling=handling)

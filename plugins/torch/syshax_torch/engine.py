@@ -13,7 +13,7 @@ import torch
 from syshaxd.sdk.types import (Accepted, EngineSpec, EngineStats, Fallback, GenerateRequest, Handling, KVHandle,
                                   Prefilled, Rejected, SamplingParams)
 from syshaxd.sdk.gguf.quantize import resolve_gguf
-from syshaxd.sdk.admission import admit
+from syshaxd.sdk.prompt_fit import fit_prompt
 from syshaxd.sdk.gguf.vocab import Vocab
 from syshaxd.sdk.kv.hf_codec import check_model, encode_tensors_into, hf_config_shape, past_key_values_layers
 from syshaxd.sdk.kv.record import DType, record_size
@@ -107,10 +107,10 @@ class TorchPrefillEngine:
 
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> list:
         # no logprobs and no grammar here (its plugin declares none): the daemon refused such a request already
-        admitted = admit(self.vocab, request, self.n_ctx)
-        if isinstance(admitted, Rejected):
-            return [admitted]
-        prompt, max_tokens = admitted
+        fitted = fit_prompt(self.vocab, request, self.n_ctx)
+        if isinstance(fitted, Rejected):
+            return [fitted]
+        prompt, max_tokens = fitted
         self.waiting.append(_Prompt(request, prompt))
         return [Accepted(request.request_id, len(prompt), max_tokens)]
 

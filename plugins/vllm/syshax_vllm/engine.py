@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from syshaxd.sdk.gguf.quantize import resolve_gguf
-from syshaxd.sdk.admission import admit
+from syshaxd.sdk.prompt_fit import fit_prompt
 from syshaxd.sdk.gguf.vocab import Vocab
 from syshaxd.sdk.output import SequenceOutput
 from syshaxd.sdk.rate import TokenRate
@@ -164,10 +164,10 @@ class VllmEngine:
                 return [Rejected(request.request_id, Refusal.INVALID, "vLLM's grammar engine (xgrammar) could not "
                                  f"compile the grammar built from '{request.grammar_field}' ({exc}); check a grammar's "
                                  "syntax, or simplify a schema.", "unsupported_schema", request.grammar_field)]
-        admitted = admit(self.vocab, request, self.n_ctx)
-        if isinstance(admitted, Rejected):
-            return [admitted]
-        prompt, max_tokens = admitted
+        fitted = fit_prompt(self.vocab, request, self.n_ctx)
+        if isinstance(fitted, Rejected):
+            return [fitted]
+        prompt, max_tokens = fitted
         rid = request.request_id
         if handoff and not self.spec.ring:
             return [Rejected(rid, Refusal.FAILED, "this engine has no KV ring to hand the prompt on through",

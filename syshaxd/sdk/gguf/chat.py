@@ -35,11 +35,11 @@ class ChatTemplate:
     def __init__(self, template: str | None, bos_token: str, eos_token: str) -> None:
         self.source = "gguf" if template else "chatml-fallback"
         # HF templates with a tool format read a `tools` variable (Qwen2.5, Hermes, Llama 3.1, Mistral)
-        self.has_tools = bool(template) and "tools" in template
+        self.has_tools = template is not None and "tools" in template
         # a reasoning model's template: it writes or strips <think> blocks (DeepSeek-R1 distills, Qwen3, QwQ)
-        self.thinking = bool(template) and (THINK_OPEN in template or THINK_CLOSE in template)
+        self.thinking = template is not None and (THINK_OPEN in template or THINK_CLOSE in template)
         # Mistral's templates take only 9-character alphanumeric call ids, and refuse OpenAI's ("call_...")
-        self.short_call_ids = bool(template) and "length 9" in template
+        self.short_call_ids = template is not None and "length 9" in template
         self._formatter = Jinja2ChatFormatter(
             template=template or CHATML, eos_token=eos_token, bos_token=bos_token, add_generation_prompt=True
         )
@@ -74,7 +74,7 @@ class ChatTemplate:
 
     def _render(self, messages: list[dict], kw: dict) -> str:
         try:
-            return self._formatter(messages=messages, **kw).prompt
+            return self._formatter(messages=messages, **kw).prompt  # type: ignore[arg-type]  # plain dicts of its shape
         except ValueError:
             raise
         except Exception as exc:  # jinja errors from the model's template

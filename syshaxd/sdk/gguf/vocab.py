@@ -44,7 +44,7 @@ class Vocab:
         self.template = ChatTemplate(self.meta("tokenizer.chat_template"),
                                      self.piece_text(llama_cpp.llama_vocab_bos(self.vocab)),
                                      self.piece_text(llama_cpp.llama_vocab_eos(self.vocab)))
-        # the longest piece one token stands for, in bytes: prompt admission's floor on a prompt's token
+        # the longest piece one token stands for, in bytes: fit_prompt's floor on a prompt's token
         # count. Worked out at load (0.25 s for 49k tokens here), not on some request's time
         self.max_token_bytes = max(max(len(self.piece_bytes(t)), len(self.piece_bytes(t, special=True)))
                                    for t in range(self.n_vocab))

@@ -7,7 +7,7 @@ from syshaxd.sdk.gguf.vocab import Vocab
 from syshaxd.sdk.types import GenerateRequest, Refusal, Rejected
 
 
-def admit(vocab: Vocab, request: GenerateRequest, n_ctx: int) -> tuple[list[int], int] | Rejected:
+def fit_prompt(vocab: Vocab, request: GenerateRequest, n_ctx: int) -> tuple[list[int], int] | Rejected:
     """(prompt tokens, max_tokens) for a request, or why it cannot run (a Rejected, as every engine answers).
 
     A prompt that cannot fit is refused from its size before it is rendered or tokenized: tokenizing
