@@ -132,7 +132,7 @@ def test_a_decoder_that_dies_before_its_first_token_hands_the_request_to_another
     assert picked == ["decode0", "decode1"]
     assert got == alone  # same text, same finish, same count: the client never saw the death
     assert kv.records_written == 1 and kv.fallbacks == {"decoder_died": 1} and kv.records_held == 0
-    assert journey.stage == Stage.DONE and journey._engines.counts.resent == 1
+    assert journey.stage == Stage.DONE and journey._scheduler.counts.resent == 1
 
 
 def test_an_offloaded_decode_stays_on_the_cpu_when_the_gpu_engine_cannot_take_it(default_model):
@@ -207,7 +207,7 @@ def test_a_request_whose_worker_dies_mid_stream_resumes_on_another_with_the_same
 
     alone, got, journey = run(default_model, scenario)
     assert got == alone, (got, alone)  # greedy: the same text, finish and count as an undisturbed run
-    assert journey._engines.counts.resumed == 1 and journey._engines.counts.lost == 0
+    assert journey._scheduler.counts.resumed == 1 and journey._scheduler.counts.lost == 0
 
 
 def test_a_request_whose_worker_dies_mid_stream_with_nowhere_to_go_ends_with_the_error(default_model):
@@ -223,4 +223,4 @@ def test_a_request_whose_worker_dies_mid_stream_with_nowhere_to_go_ends_with_the
 
     (text, finish, n), journey = run(default_model, scenario)
     assert finish.startswith("error:the engine worker died mid-stream, and no cpu worker is ready"), finish
-    assert journey._engines.counts.lost == 1 and journey.stage == Stage.DONE
+    assert journey._scheduler.counts.lost == 1 and journey.stage == Stage.DONE
