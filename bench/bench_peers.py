@@ -21,6 +21,12 @@ second server's figures up to 20 % worse or better than a repeat gave. The loads
   with one 100-token prompt repeated, and with a shared 128-token prefix (about 100 words)
   before a unique 32-token tail.
 
+`--set seed` runs the seed article's three scenarios instead, each with unique prompts arriving 0.5 s apart
+(so prompts and decodes overlap, as a server's users do): short, 128 tokens in and 256 out at concurrency
+1, 8 and 16; medium, 512 in and 1,024 out at 1, 4 and 8; long, 2,048 in and 512 out at 1, 2 and 4 (twice
+the concurrency in requests, at least 2). Their contexts need `--n-ctx` 4096, which the set takes when
+none is given. `--set all` runs both sets.
+
 Per load and server: output tokens/s, TTFT p50, TPOT p50, and the ratio syshaxd / llama-server
 (throughput: higher is better for syshaxd; latency: lower is); with rounds, the median of the rounds'
 figures and of their ratios, and each round's tok/s ratio. Prompts are exact in the model's
@@ -31,6 +37,8 @@ tokens (syshaxd/bench/prompts.py), the same on both servers; outputs are forced 
     .venv/bin/python bench/bench_peers.py --repack off   # both servers with plain kernels (weight repacking off)
     .venv/bin/python bench/bench_peers.py --load chat --load shared   # only the loads whose names hold these
     .venv/bin/python bench/bench_peers.py --rounds 3   # every load 3 times on each server, interleaved
+    .venv/bin/python bench/bench_peers.py --set seed   # the seed's short, medium and long scenarios
+    .venv/bin/python bench/bench_peers.py --set seed --load long   # the long prompts alone
 """
 
 from __future__ import annotations
@@ -88,6 +96,22 @@ class Load:
     arrival_gap_s: float = 0.0  # staggered arrivals: the first `concurrency` requests sent this far apart
 
 
+# the seed article's scenarios: (name, tokens in, tokens out, concurrencies); --quick shortens the outputs
+SEED_SCENARIOS = (("short", 128, 256, (1, 8, 16)), ("medium", 512, 1024, (1, 4, 8)), ("long", 2048, 512, (1, 2, 4)))
+SETS = ("issue", "seed", "all")
+
+
+def seed_loads(quick: bool) -> list[Load]:
+    """The seed's three scenarios: unique prompts, staggered arrivals, forced outputs."""
+    return [Load(f"seed {name} c={c}", "unique", c, max(2, 2 * c) if not quick else max(1, c), n_in,
+                 n_out // 8 if quick else n_out, arrival_gap_s=0.5)
+            for name, n_in, n_out, levels in SEED_SCENARIOS for c in levels]
+
+
+def load_set(which: str, quick: bool) -> list[Load]:
+    return {"issue": loads(quick), "seed": seed_loads(quick), "all": loads(quick) + seed_loads(quick)}[which]
+
+
 def loads(quick: bool) -> list[Load]:
     """The issue's loads; quick keeps their shapes with fewer and shorter requests."""
     out = 16 if quick else 256
@@ -109,8 +133,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="GGUF both servers load (default: the prepared q4_0 SmolLM2)")
     p.add_argument("--threads", type=int, default=2, help="threads for both servers (default: 2)")
     p.add_argument("--quick", action="store_true", help="fewer and shorter requests, for a smoke test")
-    p.add_argument("--n-ctx", type=int, default=2048,
-                   help="context per sequence on both servers; llama-server gets -c n_ctx x 8 (default: 2048)")
+    p.add_argument("--n-ctx", type=int,
+                   help="context per sequence on both servers; llama-server gets -c n_ctx x 8 (default: 2048, "
+                   "4096 with --set seed or all)")
+    p.add_argument("--set", choices=SETS, default="issue", dest="load_set",
+                   help="which loads: the issue's (short prompts, chat, staggered finishes), the seed article's "
+                   "three scenarios (short, medium, long prompts), or all (default: issue)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts' random words (default: 0)")
     p.add_argument("--llama-server", metavar="PATH",
                    help="the llama-server binary (default: what ../shared/tools/llama-server.sh prints, built there"
@@ -123,8 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repack", choices=("auto", "on", "off"), default="auto",
                    help="weight repacking on both servers: syshaxd's repack key; llama-server's --repack / --no-repack"
                    " (auto: its default, on) (default: auto)")
-    p.add_argument("--json", type=Path, help="where the figures go (default: bench/results/bench_peers.json,"
-                   " bench_peers-quick.json with --quick)")
+    p.add_argument("--json", type=Path, help="where the figures go (default: bench/results/bench_peers.json;"
+                   " bench_peers-seed.json with --set seed, ...-quick.json with --quick)")
     args = p.parse_args(argv)
     args.model = (args.model or default_tokenizer_path()).resolve()
     if not args.model.is_file():
@@ -134,11 +162,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.rounds < 1:
         p.error(f"--rounds: {args.rounds} is not allowed; it must be at least 1")
     need = max(ld.system_len + ld.turns * (ld.input_len + (ld.output_max or ld.output_len)) + 16 * ld.turns
-               for ld in loads(args.quick))
+               for ld in load_set(args.load_set, args.quick))
+    if args.n_ctx is None:
+        args.n_ctx = 2048 if args.load_set == "issue" else 4096
     if args.n_ctx < need:
         p.error(f"--n-ctx {args.n_ctx} cannot hold the longest request ({need} tokens with the chat template)")
     if args.json is None:
-        args.json = REPO / "bench/results" / ("bench_peers-quick.json" if args.quick else "bench_peers.json")
+        name = "bench_peers" + ("" if args.load_set == "issue" else f"-{args.load_set}") + ("-quick" if args.quick else "")
+        args.json = REPO / "bench/results" / f"{name}.json"
     return args
 
 
@@ -237,7 +268,8 @@ class Workloads:
     def __init__(self, args: argparse.Namespace, round_index: int = 0, builder: PromptBuilder | None = None):
         self.builder = builder or PromptBuilder(GGUFTokenizer(args.model))
         self.seed = args.seed + 7919 * round_index
-        self.loads = [ld for ld in loads(args.quick) if not args.load or any(t in ld.name for t in args.load)]
+        self.loads = [ld for ld in load_set(args.load_set, args.quick)
+                      if not args.load or any(t in ld.name for t in args.load)]
         if not self.loads:
             raise SystemExit(f"bench_peers: no load's name contains {' or '.join(map(repr, args.load))}")
         self.inputs = {ld.name: self._inputs(i, ld) for i, ld in enumerate(self.loads)}
@@ -456,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - t0,
         "argv": sys.argv,
         "settings": {"model": str(args.model), "threads": args.threads, "parallel": PARALLEL, "n_ctx": args.n_ctx,
-                     "repack": args.repack, "quick": args.quick, "seed": args.seed, "rounds": args.rounds,
+                     "repack": args.repack, "quick": args.quick, "set": args.load_set, "seed": args.seed, "rounds": args.rounds,
                      "llama_server": binary, "loads": [asdict(ld) for ld in first.loads]},
         "machine": describe_machine(),
         "servers": servers,
