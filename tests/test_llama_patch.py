@@ -1,25 +1,162 @@
-"""mk/llama-patch.py: the changes mk/llama-wheel.sh makes to llama.cpp before it builds.
+"""mk/patches/: the llama.cpp patch series mk/llama-wheel.sh applies (mk/llama-patches.sh) before it builds.
 
-The wheel this machine built carries one vector path of the K packing (change 4) and of a few rows' products
-(change 6): AVX-512 here, AVX2 on another host; the engine's warm-up proves its bits on that path only. This
-compiles each on its own for every x86 path this CPU can run, and checks it bit for bit against what llama.cpp's
-own loops compute, at every tile size. Change 7 lives in llama.cpp's weight kernels, which need all of ggml to
+The series applies to the pristine source of the llama-cpp-python sdist, each patch exactly where it was written, and
+each touches only the files and functions it says. It makes, byte for byte, the source the Python script it replaced
+(mk/llama-patch.py, string replacements with exact-count guards) made.
+
+The wheel this machine built carries one vector path of the K packing (0003) and of a few rows' products (0007):
+AVX-512 here, AVX2 on another host; the engine's warm-up proves its bits on that path only. This compiles each, as
+the patches add it, on its own for every x86 path this CPU can run, and checks it bit for bit against what
+llama.cpp's own loops compute, at every tile size. 0001 lives in llama.cpp's weight kernels, which need all of ggml to
 compile: the real build is checked instead, a row's logits against the same row's in batches of other sizes.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+PATCHES = REPO / "mk" / "patches"
+SERIES = sorted(PATCHES.glob("[0-9][0-9][0-9][0-9]-*.patch"))
+VERSION = re.search(r"^VERSION=(\S+)$", (REPO / "mk" / "llama-wheel.sh").read_text(), re.M).group(1)
+OPS = "ggml/src/ggml-cpu/ops.cpp"
+REPACK = "ggml/src/ggml-cpu/arch/x86/repack.cpp"
+
+# What each patch touches: its files, and in each the functions its hunks change or add ("(file head)": the lines
+# before the first function). A patch that spills into another function or file fails here.
+TOUCHES = {
+    "0001": {REPACK: {"gemm_q4_b32_8x8_q8_0_lut_avx"}},
+    "0002": {OPS: {"ggml_compute_forward_flash_attn_ext_tiled"}},
+    "0003": {OPS: {"syshax_transpose16", "syshax_transpose8", "syshax_pack_k",
+                   "ggml_compute_forward_flash_attn_ext_tiled"}},
+    "0004": {OPS: {"ggml_compute_forward_flash_attn_ext_f16"}},
+    "0005": {OPS: {"(file head)", "ggml_compute_forward_flash_attn_ext_f16"}},
+    "0006": {OPS: {"ggml_compute_forward_flash_attn_ext_tiled", "ggml_compute_forward_flash_attn_ext_f16"}},
+    "0007": {OPS: {"syshax_few", "syshax_prefetch_rows", "syshax_few_qk_rows", "syshax_few_v_rows", "syshax_few_qk",
+                   "syshax_few_v", "ggml_compute_forward_flash_attn_ext_tiled"}},
+}
+
+# The sdist the series was written for, and the patched files mk/llama-patch.py made of it (its last version, before
+# the series replaced it: the series was checked against it, the whole sdist tree compared, on 2026-12-05)
+SDIST_SHA256 = {"0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"}
+PATCHED_SHA256 = {"0.3.36": {OPS: "b9a56e1ee80e0bed0e449accdef71a09954f8cf92dc0291662d06c1e4c664352",
+                             REPACK: "7282876a136b9ac3d490b27da793de1081e274c2237a5609bcd640dfbb237338"}}
+
+
+def _hunks(patch: Path) -> list[tuple[str, str, list[str]]]:
+    """(file, the function git names in the hunk's header, the hunk's lines) for every hunk of a patch."""
+    hunks, file = [], None
+    for line in patch.read_text().splitlines():
+        if line.startswith("diff --git "):
+            file = line.split(" b/", 1)[1]
+        elif line.startswith("@@ ") and file is not None:
+            header = line.split("@@", 2)[2]
+            function = re.search(r"(\w+)\(", header)
+            hunks.append((file, function.group(1) if function else "(file head)", []))
+        elif hunks and line[:1] in (" ", "+", "-"):
+            hunks[-1][2].append(line)
+        elif line == "-- ":  # format-patch's signature separator, if any
+            break
+    return hunks
+
+
+def _defined(lines: list[str]) -> set[str]:
+    """The functions a hunk's added lines define."""
+    return {m.group(1) for line in lines if (m := re.match(r"\+static\b[^(=;]*?\b(\w+)\(", line))}
+
+
+def _added_code(number: str, function: str) -> str:
+    """The code the patch numbered `number` adds in the hunk that defines `function`, as it adds it."""
+    patch = next(p for p in SERIES if p.name.startswith(number + "-"))
+    for _, _, lines in _hunks(patch):
+        if function in _defined(lines):
+            return "\n".join(line[1:] for line in lines if line.startswith("+")) + "\n"
+    raise AssertionError(f"{patch.name} defines no {function}")
+
+
+def test_the_series_is_numbered_and_each_patch_touches_what_it_says():
+    assert [p.name[:4] for p in SERIES] == sorted(TOUCHES), [p.name for p in SERIES]
+    for patch in SERIES:
+        touched: dict[str, set[str]] = {}
+        for file, function, lines in _hunks(patch):
+            # a hunk that adds functions touches those (git's header names the function above them), another the
+            # function it is in
+            touched.setdefault(file, set()).update(_defined(lines) or {function})
+        assert touched == TOUCHES[patch.name[:4]], patch.name
+        head = patch.read_text().split("\n---\n", 1)[0]
+        assert re.search(r"^Subject: \[PATCH\] ggml-cpu: ", head, re.M), f"{patch.name}: no ggml-cpu: subject"
+        assert len(head.split("\n\n", 1)[1].strip().splitlines()) >= 3, f"{patch.name}: says not why"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """The files the series touches, as the llama-cpp-python sdist holds them (llama.cpp's layout): from
+    $SYSHAX_LLAMA_SDIST, or pip download (pip's cache, as mk/llama-source.sh)."""
+    where = tmp_path_factory.mktemp("sdist")
+    sdist = os.environ.get("SYSHAX_LLAMA_SDIST")
+    if not sdist:
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                              "-d", str(where), f"llama-cpp-python=={VERSION}"], capture_output=True, text=True)
+        if got.returncode != 0:
+            pytest.skip(f"no llama-cpp-python {VERSION} sdist (pip download: {got.stderr.strip()[-300:]}); "
+                        "set SYSHAX_LLAMA_SDIST")
+        sdist = where / f"llama_cpp_python-{VERSION}.tar.gz"
+    if VERSION in SDIST_SHA256:
+        assert hashlib.sha256(Path(sdist).read_bytes()).hexdigest() == SDIST_SHA256[VERSION], f"{sdist} is not pristine"
+    tree = where / "llama.cpp"
+    top = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        for member in tar:
+            if member.name.startswith(top) and member.name[len(top):] in (OPS, REPACK):
+                tar.extract(member, where, filter="data")
+    (where / top).rename(tree)
+    assert (tree / OPS).is_file() and (tree / REPACK).is_file()
+    return tree
+
+
+def _apply(tree: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(REPO / "mk" / "llama-patches.sh"), str(tree)], capture_output=True, text=True)
+
+
+def test_the_series_applies_to_the_pristine_source_and_makes_what_llama_patch_py_made(pristine, tmp_path):
+    tree = tmp_path / "llama.cpp"
+    shutil.copytree(pristine, tree)
+    run = _apply(tree)
+    assert run.returncode == 0, run.stderr
+    if VERSION not in PATCHED_SHA256:
+        pytest.skip(f"no record of what mk/llama-patch.py made of {VERSION} (it never patched that version)")
+    for file, want in PATCHED_SHA256[VERSION].items():
+        assert hashlib.sha256((tree / file).read_bytes()).hexdigest() == want, file
+
+
+def test_a_patch_that_does_not_apply_exactly_is_refused_and_named(pristine, tmp_path):
+    """Where a patch's text is not found, or found some lines away from where it was written, the series stops
+    there and names the patch."""
+    tree = tmp_path / "llama.cpp"
+    shutil.copytree(pristine, tree)
+    ops = tree / OPS
+    ops.write_text(ops.read_text().replace("use_split_kv_path = !use_ref", "use_split_kv_path = !use_reference"))
+    run = _apply(tree)
+    assert run.returncode == 1 and "0004-" in run.stderr and "does not apply cleanly" in run.stderr, run.stderr
+    shutil.rmtree(tree)
+    shutil.copytree(pristine, tree)
+    repack = tree / REPACK
+    repack.write_text("// one line more\n" + repack.read_text())  # every hunk of 0001 would land one line down
+    run = _apply(tree)
+    assert run.returncode == 1 and "0001-" in run.stderr and "offset 1 line" in run.stderr, run.stderr
+    assert (tree / REPACK).read_text().startswith("// one line more\n")
+    assert "syshax_rb" not in (tree / REPACK).read_text()  # nothing of it applied
+
 
 HARNESS = r"""
 #include <initializer_list>
@@ -61,7 +198,7 @@ int main() {
 """
 
 
-# the x86 vector paths of changes 4 and 6: what the harness is compiled with, and what the CPU must have to run it
+# the x86 vector paths of 0003 and 0007: what the harness is compiled with, and what the CPU must have to run it
 PATHS = [
     ("avx512", ["-mavx512f", "-mf16c", "-mfma"], {"avx512f", "f16c", "fma"}),
     ("avx2", ["-mavx2", "-mf16c", "-mfma"], {"avx2", "f16c", "fma"}),
@@ -75,16 +212,13 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _patch():
-    spec = importlib.util.spec_from_file_location("llama_patch", REPO / "mk" / "llama-patch.py")
-    patch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patch)
-    return patch
+PACK_K = _added_code("0003", "syshax_pack_k")  # 0003: K packed with vector loads
+FEW_ROWS = _added_code("0007", "syshax_few_qk")  # 0007: a few rows' products from K's and V's halves
 
 
 def _run_harness(tmp_path: Path, harness: str, includes: dict[str, str], flags: list[str], what: str,
                  needs: set[str]) -> subprocess.CompletedProcess:
-    """Compile `harness` with the patch's code in `includes` (file name -> text) for an x86 CPU with `flags`, and
+    """Compile `harness` with the patches' code in `includes` (file name -> text) for an x86 CPU with `flags`, and
     run it; skips where this machine cannot (another architecture, a CPU without `needs`, no compiler)."""
     if platform.machine() != "x86_64":
         pytest.skip(f"{what} is x86-64's; this is {platform.machine()}")
@@ -104,7 +238,7 @@ def _run_harness(tmp_path: Path, harness: str, includes: dict[str, str], flags: 
 
 @pytest.mark.parametrize("path, flags, needs", PATHS)
 def test_the_vector_packing_of_k_packs_what_llama_cpps_loop_packs(tmp_path, path, flags, needs):
-    run = _run_harness(tmp_path, HARNESS, {"pack.inc": _patch().PACK_K}, flags, f"the {path} path", needs)
+    run = _run_harness(tmp_path, HARNESS, {"pack.inc": PACK_K}, flags, f"the {path} path", needs)
     assert run.returncode == 0 and run.stdout.strip() == "0 mismatches", run.stdout + run.stderr
 
 
@@ -174,72 +308,41 @@ static inline __m256 unfused256(__m256 a, __m256 b, __m256 c) { return _mm256_ad
 """
 
 
-def _few_rows(patch, fused: bool = True) -> dict[str, str]:
-    """Change 6's code as the harness includes it; not fused: each fused multiply-add of the AVX-512 and AVX2 paths
+def _few_rows(fused: bool = True) -> dict[str, str]:
+    """0007's code as the harness includes it; not fused: each fused multiply-add of the AVX-512 and AVX2 paths
     made a product and a sum, rounded twice (what the harness must tell apart from simd_gemm's chain)."""
-    few = patch.FEW_ROWS
+    few = FEW_ROWS
     if not fused:
         for width in ("512", "256"):
             few = few.replace(f"_mm{width}_fmadd_ps(", f"unfused{width}(")
         few = UNFUSED + few
-    return {"pack.inc": patch.PACK_K, "few.inc": few}
+    return {"pack.inc": PACK_K, "few.inc": few}
 
 
 @pytest.mark.parametrize("path, flags, needs", PATHS)
 def test_a_few_rows_products_are_simd_gemms_chains_over_the_packed_tiles(tmp_path, path, flags, needs):
-    """Change 6: a decode step's tile takes its products straight from the halves of K and V. Each element must be
+    """0007: a decode step's tile takes its products straight from the halves of K and V. Each element must be
     the chain simd_gemm computes over the packed tiles (a fused multiply-add per term, in order), which the prompt
     path's tiles compute, or a kept token's KV would differ from a prompt chunk's."""
-    run = _run_harness(tmp_path, FEW_HARNESS, _few_rows(_patch()), flags, f"the {path} path", needs)
+    run = _run_harness(tmp_path, FEW_HARNESS, _few_rows(), flags, f"the {path} path", needs)
     assert run.returncode == 0 and run.stdout.strip() == "0 mismatches", run.stdout + run.stderr
 
 
 @pytest.mark.parametrize("path, flags, needs", PATHS)
 def test_the_few_rows_check_tells_an_unfused_product_from_the_chain(tmp_path, path, flags, needs):
     """The check above can fail: the same code with each fused multiply-add split in two (rounded twice) differs."""
-    run = _run_harness(tmp_path, FEW_HARNESS, _few_rows(_patch(), fused=False), flags, f"the {path} path", needs)
+    run = _run_harness(tmp_path, FEW_HARNESS, _few_rows(fused=False), flags, f"the {path} path", needs)
     assert run.returncode == 1 and run.stdout.strip().endswith(" mismatches"), run.stdout + run.stderr
     assert int(run.stdout.split()[0]) > 0
 
 
 def test_without_avx2_a_few_rows_take_llama_cpps_own_tiles(tmp_path):
-    """A CPU with neither AVX-512 nor AVX2 + FMA (an old x86, or ARM) has no vector path of change 6: syshax_few
+    """A CPU with neither AVX-512 nor AVX2 + FMA (an old x86, or ARM) has no vector path of 0007: syshax_few
     says no, and the tiled path packs K and V as llama.cpp does. Compiled here as such a CPU's build would be (with
     F16C, which the harness's reference converts halves with)."""
-    run = _run_harness(tmp_path, FEW_HARNESS, _few_rows(_patch()), ["-march=x86-64", "-mf16c"],
+    run = _run_harness(tmp_path, FEW_HARNESS, _few_rows(), ["-march=x86-64", "-mf16c"],
                        "a build for an x86-64 without AVX2", {"f16c"})
     assert run.returncode == 2 and run.stdout.strip() == "no vector path", run.stdout + run.stderr
-
-
-def test_every_change_finds_its_text_in_the_llama_cpp_it_was_written_for(tmp_path):
-    """The script refuses a source where a change's text is not found as often as it expects."""
-    ops = tmp_path / _patch().OPS
-    ops.parent.mkdir(parents=True)
-    ops.write_text("int main() { return 0; }\n")  # none of the texts
-    run = subprocess.run(["python3", str(REPO / "mk" / "llama-patch.py"), str(tmp_path)], capture_output=True,
-                         text=True)
-    assert run.returncode == 1 and "needs its changes looked at again" in run.stderr
-
-
-
-def test_change_7_is_made_in_its_function_only_and_refused_where_its_text_differs(capsys):
-    """Change 7's texts occur in other kernels of repack.cpp too: they are replaced inside the one function only,
-    and a source whose function is missing, or holds them another number of times, is refused."""
-    patch = _patch()
-    texts = "".join(old for old, _, count in patch.GEMM_CHANGES for _ in range(count))
-    body = f"{patch.GEMM_Q4}int n) {{\n{texts}\n}}\n"
-    other = f"static void another_kernel() {{\n{texts}\n}}\n"
-    got = patch._apply_in_function(Path("repack.cpp"), other + body + other, patch.GEMM_Q4, patch.GEMM_CHANGES)
-    assert got is not None and got.startswith(other) and got.endswith(other)  # the other kernels untouched
-    changed = got[len(other):-len(other)]
-    assert changed != body and "syshax_rb" in changed and "int anr" not in changed
-    assert all(old not in changed for old, new, _ in patch.GEMM_CHANGES if new)
-    # a text found another number of times in the function, or no such function: refused, and said why
-    short = f"{patch.GEMM_Q4}int n) {{\n{patch.GEMM_CHANGES[0][0]}\n}}\n"
-    assert patch._apply_in_function(Path("repack.cpp"), other + short, patch.GEMM_Q4, patch.GEMM_CHANGES) is None
-    assert "needs its changes looked at again" in capsys.readouterr().err
-    assert patch._apply_in_function(Path("repack.cpp"), other, patch.GEMM_Q4, patch.GEMM_CHANGES) is None
-    assert "needs its changes looked at again" in capsys.readouterr().err
 
 
 ROWS_SCRIPT = r"""
@@ -250,7 +353,7 @@ import llama_cpp as ll
 STREAMS, CTX, PROMPT = 16, 256, 9
 ll.llama_backend_init()
 mparams = ll.llama_model_default_params()
-mparams.use_extra_bufts = True  # repacked weights, whose x86 kernel change 7 is in
+mparams.use_extra_bufts = True  # repacked weights, whose x86 kernel 0001 changes
 model = ll.llama_model_load_from_file(sys.argv[1].encode(), mparams)
 n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
 p = ll.llama_context_default_params()
@@ -299,7 +402,7 @@ for rows in (16, 8, 4, 2):
 
 
 def test_a_rows_logits_keep_their_bits_whatever_number_of_rows_share_the_weights_pass(default_model):
-    """Change 7: 8 rows share a pass over the repacked weights (llama.cpp took 16, or 4). 16 sequences decode one
+    """0001: 8 rows share a pass over the repacked weights (llama.cpp took 16, or 4). 16 sequences decode one
     token each, in one batch of 16 rows, in batches of 8, 4, 2 and alone; every row's logits must be the same bits
     each time. (A pass of 8 that left out its second group of 4 rows, tried by hand, fails here with 8 rows.) The
     attention is tiled (SYSHAX_FA_TILED=1), so that it too gives a row its bits whatever else its batch holds, as
@@ -309,3 +412,16 @@ def test_a_rows_logits_keep_their_bits_whatever_number_of_rows_share_the_weights
     assert run.returncode == 0, run.stderr[-2000:]
     differing = dict(line.split() for line in run.stdout.splitlines())
     assert differing == {"16": "0", "8": "0", "4": "0", "2": "0"}, run.stdout
+
+
+def test_the_series_makes_byte_for_byte_what_mk_llama_patch_py_makes(pristine, tmp_path):
+    """While both exist: the series and the script it replaces make the same source of the same pristine files."""
+    series, script = tmp_path / "series" / "llama.cpp", tmp_path / "script" / "vendor" / "llama.cpp"
+    shutil.copytree(pristine, series)
+    shutil.copytree(pristine, script)
+    assert _apply(series).returncode == 0
+    run = subprocess.run([sys.executable, str(REPO / "mk" / "llama-patch.py"), str(tmp_path / "script")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    for file in (OPS, REPACK):
+        assert (series / file).read_bytes() == (script / file).read_bytes(), file
