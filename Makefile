@@ -40,7 +40,7 @@ $(VENV)/bin/python:
 CORE_STAMP := $(VENV)/.installed-core
 GPU_STAMP := $(VENV)/.installed-gpu
 
-$(CORE_STAMP): pyproject.toml plugins/llamacpp/pyproject.toml mk/llama-wheel.sh mk/llama-patch.py | $(VENV)/bin/python
+$(CORE_STAMP): pyproject.toml plugins/llamacpp/pyproject.toml mk/llama-wheel.sh mk/llama-patches.sh $(wildcard mk/patches/*.patch) | $(VENV)/bin/python
 	$(PIP) install -q --upgrade pip wheel "setuptools>=68"
 	wheel=$$(mk/llama-wheel.sh $(PY)) && $(PIP) install --force-reinstall --no-deps "$$wheel"
 	$(PIP) install -e . -e plugins/llamacpp

@@ -11,7 +11,7 @@ one prompt in the engine's prompt context (chunks of 256), and compares K and V 
 token's logits, byte for byte, with repacked kernels on and off, and with each of the two ways the llama.cpp of
 mk/llama-wheel.sh can take a decode step's attention (SYSHAX_FA_TILED, read once per process, so each runs in a
 process of its own): "stock" (llama.cpp's own: prompt chunks of 64 tokens or more in tiles of 64 query rows, other
-rows one at a time) and "tiled" (every query row in tiles, mk/llama-patch.py).
+rows one at a time) and "tiled" (every query row in tiles, mk/patches/).
 
     .venv/bin/python bench/bench_decode_kv.py [--prompt 300] [--generate 120] [--beside 3]
     .venv/bin/python bench/bench_decode_kv.py --speed   # also: prompt tokens/s, and a decode step's time
@@ -27,7 +27,7 @@ prompt's first whole chunk agree and every later one differs (a decoded token, a
 off. Speed, one run: a decode step 1.14x tiled (39.31 against 34.44 ms) with repacking on, 0.99x (38.48 against
 38.79) with it off; prompts 0.98x to 1.09x with repacking off and 0.80x to 0.85x with it on, though prompt chunks of
 64 tokens or more take the same code either way (the settings run one after the other: repeat it before reading a
-prompt difference). Before mk/llama-patch.py's changes 4 and 5 (K packed a scalar at a time, every head alone) a
+prompt difference). Before mk/patches/'s 0003 and 0006 (K packed a scalar at a time, every head alone) a
 decode step took about twice as long tiled.
 """
 

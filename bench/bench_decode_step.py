@@ -1,17 +1,17 @@
 """What a decode step costs with every query row tiled, against llama.cpp's own attention (issue 20, item 2).
 
 The prefix cache keeps what a request generates only when a decode step gives a token a prompt chunk's bits, and
-for that mk/llama-patch.py's llama.cpp tiles every query row (SYSHAX_FA_TILED=1, read once per process). This times
+for that mk/patches/'s llama.cpp tiles every query row (SYSHAX_FA_TILED=1, read once per process). This times
 a decode step both ways, in the engine's batch context (one KV stream per slot, flash attention, 8 slots): --seqs
 sequences of --context tokens each decode one token a step, and the step's new position is taken back after it, so
 that every step sees the same context. Two processes, one per setting, are up at once, and their rounds alternate
 (this machine's speed drifts within minutes; both see the drift). Per round and setting: the median step of --steps.
 
 Found on 2026-12-04 (AMD EPYC with AVX-512, 2 threads, SmolLM2-135M q4_0, repacking on), tiled / stock: before
-mk/llama-patch.py's change 6, 1.05x at 1 x 128 tokens, 1.10x at 1 x 800 and 8 x 800 (the packed K and V tiles
+mk/patches/0007 (a few rows' products from the halves), 1.05x at 1 x 128 tokens, 1.10x at 1 x 800 and 8 x 800 (the packed K and V tiles
 were stored and loaded again for a tile of 3 rows); with it, in two runs of the command below, 0.97x and 1.00x at
 1 x 128, 0.97x at 1 x 384, 0.90x to 0.91x at 1 x 800, 1.00x and 1.02x at 8 x 128, 0.97x at 8 x 384, 0.92x at 8 x 800.
-On 2026-12-05, with the transposes inlined (and change 7, which both settings share): 0.97x at 1 x 128,
+On 2026-12-05, with the transposes inlined (and mk/patches/0001, which both settings share): 0.97x at 1 x 128,
 0.95x at 1 x 384, 0.86x at 1 x 800, 0.99x at 8 x 128, 0.93x at 8 x 384, 0.85x at 8 x 800; a step of 8 x 128 took
 19.8 ms tiled, where it took 21.2 to 21.4 before.
 

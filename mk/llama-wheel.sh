@@ -14,12 +14,14 @@
 # decode (ggml-org/llama.cpp#20824). Weight repacking (AVX2/AVX-512 kernels) stays in; the engine
 # chooses it at run time (config key `repack`).
 #
-# llama.cpp's CPU flash attention is changed before the build (mk/llama-patch.py says what and why): a lone
-# row's KV is no longer split among the threads, so a request decoded alone gets the bits it gets beside
-# others; and with SYSHAX_FA_TILED=1 every query row takes the tiled path, a decode step's too, so a token's KV
-# has the same bits from a prompt chunk of any size or a decode step, and the prefix cache can keep what a
-# request generated. The engine proves at its warm-up which kind of llama.cpp it loaded
-# (plugins/llamacpp/syshax_llamacpp/engine.py: _proves_lone, _proves_rows) and does without what it cannot prove.
+# llama.cpp is patched before the build (mk/patches/, a numbered series applied in order by mk/llama-patches.sh;
+# each patch says what and why): a lone row's KV is no longer split among the threads, so a request decoded alone
+# gets the bits it gets beside others; with SYSHAX_FA_TILED=1 every query row takes the tiled path, a decode step's
+# too, so a token's KV has the same bits from a prompt chunk of any size or a decode step, and the prefix cache can
+# keep what a request generated; the tiled path's decode is made cheap, and 8 rows share a pass over repacked q4_0
+# weights. A patch that does not apply exactly to this llama.cpp stops the build and is named. The engine proves at
+# its warm-up which kind of llama.cpp it loaded (plugins/llamacpp/syshax_llamacpp/engine.py: _proves_lone,
+# _proves_rows) and does without what it cannot prove.
 #
 # Cache: $SYSHAX_WHEEL_CACHE (default ~/.cache/syshax/wheels). About 5 minutes on 2 cores.
 set -euo pipefail
@@ -37,9 +39,12 @@ fi
 features=$(grep -m1 -E '^(flags|Features)[[:space:]]*:' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | tr ' ' '\n' | sort | tr '\n' ' ')
 compiler=$( (${CC:-cc} --version 2>/dev/null || true) | head -1)
 pyver=$("$PYTHON" -c 'import sys; print("%d%d" % sys.version_info[:2])')
-# the changes to llama.cpp's source (see above): the script that makes them is part of the key
-patch=$(dirname "$0")/llama-patch.py
-patch_sum=$(sha256sum "$patch" | cut -c1-16)
+# the changes to llama.cpp's source (see above): every patch of the series, its name and its content, in order, is
+# part of the key
+here=$(dirname "$0")
+patches=$here/patches
+series=$(cd "$patches" && LC_ALL=C ls -1 -- [0-9][0-9][0-9][0-9]-*.patch)
+patch_sum=$(cd "$patches" && sha256sum $series | sha256sum | cut -c1-16)
 key=$(printf '%s\n' "$VERSION" "$arch" "$features" "$compiler" "$cmake_args" "$pyver" "$patch_sum" | sha256sum | cut -c1-16)
 dir=$CACHE/llama-cpp-python-$VERSION-$arch-$key
 
@@ -54,11 +59,11 @@ echo "mk/llama-wheel.sh: building llama-cpp-python $VERSION for this CPU ($arch,
 "$PYTHON" -m pip download -q --no-deps --no-cache-dir --no-binary :all: -d "$work" "llama-cpp-python==$VERSION" >&2
 tar xzf "$work"/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src=$work/llama_cpp_python-$VERSION
-"$PYTHON" "$patch" "$src" >&2
+"$here/llama-patches.sh" "$src/vendor/llama.cpp" "$patches" >&2
 CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir -w "$work" "$src" >&2
 mkdir -p "$dir"
 mv "$work"/llama_cpp_python-"$VERSION"-*.whl "$dir"/
-printf 'key inputs:\n  arch %s\n  cmake %s\n  compiler %s\n  python %s\n  source changes mk/llama-patch.py %s\n  features %s\n' \
-  "$arch" "$cmake_args" "$compiler" "$pyver" "$patch_sum" "$features" > "$dir/BUILD-INFO"
+printf 'key inputs:\n  arch %s\n  cmake %s\n  compiler %s\n  python %s\n  source changes mk/patches %s, applied in order:\n%s\n  features %s\n' \
+  "$arch" "$cmake_args" "$compiler" "$pyver" "$patch_sum" "$(sed 's/^/    /' <<<"$series")" "$features" > "$dir/BUILD-INFO"
 wheel

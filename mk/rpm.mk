@@ -17,8 +17,8 @@ RPM_SPEC   := $(RPM_REPO)/rpm/syshax.spec
 
 # What goes into Source0: the working tree as it is (committed or not), minus
 # the venv, models, build outputs and VCS data, which are never listed here.
-RPM_SOURCE_FILES := pyproject.toml README.md systemd/syshaxd.service mk/llama-wheel.sh mk/llama-patch.py
-RPM_SOURCE_TREES := syshaxd plugins
+RPM_SOURCE_FILES := pyproject.toml README.md systemd/syshaxd.service mk/llama-wheel.sh mk/llama-patches.sh
+RPM_SOURCE_TREES := syshaxd plugins mk/patches
 
 RPM_VERSION      = $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' $(RPM_REPO)/syshaxd/__init__.py)
 RPM_SPEC_VERSION = $(shell sed -n 's/^Version:[[:space:]]*//p' $(RPM_SPEC))

@@ -30,12 +30,12 @@ GRAVITON = frozenset("fp asimd sve i8mm".split())
 
 
 def test_every_rows_attention_is_tiled_only_where_k_packs_in_vectors():
-    # mk/llama-patch.py computes a few rows' attention with AVX-512, or AVX2 with F16C and FMA (changes 4 and 6, as
+    # mk/patches/ computes a few rows' attention with AVX-512, or AVX2 with F16C and FMA (patches 0003 and 0007, as
     # the wheel is compiled for this CPU); elsewhere a decode step's tiled attention costs more
     assert tiles_decode_cheaply(ZEN4) and tiles_decode_cheaply(SAPPHIRE_RAPIDS)
     assert tiles_decode_cheaply(frozenset("avx avx2 f16c fma".split()))  # Haswell
     assert not tiles_decode_cheaply(frozenset("avx avx2 fma".split())) and not tiles_decode_cheaply(GRAVITON)
-    assert not tiles_decode_cheaply(frozenset("avx avx2 f16c".split()))  # change 6 needs fused multiply-adds
+    assert not tiles_decode_cheaply(frozenset("avx avx2 f16c".split()))  # 0007 needs fused multiply-adds
 
 def test_cpu_flags_are_read_from_x86_and_arm_cpuinfo():
     x86 = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 amx_int8 amx_tile\nbogomips\t: 1\n"

@@ -59,12 +59,15 @@ def test_rpm_holds_the_unit_config_and_entry_points(built_rpm):
         "/usr/bin/syshax",
         "/usr/lib/systemd/system/syshaxd.service",
         "/usr/libexec/syshax/llama-wheel.sh",  # builds llama-cpp-python for the host (the spec says why)
-        "/usr/libexec/syshax/llama-patch.py",  # the changes it makes to llama.cpp's source first
+        "/usr/libexec/syshax/llama-patches.sh",  # applies the patch series below to llama.cpp's source first
+        "/usr/libexec/syshax/patches",
         "/etc/syshax/syshax.toml",
         "/var/lib/syshax",
         "/usr/share/doc/syshax/README.md",  # the unit's Documentation=
     ):
         assert path in files, f"{path} not in {built_rpm.name}"
+    packaged = sorted(f.rsplit("/", 1)[1] for f in files if f.startswith("/usr/libexec/syshax/patches/"))
+    assert packaged and packaged == sorted(p.name for p in (REPO / "mk" / "patches").glob("*.patch"))
     sitelib = {f for f in files if re.fullmatch(r"/usr/lib/python3\.\d+/site-packages/.*", f)}
     for module in ("syshaxd/__init__.py", "syshaxd/sdk/placement.py", "syshaxd/notify.py", "syshax_llamacpp/__init__.py"):
         assert any(f.endswith("site-packages/" + module) for f in sitelib), f"{module} not packaged"
@@ -96,6 +99,10 @@ def test_rpm_payload_matches_the_tree(built_rpm):
     assert daemon.startswith("#!/usr/bin/python3\n"), daemon.splitlines()[0]
     assert "from syshaxd.daemon import main" in daemon
     assert "from syshaxd.cli import main" in payload["./usr/bin/syshax"].decode()
+    # llama-wheel.sh applies the patch series beside it, as mk/llama-wheel.sh applies mk/patches
+    for patch in (REPO / "mk" / "patches").glob("*.patch"):
+        assert payload[f"./usr/libexec/syshax/patches/{patch.name}"] == patch.read_bytes(), patch.name
+    assert payload["./usr/libexec/syshax/llama-patches.sh"] == (REPO / "mk" / "llama-patches.sh").read_bytes()
     leaked = [name for name, body in payload.items() if str(REPO).encode() in body or b"BUILDROOT" in body]
     assert not leaked, f"build paths leaked into {leaked}"
 

@@ -112,7 +112,7 @@ def extra_buffer_types() -> list[str]:
 
 def tiles_decode_cheaply(flags: frozenset[str]) -> bool:
     """Whether mk/llama-wheel.sh's llama.cpp computes a decode step's tiled attention with vectors on this CPU
-    (mk/llama-patch.py, changes 4 and 6: AVX-512, or AVX2 with F16C and FMA): there it costs no more than llama.cpp's
+    (mk/patches/, 0003 and 0007: AVX-512, or AVX2 with F16C and FMA): there it costs no more than llama.cpp's
     own row-at-a-time attention (bench/bench_decode_step.py). Elsewhere (ARM) K is packed a scalar at a time, and a
     decode step would pay for what the prefix cache saves."""
     return "avx512f" in flags or {"avx2", "f16c", "fma"} <= flags
