@@ -64,6 +64,7 @@ CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir -w "$work" "$src" >&2
 mkdir -p "$dir"
 mv "$work"/llama_cpp_python-"$VERSION"-*.whl "$dir"/
-printf 'key inputs:\n  arch %s\n  cmake %s\n  compiler %s\n  python %s\n  source changes mk/patches %s, applied in order:\n%s\n  features %s\n' \
-  "$arch" "$cmake_args" "$compiler" "$pyver" "$patch_sum" "$(sed 's/^/    /' <<<"$series")" "$features" > "$dir/BUILD-INFO"
+printf 'key inputs:\n  arch %s\n  cmake %s\n  compiler %s\n  python %s\n  source changes mk/patches %s, applied in order:\n%s\n'\
+'  features %s\n' "$arch" "$cmake_args" "$compiler" "$pyver" "$patch_sum" "$(sed 's/^/    /' <<<"$series")" "$features" \
+  > "$dir/BUILD-INFO"
 wheel
