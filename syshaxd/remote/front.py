@@ -397,7 +397,7 @@ class RemoteNode:
     def cancel(self, attempt: str) -> None:
         """Cancel an attempt (WorkerStream.cancel): what the node still sends of it is dropped on arrival."""
         if self.streams.pop(attempt, None) is not None:
-            self._send(ToNode(Cancel(attempt)))
+            self._send(Cancel(attempt))
 
     @property
     def in_flight(self) -> int:

@@ -250,10 +250,10 @@ class FrontSession:
                 reservation.abort()
         elif isinstance(message, FrontPing):
             pass  # it lives: the read's timeout starts again
-        elif isinstance(message, ToNode) and isinstance(message.message, Submit):
-            self._submit(message.message)
-        elif isinstance(message, ToNode) and isinstance(message.message, Cancel):
-            request_id = message.message.request_id
+        elif isinstance(message, ToNode):
+            self._submit(message.submit)
+        elif isinstance(message, Cancel):
+            request_id = message.request_id
             stream = self.streams.pop(request_id, None)
             if stream is not None:
                 stream.cancel()

@@ -6,32 +6,55 @@ ring one-sidedly, and this channel says where they are. What does travel here is
 the daemon already speaks to its local workers (sdk/types.py: Submit, Cancel and the events back),
 wrapped in the messages below.
 
-Frames are a 4-byte big-endian length, a pickle, and a 16-byte tag: HMAC-SHA256 over the frame's direction, its
-sequence number and its bytes, keyed from the secret and both sides' challenges (a Session). So a frame is read
+Frames are a 4-byte big-endian length, a msgpack body, and a 16-byte tag: HMAC-SHA256 over the frame's direction,
+its sequence number and its bytes, keyed from the secret and both sides' challenges (a Session). So a frame is read
 only from the peer that proved the secret on this very connection, in order and once: one who relays the two
-proofs between a front and a node learns no key and can add, change or replay nothing. Pickle runs code on
-load, so a frame is unpickled only after its tag checks, and then by an unpickler that builds only the message
-classes of ALLOWED_MODULES: a frame naming anything else is refused and the connection closed. The channel is
-not encrypted: prompts' token ids cross it in the clear.
+proofs between a front and a node learns no key and can add, change or replay nothing. A body is decoded (msgspec)
+only after its tag checks, and only into the types of FRONT_MESSAGES and NODE_MESSAGES, each field checked against
+its declared type and a size (MAX_NAME, MAX_TEXT, MAX_ITEMS, MAX_TOKEN, MAX_BYTES): nothing runs on load, and no
+field asks for more memory than its bytes in the frame (a container's declared length is checked against the bytes
+left). A frame that fails is refused with what was wrong, and its connection closed. The handshake names the
+protocol (syshax-node/2), so a peer of another version is told so.
+The channel is not encrypted: prompts' token ids cross it in the clear.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
-import io
 import os
-import pickle
 import struct
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
+from types import UnionType
+from typing import Annotated, Union, get_args, get_origin, get_type_hints
 
-from syshaxd.sdk.types import EngineStats
+import msgspec
 
-MAX_FRAME = 64 << 20  # a Submit carries at most one request (its prompt tokens): far below this
+from syshaxd.sdk.types import (
+    Accepted,
+    Cancel,
+    Delta,
+    EngineStats,
+    GenerateRequest,
+    Handling,
+    Imported,
+    KVHandle,
+    Prefilled,
+    PrefixPlan,
+    Rejected,
+    SamplingParams,
+    Submit,
+    TokenLogprob,
+    WorkerLost,
+)
+
+MAX_FRAME = 16 << 20  # a Submit carries one request: 2**20 prompt tokens take at most 5 MiB
 CHALLENGE_BYTES = 32
-PROTOCOL = b"syshax-node/1"
+PROTOCOL = b"syshax-node/2"  # /1: pickled frames, before 2026-12
 _HEADER = struct.Struct("!I")
 
 
@@ -110,7 +133,7 @@ class ReserveKV:
     """The front asks for room for a record of `length` bytes in the node's ring."""
 
     request_id: str
-    length: int
+    length: Annotated[int, msgspec.Meta(gt=0)]
 
 
 @dataclass(frozen=True)
@@ -131,52 +154,172 @@ class AbortKV:
 
 @dataclass(frozen=True)
 class ToNode:
-    """A worker message (Submit or Cancel) for the node's decoders; the node picks the decoder."""
+    """A request for the node's decoders (the node picks the decoder). With a KV record (submit.handling.kv), the
+    record's MAC (record_mac), which the node checks before its decoder may read the record. A Cancel crosses as
+    itself."""
 
-    message: object
+    submit: Submit
+    record_mac: bytes = b""
 
 
 @dataclass(frozen=True)
 class FromNode:
     """Events of the node's decoders (Accepted, Delta, Imported, Rejected, WorkerLost), in order."""
 
-    events: tuple = field(default_factory=tuple)
+    events: tuple[Accepted | Prefilled | Imported | Rejected | Delta | WorkerLost, ...] = field(default_factory=tuple)
 
 
 # --- what a frame may hold --------------------------------------------------------------------
+#
+# Every message is a dataclass: the worker protocol's in sdk/types.py, the node's own above. Each is the one
+# source of its shape: the Struct msgspec decodes a frame into is derived from it field by field (_mirror), with
+# the sizes below added, and turned back into the dataclass once it checks. A frame is msgpack
+# [type name, fields]; FromNode's events are [type name, fields] each.
 
-ALLOWED_MODULES = ("syshaxd.sdk.types", "syshaxd.remote.wire")
-_BUILTINS = frozenset({"tuple", "list", "dict", "set", "frozenset", "bytes", "bytearray", "str", "int", "float",
-                       "bool", "complex", "NoneType", "slice", "range"})
+MAX_NAME = 256  # request ids, front ids, worker and model names
+MAX_TEXT = 1 << 20  # any other string (a Delta's text, a grammar, an error message), in characters
+MAX_ITEMS = 1 << 20  # a tuple's length: a prompt's tokens (no context is longer), a Delta's tokens, a status's decoders
+MAX_TOKEN = 1 << 31  # token ids (and CPU numbers) are 0 <= id < this: an engine indexes its vocabulary with them
+MAX_BYTES = 4096  # a bytes field (a fingerprint, a MAC)
+_NAMED = frozenset({"request_id", "front_id", "name", "node", "model_name", "backend", "state", "transfer_session"})
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Token = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN)]
+Blob = Annotated[bytes, msgspec.Meta(max_length=MAX_BYTES)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module == "builtins" and name in _BUILTINS:
-            return super().find_class(module, name)
-        # a dotted name would reach through the module's own imports ("os.system"): only its own classes
-        if module in ALLOWED_MODULES and "." not in name and not name.startswith("_"):
-            found = super().find_class(module, name)
-            if isinstance(found, type) and found.__module__ == module:
-                return found
-        raise WireError(f"the peer sent a {module}.{name}, which this channel does not carry")
+def _wire_type(hint, name: str):
+    """The type msgspec checks a field of this Python type against; TypeError for a type that cannot cross."""
+    if get_origin(hint) is Annotated:
+        return hint  # a wire message's own bound
+    if dataclasses.is_dataclass(hint):
+        return _mirror(hint)
+    if hint is str:
+        return Name if name in _NAMED else Text
+    if hint is bytes:
+        return Blob
+    if hint in (int, float, bool, dict) or (isinstance(hint, type) and issubclass(hint, Enum)):
+        return hint  # ints are 64-bit in msgpack; dicts (a request's tools) are bounded by the frame alone
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, UnionType):
+        if str in args:  # Fallback | str: a Fallback is its value on the wire (turned back by _builder)
+            args = tuple(a for a in args if not (isinstance(a, type) and issubclass(a, Enum)))
+        return Union[tuple(_wire_type(a, name) for a in args)]
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = Token if args[0] is int else _wire_type(args[0], name)
+        return Annotated[tuple[item, ...], msgspec.Meta(max_length=MAX_ITEMS)]
+    if origin is tuple:
+        return tuple[tuple(_wire_type(a, name) for a in args)]
+    if hint is type(None):
+        return hint
+    raise TypeError(f"field {name} of type {hint} cannot cross the wire")
+
+
+_MIRRORS: dict[type, type] = {}
+
+
+def _mirror(cls: type) -> type:
+    """The Struct a frame's fields for dataclass cls are checked against: every field, required, nothing else."""
+    if cls not in _MIRRORS:
+        hints = get_type_hints(cls, include_extras=True)
+        _MIRRORS[cls] = msgspec.defstruct(cls.__name__, [(f.name, _wire_type(hints[f.name], f.name))
+                                                         for f in dataclasses.fields(cls)],
+                                          forbid_unknown_fields=True, module=__name__)
+    return _MIRRORS[cls]
+
+
+def _builder(hint):
+    """What turns a decoded value of this type back into the Python one; None where it is already that."""
+    if get_origin(hint) is Annotated:
+        return None
+    if dataclasses.is_dataclass(hint):
+        hints = get_type_hints(hint, include_extras=True)
+        fields = [(f.name, _builder(hints[f.name])) for f in dataclasses.fields(hint)]
+        cls = hint
+
+        def build(s):
+            return cls(**{n: (b(getattr(s, n)) if b is not None else getattr(s, n)) for n, b in fields})
+        return build
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, UnionType):
+        enums = [a for a in args if isinstance(a, type) and issubclass(a, Enum)]
+        inner = [b for b in (_builder(a) for a in args if a is not type(None) and a not in enums) if b is not None]
+        if enums and str in args:  # a Fallback's value back into the Fallback, any other string as it is
+            values = {e.value: e for e in enums[0]}
+            return lambda v: values.get(v, v)
+        if inner:
+            (one,) = inner  # a dataclass or None: a union of two dataclasses has no mirror
+            return lambda v: None if v is None else one(v)
+        return None
+    if origin is tuple and args:
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = _builder(args[0])
+            return None if item is None else (lambda v: tuple(item(x) for x in v))
+        items = [_builder(a) for a in args]
+        if all(b is None for b in items):
+            return None
+        return lambda v: tuple(x if b is None else b(x) for b, x in zip(items, v))
+    return None
+
+
+def _box(cls: type, fields: list) -> type:
+    """A tagged Struct [name, ...]: what lets several message types share one union."""
+    return msgspec.defstruct(f"{cls.__name__}Frame", fields, tag=cls.__name__, array_like=True,
+                             forbid_unknown_fields=True, module=__name__)
+
+
+FRONT_MESSAGES = (FrontHello, FrontPing, ReserveKV, AbortKV, ToNode, Cancel)  # what a node reads
+NODE_MESSAGES = (NodeHello, NodeStatus, KVReserved, FromNode)  # what a front reads
+EVENTS = (Accepted, Prefilled, Imported, Rejected, Delta, WorkerLost)  # what FromNode carries
+# every type that crosses, nested ones included: tests/test_wire.py round-trips each
+CROSSING = FRONT_MESSAGES + NODE_MESSAGES + EVENTS + (Submit, GenerateRequest, SamplingParams, Handling, KVHandle,
+                                                      PrefixPlan, TokenLogprob, DecoderState, EngineStats)
+
+_EVENT_BOXES = {cls: _box(cls, [("value", _mirror(cls))]) for cls in EVENTS}
+_BOXES = {cls: _box(cls, [("value", _mirror(cls))]) for cls in FRONT_MESSAGES + NODE_MESSAGES if cls is not FromNode}
+_BOXES[FromNode] = _box(FromNode, [("events", Annotated[tuple[Union[tuple(_EVENT_BOXES.values())], ...],
+                                                        msgspec.Meta(max_length=MAX_ITEMS)])])
+_BUILD = {box: _builder(cls) for cls, box in (_BOXES | _EVENT_BOXES).items() if cls is not FromNode}
+_NAMES = {cls: cls.__name__ for cls in _BOXES}
+_EVENT_NAMES = {cls: cls.__name__ for cls in EVENTS}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Union[tuple(_BOXES.values())])
 
 
 def dumps(message) -> bytes:
-    """The message's pickle; WireError when it is over the frame limit."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    """The message's frame body; WireError for a type this channel does not carry, or one over the frame limit."""
+    name = _NAMES.get(type(message))
+    if name is None:
+        raise WireError(f"a {type(message).__name__} does not cross to a node")
+    if isinstance(message, FromNode):
+        try:
+            body = (name, tuple((_EVENT_NAMES[type(e)], e) for e in message.events))
+        except KeyError as exc:
+            raise WireError(f"a {exc.args[0].__name__} is not an event a node sends") from None
+    else:
+        body = (name, message)
+    data = _ENCODER.encode(body)
     if len(data) > MAX_FRAME:
         raise WireError(f"a {type(message).__name__} of {len(data)} bytes is over the {MAX_FRAME}-byte frame limit")
     return data
 
 
 def loads(data: bytes):
+    """The message a frame body holds, every field checked against its type and size; WireError says what failed."""
     try:
-        return _Unpickler(io.BytesIO(data)).load()
-    except WireError:
-        raise
-    except Exception as exc:  # truncated, or not a pickle at all
-        raise WireError(f"not a message: {type(exc).__name__}: {exc}") from None
+        box = _DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"a frame's fields are wrong: {exc}") from None
+    except msgspec.DecodeError as exc:  # truncated, or not msgpack at all
+        raise WireError(f"not a message: {exc}") from None
+    try:
+        if isinstance(box, _BOXES[FromNode]):
+            return FromNode(tuple(_BUILD[type(e)](e.value) for e in box.events))
+        return _BUILD[type(box)](box.value)
+    except (TypeError, ValueError) as exc:  # a dataclass that refuses its values
+        raise WireError(f"a frame's fields are wrong: {exc}") from None
 
 
 TAG_BYTES = 16
@@ -196,7 +339,10 @@ class Session:
         return mac.digest()[:TAG_BYTES]
 
     def frame(self, message) -> bytes:
-        data = dumps(message)
+        return self.seal(dumps(message))
+
+    def seal(self, data: bytes) -> bytes:
+        """A frame of these bytes as they are (frame() seals a message's)."""
         tag = self._tag(self._sending, self._sent, data)
         self._sent += 1
         return _HEADER.pack(len(data)) + data + tag
@@ -254,11 +400,37 @@ async def _raw(reader: asyncio.StreamReader, want: int) -> bytes:
     return await reader.readexactly(size)
 
 
+def _spoken(data: bytes, want: int, who: str) -> bytes:
+    """The rest of a handshake message after this protocol's name; AuthFailed naming the peer's protocol if not."""
+    if data.startswith(PROTOCOL + b" ") and len(data) == len(PROTOCOL) + 1 + want:
+        return data[len(PROTOCOL) + 1:]
+    name = data.split(b" ", 1)[0] if data.startswith(b"syshax-node/") else b""
+    if name and name != PROTOCOL:
+        theirs = name.decode(errors="replace")
+    elif len(data) in (CHALLENGE_BYTES, 32 + CHALLENGE_BYTES):  # what syshax-node/1 sent: no name at all
+        theirs = "syshax-node/1"
+    else:
+        raise AuthFailed(f"the {who}'s handshake message is not {PROTOCOL.decode()}'s ({len(data)} bytes)")
+    raise AuthFailed(f"the {who} speaks {theirs}, this end {PROTOCOL.decode()}: run the same syshax version on the "
+                     "front and its nodes")
+
+
+async def _message(reader: asyncio.StreamReader) -> bytes:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size > 256:
+        raise AuthFailed(f"the peer's handshake message has {size} bytes (another protocol?)")
+    return await reader.readexactly(size)
+
+
 async def prove_as_node(reader, writer, secret: bytes) -> Session:
     """The node's side: challenge the front, check its proof, prove itself; AuthFailed when the front fails."""
     challenge = os.urandom(CHALLENGE_BYTES)
-    await _exchange(writer, challenge)
-    answer = await _raw(reader, 32 + CHALLENGE_BYTES)
+    await _exchange(writer, PROTOCOL + b" " + challenge)
+    try:
+        answer = _spoken(await _message(reader), 32 + CHALLENGE_BYTES, "front")
+    except asyncio.IncompleteReadError:
+        raise AuthFailed(f"the front closed the connection before answering (one older than {PROTOCOL.decode()}, "
+                         "or not a front)") from None
     if not hmac.compare_digest(answer[:32], _proof(secret, b"front", challenge)):
         raise AuthFailed("the front's proof does not match this node's secret")
     await _exchange(writer, _proof(secret, b"node", answer[32:]))
@@ -267,9 +439,9 @@ async def prove_as_node(reader, writer, secret: bytes) -> Session:
 
 async def prove_as_front(reader, writer, secret: bytes) -> Session:
     """The front's side: answer the node's challenge, challenge it back; AuthFailed when the node fails."""
-    challenge = await _raw(reader, CHALLENGE_BYTES)
+    challenge = _spoken(await _message(reader), CHALLENGE_BYTES, "node")
     mine = os.urandom(CHALLENGE_BYTES)
-    await _exchange(writer, _proof(secret, b"front", challenge) + mine)
+    await _exchange(writer, PROTOCOL + b" " + _proof(secret, b"front", challenge) + mine)
     try:
         answer = await _raw(reader, 32)
     except asyncio.IncompleteReadError:
@@ -277,4 +449,3 @@ async def prove_as_front(reader, writer, secret: bytes) -> Session:
     if not hmac.compare_digest(answer, _proof(secret, b"node", mine)):
         raise AuthFailed("the node's proof does not match this front's secret")
     return Session(_session_key(secret, challenge, mine), b"front>node", b"node>front")
-
