@@ -448,8 +448,9 @@ def test_a_node_speaks_to_systemd_and_refuses_to_start_unsafely(default_model, s
 
 def test_the_node_refuses_a_record_that_is_not_what_the_front_reported(node, secret):
     """A front (this test, speaking the wire protocol) writes bytes into the node's ring with the real transfer
-    engine and reports a record that is not there: the node's decoder refuses it (Imported not ok, "checksum") and
-    answers from the prompt instead."""
+    engine and reports a record that is not there, with a good MAC: the node's decoder refuses it (Imported not ok,
+    "checksum") and answers from the prompt instead. (A record whose MAC fails never reaches a decoder:
+    tests/test_node_wire.py.)"""
     import asyncio
     import mmap
 
@@ -484,7 +485,9 @@ def test_the_node_refuses_a_record_that_is_not_what_the_front_reported(node, sec
         await asyncio.to_thread(engine.write, hello.transfer_session, mapping_address(buffer), room.address, length)
         handle = KVHandle(room.offset, length, room.seq, 0x5EC12E7, len(tokens), tokens[-1], time.time())
         request = GenerateRequest("forged", max_tokens=6, sampling=SamplingParams(temperature=0), prompt_tokens=tokens)
-        await sealed.send(writer, wire.ToNode(Submit(request, Handling(kv=handle))))
+        # its MAC is good (this front wrote these bytes, for this request and room): the decoder's own checks refuse it
+        mac = wire.record_mac(sealed.record_key, "forged", room.offset, room.seq, buffer[:length])
+        await sealed.send(writer, wire.ToNode(Submit(request, Handling(kv=handle)), mac))
         events = []
         while not (events and isinstance(events[-1], Delta) and events[-1].finish_reason):
             events += (await next_of(wire.FromNode)).events

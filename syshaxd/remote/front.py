@@ -6,7 +6,8 @@ events, and goes on elsewhere when it is lost. What differs is the way there:
 
 * a request that comes with a KV record (hetero, auto's offload) first gets room in the node's
   ring (ReserveKV), then the transfer engine writes the record's payload there one-sidedly, then
-  the Submit goes, naming the node's offset and the checksum the prefill reported. The front's copy
+  the Submit goes, naming the node's offset and the checksum the prefill reported, with the record's
+  MAC (wire.record_mac: keyed from this connection, bound to the request and the node's reservation). The front's copy
   is freed once the write is over, whatever its outcome; a write that fails or times out sends the
   request without a record (the decoder recomputes the prompt, counted as transfer_failed);
 * the link is alive while the node's NodeStatus arrives every half second. Silence past
@@ -98,6 +99,13 @@ class FrontTransfer:
 
     def payload_address(self, offset: int) -> int:
         return self.base + KVRing.payload_position(offset)
+
+    def record_mac(self, key: bytes, request_id: str, offset: int, length: int, node_offset: int, seq: int) -> bytes:
+        """The MAC (wire.record_mac) of the record of `length` bytes at `offset` in the front's ring, as it is to be
+        for request_id at the node's reservation (node_offset, seq)."""
+        start = KVRing.payload_position(offset)
+        with memoryview(self.ring.mapping) as whole, whole[start:start + length] as payload:
+            return wire.record_mac(key, request_id, node_offset, seq, payload)
 
 
 class NodeRefused(Exception):
@@ -345,6 +353,7 @@ class RemoteNode:
         request carries the attempt's id, which the node knows."""
         rid, kv = request.request_id, handling.kv
         how = Handling(kv_missing=Fallback.TRANSFER_FAILED)
+        mac = b""
         reserved: KVReserved | None = None
         write = None
         started = time.monotonic()
@@ -355,10 +364,16 @@ class RemoteNode:
             reserved = await asyncio.wait_for(future, self.link_timeout)
             if reserved.error:
                 raise TransferFailed(f"the node's ring has no room: {reserved.error}")
-            write = asyncio.get_running_loop().run_in_executor(
+            loop = asyncio.get_running_loop()
+            write = loop.run_in_executor(
                 self.transfer.executor, self._engine.write, self._hello.transfer_session,
                 self.transfer.payload_address(kv.offset), reserved.address, kv.length)
+            # the record's MAC, beside the write (both only read the front's copy): keyed for this connection, and
+            # for this request on this reservation, which the node checks before a decoder may read the record
+            signing = loop.run_in_executor(self.transfer.executor, self.transfer.record_mac, self._sealed.record_key,
+                                           rid, kv.offset, kv.length, reserved.offset, reserved.seq)
             await asyncio.wait_for(asyncio.shield(write), self.transfer_timeout)
+            mac = await signing
             how = replace(handling, kv=replace(kv, offset=reserved.offset, seq=reserved.seq))
             self._times.append(time.monotonic() - started)
         except asyncio.CancelledError:
@@ -376,7 +391,7 @@ class RemoteNode:
             self.transfers += 1
             self.bytes_moved += kv.length
         try:
-            self._send(ToNode(Submit(request, how)))
+            self._send(ToNode(Submit(request, how), mac if how.kv is not None else b""))
         except Exception as exc:  # noqa: BLE001 -- cannot be framed: go on elsewhere rather than wait forever
             self.streams.pop(rid, None)
             stream.queue.put_nowait(WorkerLost(stream.request_id, f"could not be sent to {self.name} ({exc})"))

@@ -6,9 +6,11 @@
 The node owns its ring (it is the ring's only writer, reserving room for each record the front
 sends) and its ledger (engine/kv_ledger.py: a record is freed once its decoder reports on it or
 dies), and supervises its workers as any daemon does (engine/supervisor.py). For each request the
-front asks for room, writes the record's bytes, then sends the Submit: the node commits the record
-and hands it to its least loaded ready decoder, whose import checks the checksum the front sent and
-the model fingerprint (a bad record is recomputed from the prompt, as on one host). Events go back
+front asks for room, writes the record's bytes, then sends the Submit with the record's MAC: the node
+commits the record only if the MAC checks (keyed from this connection's session, over the record's
+bytes, the request and the room reserved for it: a record altered, written by anyone else, or
+replayed for another request or twice is refused, and so is its request), then hands it to its
+least loaded ready decoder, whose import checks the checksum and the model fingerprint as on one host. Events go back
 as they come; a NodeStatus every HEARTBEAT seconds tells the front the link is alive.
 
 Several fronts at once, each on its own authenticated connection, named by the FrontHello it sends first: the
@@ -21,6 +23,7 @@ for longer than node_link_timeout (it pings every HEARTBEAT) is gone: its reques
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import signal
@@ -45,7 +48,7 @@ from syshaxd.remote.wire import (
     ToNode,
 )
 from syshaxd.sdk.kv.ring import RECORD_HEADER, KVRing, RingError
-from syshaxd.sdk.types import Cancel, Fallback, Handling, Submit, WorkerLost
+from syshaxd.sdk.types import Cancel, Refusal, Rejected, Submit, WorkerLost
 from syshaxd.startup import StartupError, create_ring
 
 log = logging.getLogger(__name__)
@@ -161,6 +164,7 @@ class FrontSession:
         self.reservations: dict = {}  # request id -> ring Reservation the front is filling
         self._tasks: set[asyncio.Task] = set()
         self._relays: dict[str, asyncio.Task] = {}  # request id -> the task relaying its events
+        self._checking: dict[str, asyncio.Task] = {}  # request id -> the task checking its record's MAC
         self._closed = False
         self._outbox: list = []  # decoder events of this loop turn: one frame for a whole engine step
 
@@ -251,9 +255,12 @@ class FrontSession:
         elif isinstance(message, FrontPing):
             pass  # it lives: the read's timeout starts again
         elif isinstance(message, ToNode):
-            self._submit(message.submit)
+            self._submit(message.submit, message.record_mac)
         elif isinstance(message, Cancel):
             request_id = message.request_id
+            checking = self._checking.pop(request_id, None)
+            if checking is not None:
+                checking.cancel()  # its record's room goes back
             stream = self.streams.pop(request_id, None)
             if stream is not None:
                 stream.cancel()
@@ -280,19 +287,62 @@ class FrontSession:
         address = self.node.ring_address + KVRing.payload_position(reservation.offset)
         self._send(KVReserved(message.request_id, reservation.offset, reservation.seq, address))
 
-    def _submit(self, submit: Submit) -> None:
-        request, handling = submit.request, submit.handling
-        ledger = self.node.ledger
-        if handling.kv is not None:
-            reservation = self.reservations.pop(request.request_id, None)
-            if reservation is None or (reservation.offset, reservation.seq) != (handling.kv.offset, handling.kv.seq):
-                if reservation is not None:
-                    reservation.abort()
-                handling = Handling(kv_missing=Fallback.TRANSFER_FAILED)
-            else:
-                reservation.commit()  # the front wrote the payload: publish it to the decoders
-                ledger.written(request.request_id, handling.kv, os.getpid())
-        submit = Submit(request, handling)
+    def _submit(self, submit: Submit, record_mac: bytes) -> None:
+        """Run a request; one that comes with a record once the record checks (its MAC, in a thread)."""
+        request, kv = submit.request, submit.handling.kv
+        if kv is None:
+            self._queue(submit)
+            return
+        reservation = self.reservations.pop(request.request_id, None)
+        if reservation is None or (reservation.offset, reservation.seq) != (kv.offset, kv.seq) \
+                or kv.length > reservation.length:
+            if reservation is not None:
+                reservation.abort()
+            self._refuse_record(request.request_id, "names room in this node's ring that was not reserved for it, or "
+                                                    "that a record took already (a replay)")
+            return
+        task = asyncio.ensure_future(self._check_record(submit, reservation, record_mac))
+        self._checking[request.request_id] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _check_record(self, submit: Submit, reservation, mac: bytes) -> None:
+        """Commit the record for the decoders if its MAC is the one this front made for this request and this
+        reservation, else refuse the request; a Cancel meanwhile gives the room back."""
+        rid, kv = submit.request.request_id, submit.handling.kv
+        try:
+            good = await asyncio.get_running_loop().run_in_executor(None, self._record_is, reservation, kv.length,
+                                                                    rid, mac)
+        except BaseException:
+            reservation.abort()
+            raise
+        finally:
+            self._checking.pop(rid, None)
+        if self._closed:
+            reservation.abort()
+            return
+        if not good:
+            reservation.abort()
+            self._refuse_record(rid, "failed its check (its MAC is not the one this front made for this request "
+                                     "and this room: altered or written by someone else on the way, or replayed)")
+            return
+        reservation.commit()  # the front wrote the payload: publish it to the decoders
+        self.node.ledger.written(rid, kv, os.getpid())
+        self._queue(submit)
+
+    def _record_is(self, reservation, length: int, request_id: str, mac: bytes) -> bool:
+        start = KVRing.payload_position(reservation.offset)
+        with memoryview(self.node.ring.mapping) as whole, whole[start:start + length] as payload:
+            expected = wire.record_mac(self.sealed.record_key, request_id, reservation.offset, reservation.seq, payload)
+        return hmac.compare_digest(expected, mac)
+
+    def _refuse_record(self, request_id: str, why: str) -> None:
+        log.warning("front %s (%s): the KV record of request %s %s; refused the request", self.front_id, self.peer,
+                    request_id, why)
+        self._send(FromNode((Rejected(request_id, Refusal.FAILED, f"its KV record on node {self.node.host}:"
+                                                                  f"{self.node.port} {why}"),)))
+
+    def _queue(self, submit: Submit) -> None:
         share = self.node.front_slots
         if share and len(self.streams) >= share:  # its share is taken: it waits for one of its own to end
             self.waiting.append(submit)

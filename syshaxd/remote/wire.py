@@ -330,6 +330,8 @@ class Session:
 
     def __init__(self, key: bytes, sending: bytes, receiving: bytes) -> None:
         self._key = key
+        # the KV records' MAC key (record_mac): the same on both ends of this connection, and on no other
+        self.record_key = hmac.new(key, PROTOCOL + b"|kv-record", hashlib.sha256).digest()
         self._sending, self._receiving = sending, receiving
         self._sent = self._received = 0
 
@@ -363,6 +365,21 @@ class Session:
     async def send(self, writer: asyncio.StreamWriter, message) -> None:
         writer.write(self.frame(message))
         await writer.drain()
+
+
+RECORD_MAC_BYTES = 32
+_RECORD_PERSON = b"syshax-kv-record"  # BLAKE2b's personalisation: a record's MAC is no other MAC of this key
+
+
+def record_mac(key: bytes, request_id: str, offset: int, seq: int, payload) -> bytes:
+    """A KV record's MAC: keyed BLAKE2b over what it is for (the request, and the node's reservation: its offset and
+    the ring's sequence number, which no other record has) and its bytes. A record is good for that request on that
+    reservation once; what the transfer engine's port receives from anyone else fails it."""
+    rid = request_id.encode()
+    mac = hashlib.blake2b(key=key, digest_size=RECORD_MAC_BYTES, person=_RECORD_PERSON)
+    mac.update(struct.pack("!QQQH", offset, seq, len(payload), len(rid)) + rid)
+    mac.update(payload)
+    return mac.digest()
 
 
 def _session_key(secret: bytes, node_challenge: bytes, front_challenge: bytes) -> bytes:
