@@ -137,6 +137,11 @@ class Config:
     node_transfer_device: str = ""  # rdma: the NIC's device name (e.g. "mlx5_0"); tcp: unused
     local_decoders: bool = True  # false: the front decodes only on its remote nodes (hetero and auto modes)
     node_front_slots: int = 0  # on a node: the requests each front may run on its decoders at once; 0: no cap
+    # TLS on the control channel, off when all three are empty: this host's certificate and key (PEM), and the CA
+    # that signed its peers' (a front and its nodes each check the other's; $VARS expand)
+    node_tls_cert: str = ""
+    node_tls_key: str = ""
+    node_tls_ca: str = ""
 
     # --- operations: shutdown drain, admin socket. Keep this block last. ---
     drain_timeout: float = 30.0  # seconds SIGTERM waits for accepted requests before stopping workers
@@ -352,6 +357,11 @@ def _validate_nodes(cfg: Config) -> None:
     if cfg.node_link_timeout < 0.5:
         raise ConfigError(f"node_link_timeout: must be at least 0.5 (a node reports every 0.5 s), "
                           f"got {cfg.node_link_timeout!r}")
+    tls = {"node_tls_cert": cfg.node_tls_cert, "node_tls_key": cfg.node_tls_key, "node_tls_ca": cfg.node_tls_ca}
+    if any(tls.values()) and not all(tls.values()):
+        raise ConfigError(f"{', '.join(k for k, v in tls.items() if not v)}: TLS on the nodes' channel needs all of "
+                          "node_tls_cert, node_tls_key and node_tls_ca (each side shows its certificate and checks "
+                          "the other's), or none of them")
     if not cfg.local_decoders and not (cfg.remote_nodes and cfg.mode in ("hetero", "auto")):
         raise ConfigError("local_decoders = false: needs remote_nodes and mode hetero or auto (the decoders are "
                           "then the remote nodes' alone)")

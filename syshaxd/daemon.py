@@ -112,7 +112,9 @@ def _remote_nodes(cfg: Config, ring: KVRing | None, ledger: KVLedger, model_path
     if not cfg.remote_nodes:
         return []
     from syshaxd.remote.front import FrontTransfer, RemoteNode
-    from syshaxd.remote.wire import read_secret
+    import ssl
+
+    from syshaxd.remote.wire import read_secret, tls_context
     from syshaxd.sdk.gguf.header import fingerprint_from_gguf
     from syshaxd.sdk.types import EngineSpec, Role
 
@@ -121,6 +123,10 @@ def _remote_nodes(cfg: Config, ring: KVRing | None, ledger: KVLedger, model_path
     except (OSError, ValueError) as exc:
         raise StartupError(f"node_secret_file: {exc}") from None
     try:
+        tls = tls_context(False, cfg.node_tls_cert, cfg.node_tls_key, cfg.node_tls_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise StartupError(f"node_tls_cert, node_tls_key, node_tls_ca: {exc}") from None
+    try:
         fingerprint = fingerprint_from_gguf(model_path).to_bytes()
     except (GGUFError, OSError) as exc:
         raise StartupError(f"remote_nodes: cannot fingerprint {model_path.name} for its nodes: {exc}") from None
@@ -128,7 +134,7 @@ def _remote_nodes(cfg: Config, ring: KVRing | None, ledger: KVLedger, model_path
     spec = EngineSpec(backend=cfg.cpu_engine, role=Role.GENERATE, model_path=str(model_path), model_name=model_name,
                       n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, ring=ring.path.name if ring else "",
                       tiled_attention=cfg.tiled_attention)
-    return [RemoteNode(address, secret, spec, ledger, fingerprint, transfer, cfg.node_link_timeout)
+    return [RemoteNode(address, secret, spec, ledger, fingerprint, transfer, cfg.node_link_timeout, ssl=tls)
             for address in cfg.remote_nodes]
 
 

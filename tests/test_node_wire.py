@@ -12,6 +12,7 @@ import asyncio
 import logging
 import mmap
 import os
+import ssl
 import time
 from contextlib import asynccontextmanager
 
@@ -46,20 +47,20 @@ def _engine() -> TransferEngine:
 
 @pytest.fixture(scope="module")
 def front_engine():
-    """The front's transfer engine and the record it writes (random bytes: the node checks a MAC, not a model)."""
+    """The front's transfer engine and the record it writes (random bytes: the node checks a MAC, not a model).
+    Over tcp a front registers nothing (remote/transfer.py)."""
     engine = _engine()
     buffer = mmap.mmap(-1, RECORD)
     buffer[:] = os.urandom(RECORD)
-    engine.register(mapping_address(buffer), RECORD)
     return engine, buffer
 
 
 @asynccontextmanager
-async def serving(tmp_path, ssl=None):
+async def serving(tmp_path, ssl=None):  # noqa: F811 -- the node's TLS context, as NodeServer names it
     """A node on 127.0.0.1 (a port of its own), with a 1 MiB ring and no decoders."""
     ring = KVRing.create(f"syshax-test-{os.getpid()}-{time.monotonic_ns()}", 1 << 20, directory=tmp_path)
     node = NodeServer("127.0.0.1", 0, SECRET, [], ring, _engine(), KVLedger(ring), "llamacpp", "test-model",
-                      b"\x07" * 32)
+                      b"\x07" * 32, ssl=ssl)
     await node.start()
     try:
         yield node
@@ -236,6 +237,45 @@ def test_a_record_replayed_for_another_request_or_twice_is_refused(tmp_path, fro
     asyncio.run(scenario())
 
 
+def test_only_the_room_of_the_record_in_flight_is_open_to_the_transfer_engine(tmp_path, front_engine):
+    """Over tcp the node's transfer engine takes writes into a record's room from its ReserveKV to its Submit, and
+    nowhere else: not the room once the Submit came, not another part of the ring, not its header page."""
+    from syshaxd.remote.transfer import TransferFailed
+
+    async def scenario():
+        async with serving(tmp_path) as node:
+            front = await Front(node, front_engine).connect()
+            engine, buffer = front_engine
+            ring_start = node.ring_address
+
+            def write(address: int, length: int = 4096) -> None:
+                engine.write(front.hello.transfer_session, mapping_address(buffer), address, length)
+
+            with pytest.raises(TransferFailed):
+                await asyncio.to_thread(write, ring_start)  # the ring's header page
+            with pytest.raises(TransferFailed):
+                await asyncio.to_thread(write, ring_start + KVRing.payload_position(0))  # no room reserved there
+            room = await front.reserve("in flight")
+            await asyncio.to_thread(write, room.address)  # its room, while the front fills it
+            with pytest.raises(TransferFailed):
+                await asyncio.to_thread(write, room.address + RECORD)  # past its end
+            await front.write(room)
+            assert isinstance(await front.submit("in flight", room, front.mac("in flight", room)), WorkerLost)
+            before = bytes(node.ring.mapping[room.address - ring_start:room.address - ring_start + 16])
+            with pytest.raises(TransferFailed):
+                await asyncio.to_thread(write, room.address)  # the Submit came: shut
+            assert bytes(node.ring.mapping[room.address - ring_start:room.address - ring_start + 16]) == before
+            aborted = await front.reserve("given up")
+            await front.sealed.send(front.writer, wire.AbortKV("given up"))
+            await front.sealed.send(front.writer, wire.FrontPing())
+            await asyncio.sleep(0.2)
+            with pytest.raises(TransferFailed):
+                await asyncio.to_thread(write, aborted.address)  # aborted: shut
+            front.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_peer_of_the_old_protocol_is_told_so(tmp_path, front_engine, caplog):
     """syshax-node/1 sent a bare challenge and answered with a bare proof: each side now names what it speaks."""
     async def scenario():
@@ -270,3 +310,130 @@ def test_a_peer_of_the_old_protocol_is_told_so(tmp_path, front_engine, caplog):
                     "and its nodes")
     line = _refused_line(caplog, "refused a connection")
     assert "the front speaks syshax-node/1, this end syshax-node/2" in line, line
+
+
+# --- TLS ------------------------------------------------------------------------------------------------------------
+
+
+def _certificates(tmp_path, name: str = "ca"):
+    """A throwaway CA and, signed by it, a node's certificate (for 127.0.0.1) and a front's: PEM files (cert, key)
+    each, and the CA's."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def issue(subject: str, key, issuer_name, issuer_key, ca: bool, san=None):
+        builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                                                        subject)]))
+                   .issuer_name(issuer_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=1))
+                   .not_valid_after(now + datetime.timedelta(hours=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san is not None:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    def save(stem: str, cert, key) -> tuple[str, str]:
+        cert_path, key_path = tmp_path / f"{name}-{stem}.pem", tmp_path / f"{name}-{stem}.key"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        return str(cert_path), str(key_path)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"syshax test {name}")])
+    ca = issue(f"syshax test {name}", ca_key, ca_name, ca_key, True)
+    ca_path, _ = save("ca", ca, ca_key)
+    node_key, front_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    node = save("node", issue("node", node_key, ca_name, ca_key, False,
+                              [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), node_key)
+    front = save("front", issue("front", front_key, ca_name, ca_key, False, [x509.DNSName("front")]), front_key)
+    return node, front, ca_path
+
+
+def test_the_channel_runs_over_tls_both_sides_checked(tmp_path, front_engine, caplog):
+    """node_tls_cert / node_tls_key / node_tls_ca on both sides: the real front (RemoteNode) brings its link up over
+    TLS 1.3 and a record crosses with its MAC; a front without a certificate, with one of another CA, or speaking
+    plain TCP gets nowhere, and the node serves on."""
+    from syshaxd.engine.kv_ledger import KVLedger
+    from syshaxd.remote.front import FrontTransfer, RemoteNode
+    from syshaxd.sdk.types import EngineSpec, Role
+
+    pytest.importorskip("cryptography")
+    (node_cert, node_key), (front_cert, front_key), ca = _certificates(tmp_path)
+    (_, _), (stranger_cert, stranger_key), _ = _certificates(tmp_path, "other")
+    node_tls = wire.tls_context(True, node_cert, node_key, ca)
+    front_tls = wire.tls_context(False, front_cert, front_key, ca)
+
+    async def scenario():
+        async with serving(tmp_path, ssl=node_tls) as node:
+            front = await Front(node, front_engine).connect(ssl=front_tls, server_hostname="127.0.0.1")
+            assert front.writer.get_extra_info("ssl_object").version() == "TLSv1.3"
+            room = await front.reserve("over tls")
+            await front.write(room)
+            event = await front.submit("over tls", room, front.mac("over tls", room))
+            assert isinstance(event, WorkerLost) and "found no decoder" in event.why, event
+            front.close()
+
+            spec = EngineSpec(backend="llamacpp", role=Role.GENERATE, model_path="", model_name="test-model",
+                              tiled_attention=True)
+            remote = RemoteNode(f"127.0.0.1:{node.port}", SECRET, spec, KVLedger(None), b"\x07" * 32,
+                                FrontTransfer(None), link_timeout=5.0, ssl=front_tls)
+            remote.start()
+            try:
+                for _ in range(100):
+                    if remote.link == "up":
+                        break
+                    await asyncio.sleep(0.05)
+                assert remote.link == "up", (remote.link, remote.error)
+                assert [s.front_id for s in node.sessions.values()] == [remote.front_id]
+            finally:
+                await remote.stop()
+
+            refused = []
+            for ssl_context in (None, wire.tls_context(False, stranger_cert, stranger_key, ca),
+                                _no_certificate(ca)):
+                try:  # plain TCP: the node waits for a TLS hello that never comes, and hears nothing it takes
+                    await asyncio.wait_for(Front(node, front_engine).connect(
+                        ssl=ssl_context, server_hostname="127.0.0.1" if ssl_context else None), 2)
+                except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, wire.WireError) as exc:
+                    refused.append(type(exc).__name__)
+            assert len(refused) == 3, refused
+            await _still_serves_over(node, front_engine, front_tls)
+
+    with caplog.at_level(logging.INFO, logger="syshaxd.remote"):
+        asyncio.run(scenario())
+    assert any("over TLS" in r.getMessage() for r in caplog.records)
+
+
+def test_a_front_checks_the_nodes_certificate_names_the_address_it_dials(tmp_path, front_engine):
+    (node_cert, node_key), (front_cert, front_key), ca = _certificates(tmp_path)
+
+    async def scenario():
+        async with serving(tmp_path, ssl=wire.tls_context(True, node_cert, node_key, ca)) as node:
+            with pytest.raises(ssl.SSLCertVerificationError, match="IP address mismatch|doesn't match"):
+                await Front(node, front_engine).connect(ssl=wire.tls_context(False, front_cert, front_key, ca),
+                                                        server_hostname="10.9.9.9")
+
+    asyncio.run(scenario())
+
+
+def _no_certificate(ca: str):
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cafile=ca)
+    return context
+
+
+async def _still_serves_over(node, front_engine, tls) -> None:
+    front = await Front(node, front_engine).connect(ssl=tls, server_hostname="127.0.0.1")
+    room = await front.reserve("after")
+    await front.write(room)
+    event = await front.submit("after", room, front.mac("after", room))
+    assert isinstance(event, WorkerLost), event
+    front.close()

@@ -91,9 +91,11 @@ class FrontTransfer:
         """The engine, started on local_host the first time; None without a ring (cpu mode: no record travels)."""
         if self.engine is None and self.ring is not None:
             engine = TransferEngine(local_host, self.protocol, self.device)
-            # the records' area only: the ring's header page stays out of the transfer engine's reach
-            start = self.ring.payload_position(0) - RECORD_HEADER
-            engine.register(self.base + start, len(self.ring.mapping) - start)
+            # tcp: nothing (a write's source needs no registration, so no peer of the engine's port reaches the
+            # ring); rdma: the records' area, whose header page stays out of reach (remote/transfer.py)
+            if not engine.windowed:
+                start = self.ring.payload_position(0) - RECORD_HEADER
+                engine.register(self.base + start, len(self.ring.mapping) - start)
             self.engine = engine
         return self.engine
 
@@ -119,12 +121,13 @@ class RemoteNode:
 
     def __init__(self, address: str, secret: bytes, spec: EngineSpec, ledger: KVLedger, fingerprint: bytes,
                  transfer: FrontTransfer, link_timeout: float = 3.0, retry: float = RETRY,
-                 transfer_timeout: float = TRANSFER_TIMEOUT, front_id: str = "") -> None:
+                 transfer_timeout: float = TRANSFER_TIMEOUT, front_id: str = "", ssl=None) -> None:
         self.address = address
         self.host, self.port = split_address(address, "remote_nodes")
         self.name = f"node {address}"
         self.spec = spec
         self.secret = secret
+        self.ssl = ssl  # the control channel's TLS (wire.tls_context); None: plain TCP
         # who this front is to the node, the same over reconnections (a node serves several fronts at once)
         self.front_id = front_id or default_front_id()
         self.fronts = 0  # fronts the node serves now, as it last said
@@ -180,8 +183,9 @@ class RemoteNode:
         while not self._stopping:
             writer = None
             try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
-                                                        self.link_timeout)
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                    self.host, self.port, ssl=self.ssl, server_hostname=self.host if self.ssl else None),
+                    self.link_timeout)
                 sealed = await asyncio.wait_for(wire.prove_as_front(reader, writer, self.secret), self.link_timeout)
                 hello = await asyncio.wait_for(sealed.read(reader), self.link_timeout)
                 self._check(hello)

@@ -27,6 +27,7 @@ import hmac
 import logging
 import os
 import signal
+import ssl
 import time
 from collections import deque
 
@@ -34,7 +35,7 @@ from syshaxd.config import split_address
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle, WorkerStream
 from syshaxd.remote import wire
-from syshaxd.remote.transfer import TransferEngine, mapping_address
+from syshaxd.remote.transfer import TransferEngine, TransferUnavailable, mapping_address
 from syshaxd.remote.wire import (
     AbortKV,
     DecoderState,
@@ -65,7 +66,7 @@ class NodeServer:
     def __init__(self, host: str, port: int, secret: bytes, workers: list[WorkerHandle], ring: KVRing,
                  transfer: TransferEngine, ledger: KVLedger, backend: str, model_name: str,
                  fingerprint: bytes, tiled_attention: bool = True, front_slots: int = 0,
-                 link_timeout: float = 3.0) -> None:
+                 link_timeout: float = 3.0, ssl=None) -> None:
         self.host, self.port = host, port
         self.secret = secret
         self.workers = workers
@@ -76,6 +77,7 @@ class NodeServer:
         self.tiled_attention = tiled_attention
         self.front_slots = front_slots  # node_front_slots: each front's share of the decoders' requests; 0: no cap
         self.link_timeout = link_timeout  # a front silent this long is gone
+        self.ssl = ssl  # the control channel's TLS (wire.tls_context); None: plain TCP
         self.ring_address = mapping_address(ring.mapping)
         self.sessions: dict[str, FrontSession] = {}  # front id -> its session
         self.refused = 0  # connections that failed the handshake
@@ -84,12 +86,14 @@ class NodeServer:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        # the records' area only: the ring's header page (head, tail, writer) stays out of the transfer engine's reach
-        start = KVRing.payload_position(0) - RECORD_HEADER
-        self.transfer.register(self.ring_address + start, len(self.ring.mapping) - start)
-        self._server = await asyncio.start_server(self._on_connect, self.host, self.port)
+        if not self.transfer.windowed:  # rdma: the records' area once (the header page stays out of reach)
+            start = KVRing.payload_position(0) - RECORD_HEADER
+            self.transfer.register(self.ring_address + start, len(self.ring.mapping) - start)
+        self._server = await asyncio.start_server(self._on_connect, self.host, self.port, ssl=self.ssl,
+                                                  ssl_handshake_timeout=HANDSHAKE_TIMEOUT if self.ssl else None)
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("decode node listening on %s:%d (transfer engine %s)", self.host, self.port, self.transfer.session)
+        log.info("decode node listening on %s:%d%s (transfer engine %s)", self.host, self.port,
+                 " over TLS" if self.ssl else "", self.transfer.session)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -142,12 +146,40 @@ class NodeServer:
         log.info("front %s connected from %s (%d fronts now)", session.front_id, session.peer, len(self.sessions))
 
 
-def _abort_all(reservations) -> None:
-    for reservation in reservations:
+class Room:
+    """Room reserved in the node's ring for one record, and (tcp) the transfer engine's window onto it: the only
+    part of this process a peer of the transfer engine's port can write, from the ReserveKV to the Submit that says
+    the record is written (or to its abort). The room's one owner: whoever holds it shuts, commits or aborts it."""
+
+    def __init__(self, node: "NodeServer", reservation) -> None:
+        self.reservation = reservation
+        self.offset, self.seq, self.length = reservation.offset, reservation.seq, reservation.length
+        self.address = node.ring_address + KVRing.payload_position(reservation.offset)
+        self._transfer = node.transfer if node.transfer.windowed else None
+        if self._transfer is not None:
+            self._transfer.register(self.address, self.length)
+
+    def shut(self) -> None:
+        """Take the window from the transfer engine: nothing written from here on lands (idempotent)."""
+        if self._transfer is not None:
+            transfer, self._transfer = self._transfer, None
+            transfer.unregister(self.address)
+
+    def commit(self) -> None:
+        self.shut()
+        self.reservation.commit()
+
+    def abort(self) -> None:
+        self.shut()
         try:
-            reservation.abort()
+            self.reservation.abort()
         except RingError:
-            pass  # the ring was reset meanwhile
+            pass  # the ring was reset meanwhile, or the room already ended
+
+
+def _abort_all(rooms: list[Room]) -> None:
+    for room in rooms:
+        room.abort()
 
 
 class FrontSession:
@@ -161,7 +193,7 @@ class FrontSession:
         self.front_id = ""  # what the front calls itself (FrontHello)
         self.streams: dict[str, WorkerStream] = {}
         self.waiting: deque[Submit] = deque()  # past the front's share (node_front_slots): run as its own end
-        self.reservations: dict = {}  # request id -> ring Reservation the front is filling
+        self.reservations: dict[str, Room] = {}  # request id -> the room the front is filling
         self._tasks: set[asyncio.Task] = set()
         self._relays: dict[str, asyncio.Task] = {}  # request id -> the task relaying its events
         self._checking: dict[str, asyncio.Task] = {}  # request id -> the task checking its record's MAC
@@ -211,6 +243,8 @@ class FrontSession:
         self.waiting.clear()
         # a write the front started may still land: the room goes back once it cannot any more
         reservations, self.reservations = list(self.reservations.values()), {}
+        for room in reservations:
+            room.shut()  # no new write lands; one under way may still, so the room itself waits
         if reservations:
             asyncio.get_running_loop().call_later(ABORT_GRACE, _abort_all, reservations)
         for task in self._tasks:
@@ -283,9 +317,14 @@ class FrontSession:
         except RingError as exc:
             self._send(KVReserved(message.request_id, error=str(exc)))
             return
-        self.reservations[message.request_id] = reservation
-        address = self.node.ring_address + KVRing.payload_position(reservation.offset)
-        self._send(KVReserved(message.request_id, reservation.offset, reservation.seq, address))
+        try:
+            room = Room(self.node, reservation)
+        except TransferUnavailable as exc:
+            reservation.abort()
+            self._send(KVReserved(message.request_id, error=str(exc)))
+            return
+        self.reservations[message.request_id] = room
+        self._send(KVReserved(message.request_id, room.offset, room.seq, room.address))
 
     def _submit(self, submit: Submit, record_mac: bytes) -> None:
         """Run a request; one that comes with a record once the record checks (its MAC, in a thread)."""
@@ -301,6 +340,7 @@ class FrontSession:
             self._refuse_record(request.request_id, "names room in this node's ring that was not reserved for it, or "
                                                     "that a record took already (a replay)")
             return
+        reservation.shut()  # written, says the front: from here on the bytes are the node's alone, then checked
         task = asyncio.ensure_future(self._check_record(submit, reservation, record_mac))
         self._checking[request.request_id] = task
         self._tasks.add(task)
@@ -398,7 +438,6 @@ class FrontSession:
 async def serve_node(cfg, notifier, stop: asyncio.Event | None = None) -> int:
     """Run this daemon as a decode node (node_listen set) until SIGTERM or SIGINT."""
     from syshaxd.engine.plan import PlanError, plan_node
-    from syshaxd.remote.transfer import TransferUnavailable
     from syshaxd.sdk.gguf.header import GGUFError, fingerprint_from_gguf
     from syshaxd.model import ModelError, resolve_model, served_name
 
@@ -414,6 +453,10 @@ async def serve_node(cfg, notifier, stop: asyncio.Event | None = None) -> int:
     except (ModelError, PlanError, GGUFError, OSError) as exc:
         raise StartupError(str(exc)) from None
     try:
+        tls = wire.tls_context(True, cfg.node_tls_cert, cfg.node_tls_key, cfg.node_tls_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise StartupError(f"node_tls_cert, node_tls_key, node_tls_ca: {exc}") from None
+    try:
         transfer = TransferEngine(host, cfg.node_transfer_protocol, cfg.node_transfer_device)
     except TransferUnavailable as exc:
         raise StartupError(str(exc)) from None
@@ -423,7 +466,7 @@ async def serve_node(cfg, notifier, stop: asyncio.Event | None = None) -> int:
                             ledger) for name, spec in engines.workers]
     model_name = served_name(cfg.model_name, model_path)
     server = NodeServer(host, port, secret, workers, ring, transfer, ledger, cfg.cpu_engine, model_name, fingerprint,
-                        cfg.tiled_attention, cfg.node_front_slots, cfg.node_link_timeout)
+                        cfg.tiled_attention, cfg.node_front_slots, cfg.node_link_timeout, tls)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

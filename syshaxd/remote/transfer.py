@@ -6,11 +6,27 @@ nothing but Debian's libibverbs1, needs no metadata server in its P2PHANDSHAKE m
 calls run over TCP here and over RDMA where the hosts have NICs for it (protocol "rdma" and the
 device's name, e.g. "mlx5_0"); NIXL's wheels are CUDA builds.
 
-Each side registers its ring's whole mapping once; a transfer names a local address in the front's
-ring, a remote one in the node's, and a length. Mooncake's TCP transport authenticates nobody:
-the node binds it to the address the front reaches it at, and every record it receives is checked
-(checksum against the one the front sent over the authenticated control channel, model fingerprint)
-before a decoder imports it.
+What a peer of the transfer engine can reach, and why each record's room is registered alone (tcp). Mooncake's
+TCP transport takes, from whoever connects to its data port, a header naming an address and a length, and reads or
+writes there; 0.3.13.post1 refuses an address outside the memory registered with the engine ("remote-supplied
+address ... is not within any registered buffer", measured) but authenticates nobody, and its two ports (the P2P
+handshake's and the data port, each picked at random in 15000-17000, MC_MIN_RPC_PORT..MC_MAX_RPC_PORT) listen on
+every interface whatever MC_TCP_BIND_ADDRESS says (measured with ss). So over tcp:
+
+* the node registers only the room of the record being written (remote/node.py, Room): from its ReserveKV to the
+  Submit that says the write is over, then takes it back before it checks the record's MAC (remote/wire.py). A
+  register and unregister cost 1.6 us together here, a 1 MiB write over loopback 760 us: the cost is nothing, and
+  the rest of the ring (other requests' records, the header page) is out of every peer's reach;
+* the front registers nothing: a TCP write's source needs no registration, so nothing of the front's can be read
+  or written through its engine's port.
+
+Over rdma the whole records' area of each ring is registered once, as before: registering memory with a NIC pins
+and maps it (costly per record) and the peer writes with a key from the registration it fetched at the start.
+
+What is left is the window of the record in flight, writable by anyone who reaches the node's data port while it
+is open; the MAC catches what they write before the Submit, not a write they start inside the window and hold
+open past it. Hence the firewall rule in the README ("Decode nodes: the ports to open"): the node's ports
+15000-17000 open to its front(s) alone, the front's to its nodes alone.
 """
 
 from __future__ import annotations
@@ -49,7 +65,8 @@ class TransferEngine:
         if protocol not in PROTOCOLS:
             raise TransferUnavailable(f"node_transfer_protocol: must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's own log: errors only (it says much at start)
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)  # its TCP transport listens where we do, not everywhere
+        # asked of its TCP transport; 0.3.13.post1 listens on every interface all the same (above)
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
         try:
             from mooncake.engine import TransferEngine as Mooncake
         except ImportError as exc:
@@ -71,6 +88,16 @@ class TransferEngine:
         if rc != 0:
             raise TransferUnavailable(f"the transfer engine could not register {length} bytes at {address:#x} "
                                       f"(code {rc})")
+
+    @property
+    def windowed(self) -> bool:
+        """Each record's memory is registered for its own transfer only (tcp); rdma registers the ring once."""
+        return self.protocol == "tcp"
+
+    def unregister(self, address: int) -> None:
+        rc = self._engine.unregister_memory(address)
+        if rc != 0:
+            log.warning("the transfer engine could not unregister the memory at %#x (code %d)", address, rc)
 
     def write(self, peer: str, local: int, remote: int, length: int) -> None:
         """Copy `length` bytes at `local` here to `remote` in `peer`'s registered memory; blocks until done."""

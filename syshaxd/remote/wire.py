@@ -15,7 +15,15 @@ its declared type and a size (MAX_NAME, MAX_TEXT, MAX_ITEMS, MAX_TOKEN, MAX_BYTE
 field asks for more memory than its bytes in the frame (a container's declared length is checked against the bytes
 left). A frame that fails is refused with what was wrong, and its connection closed. The handshake names the
 protocol (syshax-node/2), so a peer of another version is told so.
-The channel is not encrypted: prompts' token ids cross it in the clear.
+
+The channel is encrypted only with TLS configured (node_tls_cert, node_tls_key, node_tls_ca: tls_context); without
+it prompts' token ids and the generated text cross in the clear, authenticated but readable. With it the handshake
+and framing above run inside TLS 1.3, both sides' certificates checked against the CA.
+
+A KV record's integrity rests on its MAC (record_mac): keyed BLAKE2b, its key derived from this connection's
+session key, over the record's bytes, its request id and the node's reservation (offset and the ring's sequence
+number). The node checks it before a decoder may read the record, so bytes that reach the node's ring from anyone
+but this front, or a record replayed for another request or twice, are refused.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import dataclasses
 import hashlib
 import hmac
 import os
+import ssl
 import struct
 from dataclasses import dataclass, field
 from enum import Enum
@@ -399,6 +408,22 @@ def read_secret(path: str) -> bytes:
         raise ValueError(f"node_secret_file {path}: the secret is {len(secret)} bytes; use at least 16 "
                          "(e.g. `openssl rand -hex 32`)")
     return secret
+
+
+def tls_context(server: bool, cert: str, key: str, ca: str) -> ssl.SSLContext | None:
+    """The control channel's TLS (node_tls_cert, node_tls_key, node_tls_ca): each side shows its certificate and
+    requires the other's, signed by the CA; a front also checks that the node's names the address it dials (its
+    remote_nodes entry, as a subjectAltName). None when all three are empty; OSError or ssl.SSLError say what is
+    wrong with a file."""
+    if not (cert or key or ca):
+        return None
+    path = lambda p: os.path.expanduser(os.path.expandvars(p))  # noqa: E731
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.load_cert_chain(path(cert), path(key))
+    context.load_verify_locations(cafile=path(ca))
+    context.verify_mode = ssl.CERT_REQUIRED  # the client's check_hostname stays on (PROTOCOL_TLS_CLIENT's default)
+    return context
 
 
 def _proof(secret: bytes, role: bytes, challenge: bytes) -> bytes:
