@@ -245,11 +245,17 @@ def _builder(hint):
         return None
     if dataclasses.is_dataclass(hint):
         hints = get_type_hints(hint, include_extras=True)
-        fields = [(f.name, _builder(hints[f.name])) for f in dataclasses.fields(hint)]
-        cls = hint
+        builders = [_builder(hints[f.name]) for f in dataclasses.fields(hint)]
+        cls, astuple = hint, msgspec.structs.astuple  # the mirror's fields are the dataclass's, in its order
+        if all(b is None for b in builders):
+            return lambda s: cls(*astuple(s))
+        converted = [(i, b) for i, b in enumerate(builders) if b is not None]
 
         def build(s):
-            return cls(**{n: (b(getattr(s, n)) if b is not None else getattr(s, n)) for n, b in fields})
+            values = list(astuple(s))
+            for i, b in converted:
+                values[i] = b(values[i])
+            return cls(*values)
         return build
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, UnionType):
