@@ -437,3 +437,18 @@ async def _still_serves_over(node, front_engine, tls) -> None:
     event = await front.submit("after", room, front.mac("after", room))
     assert isinstance(event, WorkerLost), event
     front.close()
+
+
+def test_tls_needs_all_three_keys_or_none():
+    from syshaxd.config import ConfigError, from_mapping
+
+    with pytest.raises(ConfigError, match="node_tls_key, node_tls_ca: TLS on the nodes' channel needs all of"):
+        from_mapping({"node_tls_cert": "/etc/syshax/node.pem"})
+    assert from_mapping({}).node_tls_cert == ""
+
+
+def test_a_node_whose_tls_files_are_wrong_says_which(tmp_path):
+    missing = str(tmp_path / "nothing.pem")
+    with pytest.raises(OSError):
+        wire.tls_context(True, missing, missing, missing)
+    assert wire.tls_context(False, "", "", "") is None
