@@ -89,13 +89,14 @@ class FrontTransfer:
 
     def ensure(self, local_host: str) -> TransferEngine | None:
         """The engine, started on local_host the first time; None without a ring (cpu mode: no record travels)."""
-        if self.engine is None and self.ring is not None:
+        ring = self.ring
+        if self.engine is None and ring is not None:
             engine = TransferEngine(local_host, self.protocol, self.device)
             # tcp: nothing (a write's source needs no registration, so no peer of the engine's port reaches the
             # ring); rdma: the records' area, whose header page stays out of reach (remote/transfer.py)
             if not engine.windowed:
-                start = self.ring.payload_position(0) - RECORD_HEADER
-                engine.register(self.base + start, len(self.ring.mapping) - start)
+                start = ring.payload_position(0) - RECORD_HEADER
+                engine.register(self.base + start, len(ring.mapping) - start)
             self.engine = engine
         return self.engine
 
@@ -105,6 +106,7 @@ class FrontTransfer:
     def record_mac(self, key: bytes, request_id: str, offset: int, length: int, node_offset: int, seq: int) -> bytes:
         """The MAC (wire.record_mac) of the record of `length` bytes at `offset` in the front's ring, as it is to be
         for request_id at the node's reservation (node_offset, seq)."""
+        assert self.ring is not None  # a record to sign lies in the front's ring
         start = KVRing.payload_position(offset)
         with memoryview(self.ring.mapping) as whole, whole[start:start + length] as payload:
             return wire.record_mac(key, request_id, node_offset, seq, payload)
@@ -216,7 +218,7 @@ class RemoteNode:
                 self._writer = None
             await asyncio.sleep(self.retry)
 
-    async def _ping(self, writer, sealed: wire.Session) -> None:
+    async def _ping(self, writer: asyncio.StreamWriter, sealed: wire.Session) -> None:
         """A FrontPing every PING seconds: the node drops a front it has not heard from in its link timeout."""
         while True:
             await asyncio.sleep(PING)
@@ -333,7 +335,7 @@ class RemoteNode:
     # --- requests ----------------------------------------------------------------------------
 
     def _send(self, message) -> None:
-        if self._writer is not None:
+        if self._writer is not None and self._sealed is not None:
             self._writer.write(self._sealed.frame(message))
 
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> WorkerStream:
@@ -356,6 +358,7 @@ class RemoteNode:
         Every way out sends the Submit (the request goes on there) or ends the stream (it goes on elsewhere).
         request carries the attempt's id, which the node knows."""
         rid, kv = request.request_id, handling.kv
+        assert kv is not None  # submit sends a request without a record at once
         how = Handling(kv_missing=Fallback.TRANSFER_FAILED)
         mac = b""
         reserved: KVReserved | None = None
@@ -365,20 +368,24 @@ class RemoteNode:
             future = asyncio.get_running_loop().create_future()
             self._pending[rid] = future
             self._send(ReserveKV(rid, kv.length))
-            reserved = await asyncio.wait_for(future, self.link_timeout)
-            if reserved.error:
-                raise TransferFailed(f"the node's ring has no room: {reserved.error}")
+            room: KVReserved = await asyncio.wait_for(future, self.link_timeout)
+            reserved = room
+            if room.error:
+                raise TransferFailed(f"the node's ring has no room: {room.error}")
+            engine, hello, sealed = self._engine, self._hello, self._sealed
+            if engine is None or hello is None or sealed is None:
+                raise TransferFailed("the link went down")
             loop = asyncio.get_running_loop()
             write = loop.run_in_executor(
-                self.transfer.executor, self._engine.write, self._hello.transfer_session,
-                self.transfer.payload_address(kv.offset), reserved.address, kv.length)
+                self.transfer.executor, engine.write, hello.transfer_session,
+                self.transfer.payload_address(kv.offset), room.address, kv.length)
             # the record's MAC, beside the write (both only read the front's copy): keyed for this connection, and
             # for this request on this reservation, which the node checks before a decoder may read the record
-            signing = loop.run_in_executor(self.transfer.executor, self.transfer.record_mac, self._sealed.record_key,
-                                           rid, kv.offset, kv.length, reserved.offset, reserved.seq)
+            signing = loop.run_in_executor(self.transfer.executor, self.transfer.record_mac, sealed.record_key,
+                                           rid, kv.offset, kv.length, room.offset, room.seq)
             await asyncio.wait_for(asyncio.shield(write), self.transfer_timeout)
             mac = await signing
-            how = replace(handling, kv=replace(kv, offset=reserved.offset, seq=reserved.seq))
+            how = replace(handling, kv=replace(kv, offset=room.offset, seq=room.seq))
             self._times.append(time.monotonic() - started)
         except asyncio.CancelledError:
             raise

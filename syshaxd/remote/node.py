@@ -23,6 +23,7 @@ for longer than node_link_timeout (it pings every HEARTBEAT) is gone: its reques
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -350,6 +351,7 @@ class FrontSession:
         """Commit the record for the decoders if its MAC is the one this front made for this request and this
         reservation, else refuse the request; a Cancel meanwhile gives the room back."""
         rid, kv = submit.request.request_id, submit.handling.kv
+        assert kv is not None  # only a Submit with a record is checked
         try:
             good = await asyncio.get_running_loop().run_in_executor(None, self._record_is, reservation, kv.length,
                                                                     rid, mac)
@@ -411,8 +413,11 @@ class FrontSession:
         self._tasks.add(task)
         self._relays[request.request_id] = task
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(lambda t, rid=request.request_id: self._relays.pop(rid, None)
-                               if self._relays.get(rid) is t else None)
+        task.add_done_callback(functools.partial(self._relay_done, request.request_id))
+
+    def _relay_done(self, rid: str, task: asyncio.Future) -> None:
+        if self._relays.get(rid) is task:
+            self._relays.pop(rid, None)
 
     async def _relay(self, stream: WorkerStream) -> None:
         """The decoder's events, to the front as they come, until the last."""
@@ -460,6 +465,7 @@ async def serve_node(cfg, notifier, stop: asyncio.Event | None = None) -> int:
         transfer = TransferEngine(host, cfg.node_transfer_protocol, cfg.node_transfer_device)
     except TransferUnavailable as exc:
         raise StartupError(str(exc)) from None
+    assert engines.ring is not None  # plan_node always plans the node's ring
     ring = create_ring(engines.ring)
     ledger = KVLedger(ring)
     workers = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,

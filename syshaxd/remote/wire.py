@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
 
 import msgspec
 
@@ -203,7 +203,7 @@ def _wire_type(hint, name: str):
     """The type msgspec checks a field of this Python type against; TypeError for a type that cannot cross."""
     if get_origin(hint) is Annotated:
         return hint  # a wire message's own bound
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _mirror(hint)
     if hint is str:
         return Name if name in _NAMED else Text
@@ -218,9 +218,10 @@ def _wire_type(hint, name: str):
         return Union[tuple(_wire_type(a, name) for a in args)]
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         item = Token if args[0] is int else _wire_type(args[0], name)
-        return Annotated[tuple[item, ...], msgspec.Meta(max_length=MAX_ITEMS)]
+        # types built at run time from the dataclasses' hints: beyond what a static checker follows
+        return Annotated[tuple[item, ...], msgspec.Meta(max_length=MAX_ITEMS)]  # type: ignore[valid-type]
     if origin is tuple:
-        return tuple[tuple(_wire_type(a, name) for a in args)]
+        return tuple[tuple(_wire_type(a, name) for a in args)]  # type: ignore[misc]
     if hint is type(None):
         return hint
     raise TypeError(f"field {name} of type {hint} cannot cross the wire")
@@ -294,7 +295,8 @@ CROSSING = FRONT_MESSAGES + NODE_MESSAGES + EVENTS + (Submit, GenerateRequest, S
 
 _EVENT_BOXES = {cls: _box(cls, [("value", _mirror(cls))]) for cls in EVENTS}
 _BOXES = {cls: _box(cls, [("value", _mirror(cls))]) for cls in FRONT_MESSAGES + NODE_MESSAGES if cls is not FromNode}
-_BOXES[FromNode] = _box(FromNode, [("events", Annotated[tuple[Union[tuple(_EVENT_BOXES.values())], ...],
+_ANY_EVENT: Any = Union[tuple(_EVENT_BOXES.values())]  # built at run time: beyond what a static checker follows
+_BOXES[FromNode] = _box(FromNode, [("events", Annotated[tuple[_ANY_EVENT, ...],
                                                         msgspec.Meta(max_length=MAX_ITEMS)])])
 _BUILD = {box: _builder(cls) for cls, box in (_BOXES | _EVENT_BOXES).items() if cls is not FromNode}
 _NAMES = {cls: cls.__name__ for cls in _BOXES}
@@ -331,7 +333,7 @@ def loads(data: bytes):
         raise WireError(f"not a message: {exc}") from None
     try:
         if isinstance(box, _BOXES[FromNode]):
-            return FromNode(tuple(_BUILD[type(e)](e.value) for e in box.events))
+            return FromNode(tuple(_BUILD[type(e)](e.value) for e in box.events))  # type: ignore[attr-defined]
         return _BUILD[type(box)](box.value)
     except (TypeError, ValueError) as exc:  # a dataclass that refuses its values
         raise WireError(f"a frame's fields are wrong: {exc}") from None
