@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         if cfg.node_listen:
-            from syshaxd.remote.node import serve_node
+            from syshaxd.remote.node_main import serve_node
 
             return uvloop.run(serve_node(cfg, notifier))
         return uvloop.run(serve(cfg, keys, notifier, reload))
