@@ -1,14 +1,26 @@
-"""Build a llama.cpp sampler chain for one sequence from the request's sampling parameters (and grammar)."""
+"""Sampling: a llama.cpp sampler chain for one sequence from the request's parameters (and grammar), and the
+engine's next token from a context's row with it.
+
+Apart from stepping because a grammar makes sampling its own trade: a chain that must see every token the
+request generated (here or in a prefill engine), logits sampled by hand where llama.cpp would abort the
+process, and a request ended with a clear error when its grammar allows no token.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import math
 
+from typing import TYPE_CHECKING
+
 import llama_cpp
 import numpy as np
 
-from syshaxd.sdk.types import SamplingParams
+from syshax_llamacpp import logprobs
+from syshaxd.sdk.types import Refusal, Rejected, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from syshax_llamacpp.sequence import Sequence
 
 PENALTY_LAST_N = 64
 
@@ -113,3 +125,34 @@ def accept(chain, token: int, grammar: bool) -> bool:
             return False
     llama_cpp.llama_sampler_accept(chain, token)
     return True
+
+
+class SamplingSide:
+    """The LlamaCppEngine's sampling of one sequence's next token from a context's row, and the end of a request
+    whose grammar allows none."""
+
+    def _sample(self, seq: Sequence, ctx, i: int) -> tuple[int, TokenLogprob | None]:
+        """The next token from batch row i, and its logprob when the request asked for them. GrammarDeadEnd when
+        the request's grammar allows no token: sampled by hand then, as llama.cpp would abort the process."""
+        if seq.request.grammar:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), (self.n_vocab,))
+            token = sample_logits(seq.sampler, logits, grammar=True)
+        else:
+            token = llama_cpp.llama_sampler_sample(seq.sampler, ctx, i)
+        k = seq.request.logprobs
+        return token, (logprobs.at(ctx, i, self.n_vocab, token, k) if k is not None else None)
+
+    def _dead_end(self, seq: Sequence) -> list:
+        """The request's grammar allows no token at this point: end it with an error that says so -- a 400 naming
+        the field while nothing was generated (no token of the vocabulary can start the output), else an error
+        after the text so far."""
+        done = seq.out.n_generated if seq.out is not None else 0
+        field = seq.request.grammar_field
+        if done == 0:
+            self._release(seq)
+            return [Rejected(seq.request.request_id, Refusal.INVALID, f"The output constraint '{field}' allows no "
+                             "first token: no token of this model's vocabulary can start it. Check the grammar or "
+                             "pattern.",
+                             "unsupported_schema", field)]
+        return self._fail(-1, [seq], f"the output constraint ('{field}') allows no token after {done} tokens: it "
+                                     "has no way on here; check the grammar or pattern")

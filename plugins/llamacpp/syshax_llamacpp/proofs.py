@@ -1,0 +1,227 @@
+"""The warm-up: run once what serving runs, then prove what this llama.cpp build gives bit for bit.
+
+Separate from stepping because it answers another question: not "what is the next token" but "may the engine
+rely on this build" -- that a prompt chunk of any size gives the bits one chunk gives (exact_resume), that a
+decode step gives a token a prompt chunk's bits (exact_decode), that a lone row decodes as in a batch (pad_lone).
+Serving only reads the three answers; each proof runs once per worker (EngineSpec.proven keeps them across
+restarts) and says in the log what it found.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import llama_cpp
+import numpy as np
+
+from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
+from syshaxd.sdk import faults
+
+# the engine's lines, under the name they have always had (the worker's log prints it)
+log = logging.getLogger("syshax_llamacpp.engine")
+
+# The shortest prompt chunk whose bits llama.cpp's CPU kernels keep wherever it starts (measured on AVX-512:
+# 64 and more keep them, 63 and fewer do not; bench/bench_chunk_invariance.py). Each worker proves it at its
+# warm-up before a prefix cache hit relies on it.
+EXACT_RESUME = 64
+
+# What mk/llama-wheel.sh's llama.cpp reads, once per process, to take every query row's attention in tiles, a decode
+# step's too, where llama.cpp tiles only prompt chunks of 64 tokens or more (EngineSpec.tiled_attention): then a
+# chunk of any size, and a decode step, give a token the same bits (bench/bench_decode_kv.py), which the warm-up
+# proves (_proves_decode_kv).
+TILED_ATTENTION_ENV = "SYSHAX_FA_TILED"
+
+# A lone decoding sequence's KV length (cells) from which a stock llama.cpp's CPU flash attention splits the KV
+# among its threads (ggml-cpu/ops.cpp: use_split_kv_path, nek1 >= 512; the length is the cells padded to 256).
+# mk/llama-wheel.sh builds llama.cpp without that split; the warm-up proves which kind is loaded (_proves_lone).
+SPLIT_KV_FROM = 256
+
+
+class WarmUpProofs:
+    """The LlamaCppEngine's warm-up and proofs; it sets exact_decode, exact_resume, pad_lone and keeps_generated
+    on the engine, and uses its two contexts, their batches and its state buffer."""
+
+    def warm_up(self) -> None:
+        """One full prompt chunk, a state export and import into every batch stream, and one full decode batch:
+        what serving runs, so that kernels which crash on this CPU crash here, before the worker says ready.
+        Then the proofs (unless an earlier warm-up of this worker kept them): with tiled attention, that a decode
+        step gives a prompt chunk's bits; that a lone row decodes as in a batch; with a prefix cache and no tiled
+        proof, that a prompt's bits do not depend on where its chunks start."""
+        n = min(self.chunk, self.seq_ctx - 1)  # room for the decode step's token after it
+        # token ids spread over the vocabulary: a prompt's rows as any text gives them
+        tokens = [(7 + 31 * i) % self.n_vocab for i in range(n)]
+        b = self.prefill_batch
+        b.n_tokens = 0
+        for pos, token in enumerate(tokens):
+            self._add(b, token, pos, 0, pos == n - 1)
+        reference = None
+        try:
+            if llama_cpp.llama_decode(self.prefill_ctx, b) != 0:
+                raise RuntimeError(f"warm-up: llama_decode of a {n}-token prompt chunk failed")
+            size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
+            buf = self._state.ensure(size + 8 * self.max_seqs)  # widen_streams: 2 KV caches at most
+            export_seq(self.prefill_ctx, 0, self._state)
+            reference = (buf[:size].copy(), np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(self.prefill_ctx, n - 1), (self.n_vocab,)).copy())
+            if self.decodes:
+                size = widen_streams(buf, size, self.max_seqs)
+                self.batch.n_tokens = 0
+                for stream in range(self.max_seqs):
+                    got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, stream)
+                    if got != size:
+                        raise RuntimeError(f"warm-up: the prompt's state did not import into stream {stream}")
+                    self._add(self.batch, tokens[stream % n], n, stream, True)
+                if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
+                    raise RuntimeError(f"warm-up: llama_decode of a {self.max_seqs}-row decode batch failed")
+            proven = self.spec.proven  # an earlier warm-up of this worker proved these on this CPU and build
+            if proven is not None:
+                self.exact_decode, self.exact_resume, self.pad_lone = (
+                    proven.exact_decode, proven.exact_resume, proven.pad_lone and self.pad_lone)
+                log.info("proofs kept from this worker's earlier warm-up: %s", self._proved_words())
+            else:
+                if self.tiled_attention:
+                    self.exact_decode = (self._proves_decode_kv(tokens + [tokens[0]]) if self.decodes
+                                         else self._proves_any_chunking(tokens, *reference))
+                if self.pad_lone:
+                    self.pad_lone = not self._proves_lone(tokens[0], n)
+                if self.exact_decode:
+                    self.exact_resume = 1  # a chunk of any size gives the bits, wherever it starts
+                elif self.store is not None:
+                    self.exact_resume = self._prove_chunking(tokens, *reference)
+        finally:
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+            if self.decodes:
+                for stream in range(self.max_seqs):
+                    llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
+        self.keeps_generated = self.exact_decode and self.decodes and self.spec.keep_generated and self.store is not None
+
+    def _proved_words(self) -> str:
+        return (f"decode steps {'give' if self.exact_decode else 'may not give'} a prompt chunk's bits, prefix hits "
+                f"resume inside chunks of {self.exact_resume or 'whole'} tokens or more, a lone sequence "
+                f"{'decodes beside a padding row' if self.pad_lone else 'needs no padding row'}")
+
+    def _proves_decode_kv(self, history: list[int]) -> bool:
+        """Whether stream 0 of the decode batch just run -- its prompt from one chunk, its last token from the
+        decode step -- holds the very KV bytes, and its row the very logits, that the prefill context gives the
+        same tokens in chunks of 1, 16 and the rest: true where every query row's attention is tiled
+        (TILED_ATTENTION_ENV with mk/llama-wheel.sh's llama.cpp), so a decoded token's KV can be kept as if a prompt
+        had computed it. Leaves the prefill context empty."""
+        n = len(history)
+        batched = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, 0), (self.n_vocab,)).copy()
+        decoded = export_seq(self.ctx, 0, self._state).copy()  # every KV cache of the model's (gemma: two)
+        cuts = [0, 1]  # a row alone, then 16 rows, then chunks as long as they come
+        while cuts[-1] < n:
+            cuts.append(min(n, cuts[-1] + (min(16, self.chunk) if len(cuts) == 2 else self.chunk)))
+        llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        try:
+            logits = self._run_cuts(history, cuts)
+            # the prompt's state, addressed as the batch context's stream 0: the same bytes where every K and V
+            # (and every position) is the same
+            size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
+            buf = self._state.ensure(size + 8 * self.max_seqs)
+            export_seq(self.prefill_ctx, 0, self._state)
+            size = widen_streams(buf, size, self.max_seqs)
+            same = np.array_equal(logits, batched) and np.array_equal(buf[:size], decoded)
+        finally:
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        if faults.fails_proof(self.spec.fault, "generated"):
+            same = False
+        if same:
+            sizes = ", ".join(str(e - s) for s, e in zip(cuts, cuts[1:]))
+            log.info("a decode step and prompt chunks of %s tokens give the same bits: prefix hits resume after any "
+                     "block, and a resumed request gets the undisturbed run's tokens%s", sizes,
+                     ", and what a request generates is kept" if self.spec.keep_generated and self.store else "")
+        else:
+            log.warning("a decode step gives other bits than a prompt chunk here (a llama.cpp not built by "
+                        "mk/llama-wheel.sh?): nothing generated is kept, and a resumed request may part from its "
+                        "undisturbed text at a near-tie")
+        return same
+
+    def _proves_any_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> bool:
+        """A prefill-only worker's _proves_decode_kv (it has no decode batch): whether the warm-up prompt, run again in
+        chunks of 1, 16 and the rest, gives the very KV bytes and last logits it gave in one chunk -- true with every
+        query row's attention tiled, so that its records are what a decoder's own prompt pass would give."""
+        n = len(tokens)
+        cuts = [c for c in (0, 1, min(17, n)) if c < n] + [n]
+        try:
+            last = self._run_cuts(tokens, cuts)
+            same = np.array_equal(export_seq(self.prefill_ctx, 0, self._state), state) and np.array_equal(last, logits)
+        finally:
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        if faults.fails_proof(self.spec.fault, "generated"):
+            same = False
+        sizes = ", ".join(str(e - s) for s, e in zip(cuts, cuts[1:]))
+        if same:
+            log.info("prompt chunks of %s tokens give the bits of one chunk: this worker's KV is a decoder's own", sizes)
+        else:
+            log.warning("prompt chunks of %s tokens give other bits than one chunk here (a llama.cpp not built by "
+                        "mk/llama-wheel.sh?): its decoders' tokens may part from cpu mode's at a near-tie", sizes)
+        return same
+
+    def _proves_lone(self, token: int, n: int) -> bool:
+        """Whether a row decoded alone gets the bits the same row got in the full batch just decoded (stream 0's,
+        `token` at position n after n cells): true with a llama.cpp that never splits a lone row's attention among
+        its threads (mk/llama-wheel.sh's build), false with a stock one. Only a KV past SPLIT_KV_FROM cells can
+        tell the two apart; with a shorter warm-up prompt it is not proved, and a lone sequence keeps its padding
+        row."""
+        if n + 1 <= SPLIT_KV_FROM:
+            log.info("a lone sequence decodes beside a padding row (a %d-token warm-up cannot prove it need not)", n)
+            return False
+        batched = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, 0), (self.n_vocab,)).copy()
+        for stream in range(1, self.max_seqs):
+            llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self.memory, 0, n, -1)
+        self.batch.n_tokens = 0
+        self._add(self.batch, token, n, 0, True)
+        if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
+            raise RuntimeError("warm-up: llama_decode of a lone row failed")
+        alone = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, 0), (self.n_vocab,))
+        same = np.array_equal(alone, batched) and not faults.fails_proof(self.spec.fault, "lone")
+        if same:
+            log.info("a lone sequence past %d tokens gets the bits it gets in a batch: it decodes without a padding "
+                     "row", SPLIT_KV_FROM)
+        else:
+            log.warning("this llama.cpp splits a lone row's attention among its threads (not built by "
+                        "mk/llama-wheel.sh?): a lone sequence past %d tokens decodes beside a padding row, 1 to 2 "
+                        "ms a step, so that its text is the one it gets beside others", SPLIT_KV_FROM)
+        return same
+
+    def _prove_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> int:
+        """EXACT_RESUME if the warm-up prompt, run again in chunks of that many tokens or more that start off
+        every grid (16 + EXACT_RESUME, then the middle, then the last EXACT_RESUME), gives the very bytes of KV
+        and last logits it gave in one chunk; else 0, and the prefix cache resumes only at whole chunks."""
+        m, n = EXACT_RESUME, len(tokens)
+        if n < 2 * m:
+            log.info("prefix cache: a chunk of %d tokens is too short to resume inside it; hits resume at whole "
+                     "chunks", self.chunk)
+            return 0
+        cuts = [0, m + 16, n - m, n] if n - m - (m + 16) >= m else [0, n - m, n]
+        try:
+            last = self._run_cuts(tokens, cuts)
+            again = export_seq(self.prefill_ctx, 0, self._state)
+            same = np.array_equal(again, state) and np.array_equal(last, logits)
+        finally:
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        if faults.fails_proof(self.spec.fault, "chunking"):
+            same = False
+        sizes = ", ".join(str(e - s) for s, e in zip(cuts, cuts[1:]))
+        if not same:
+            log.warning("prefix cache: a %d-token prompt run in chunks of %s tokens gave other bits than in one "
+                        "chunk on this CPU; hits resume only at multiples of %d tokens", n, sizes, self.chunk)
+            return 0
+        log.info("prefix cache: a %d-token prompt gives the same bits in chunks of %s tokens as in one; hits resume "
+                 "after any block where %d tokens or more are left to the chunk's end", n, sizes, m)
+        return m
+
+    def _run_cuts(self, tokens: list[int], cuts: list[int]) -> np.ndarray:
+        """The warm-up's proofs: tokens into the prompt context (emptied first) from position 0, in the chunks between
+        consecutive cuts; a view of the last token's logits."""
+        llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        b = self.prefill_batch
+        for start, end in zip(cuts, cuts[1:]):
+            b.n_tokens = 0
+            for pos in range(start, end):
+                self._add(b, tokens[pos], pos, 0, pos == len(tokens) - 1)
+            if llama_cpp.llama_decode(self.prefill_ctx, b) != 0:
+                raise RuntimeError(f"warm-up: llama_decode of a {end - start}-token prompt chunk failed")
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.prefill_ctx, b.n_tokens - 1), (self.n_vocab,))

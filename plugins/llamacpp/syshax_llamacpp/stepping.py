@@ -1,0 +1,198 @@
+"""Stepping: one llama_decode for every decoding sequence, then one chunk of the oldest prompt.
+
+The busy loop's own job, kept apart from what it calls on: who takes a batch slot (`_seat`), the decode batch
+in stream order (with a padding row where a stock llama.cpp would sum a lone row otherwise), a prompt chunk in
+the prompt context and the move of its finished KV into the batch context, and keeping the streams one run
+(streams.py says why). Sampling, the prefix cache and the handoff are asked, not done here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import llama_cpp
+import numpy as np
+
+from syshax_llamacpp import logprobs
+from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
+from syshax_llamacpp.proofs import SPLIT_KV_FROM
+from syshax_llamacpp.sampling import GrammarDeadEnd, sample_logits
+from syshaxd.sdk.types import Delta, TokenLogprob
+
+if TYPE_CHECKING:
+    from syshax_llamacpp.sequence import Sequence
+
+# the engine's lines, under the name they have always had (the worker's log prints it)
+log = logging.getLogger("syshax_llamacpp.engine")
+
+
+class Stepping:
+    """The LlamaCppEngine's step: its slots, its decode batch, its prompt chunks and its KV streams."""
+
+    def _seat(self) -> list:
+        """Give free batch slots to the waiting sequences, oldest first, and start them."""
+        # FIFO: the head of the queue is never overtaken, so a long request is not starved
+        deltas = []
+        while self.waiting and self.free_slots > 0:
+            seq = self.waiting.popleft()
+            del self.queued[seq.request.request_id]
+            seq.slotted = True
+            self.free_slots -= 1
+            deltas += self._start(seq)
+        return deltas
+
+    def step(self) -> list:
+        """One llama_decode for every decoding sequence, then one chunk of the oldest prompt."""
+        deltas = self._seat()
+        if not self.active:
+            return deltas
+        self._compact()
+        rows = []
+        self.batch.n_tokens = 0
+        # in stream order: with the streams one consecutive run, llama.cpp takes the batch in one ubatch
+        decoding = sorted((s for s in self.active.values() if s.next_token is not None), key=lambda s: s.seq_id)
+        pad = self._pad_stream(decoding)
+        for seq in decoding:
+            if 0 <= pad < seq.seq_id:
+                self._add(self.batch, seq.next_token, 0, pad, False)
+            rows.append((seq, self._add(self.batch, seq.next_token, seq.n_past, seq.seq_id, True)))
+            if pad > seq.seq_id:
+                self._add(self.batch, seq.next_token, 0, pad, False)
+            seq.n_past += 1
+            seq.fed.append(seq.next_token)
+            seq.next_token = None
+        if rows:
+            rc = llama_cpp.llama_decode(self.ctx, self.batch)
+            if pad >= 0:
+                llama_cpp.llama_memory_seq_rm(self.memory, pad, -1, -1)
+                self.counters["padded_steps"] += 1
+            self.counters["steps"] += 1
+            if rc != 0:
+                return self._fail(rc, [seq for seq, _ in rows])
+            for seq, i in rows:
+                try:
+                    deltas += self._emit(seq, *self._sample(seq, self.ctx, i))
+                except GrammarDeadEnd:
+                    deltas += self._dead_end(seq)
+        seq = next((s for s in self.active.values() if s.pending), None)
+        if seq is not None:
+            deltas += self._prefill_chunk(seq)
+        self._count(len(deltas))
+        return deltas
+
+    def _pad_stream(self, decoding: list[Sequence]) -> int:
+        """A free stream next to a lone decoding sequence's, for a one-token row beside it; -1 when none is needed.
+
+        Only with a stock llama.cpp (pad_lone: the warm-up's proof, _proves_lone; mk/llama-wheel.sh builds one that
+        never splits). With one query row in the ubatch and 512 KV cells or more (a sequence past 256 tokens), its
+        CPU flash attention splits the KV among its threads and sums the parts (ops.cpp, use_split_kv_path); with
+        two streams in the ubatch it walks every row's KV in order. The two sum differently, so a sequence
+        decoded alone would get other bits than in a batch (bench/bench_concurrent_exactness.py): a row in a
+        second stream keeps a lone sequence on the batch's path, and its text the same alone or not. The price:
+        a lone step past 256 tokens takes 1 to 2 ms more (bench/bench_concurrent_exactness.py --step-cost)."""
+        # the KV length llama.cpp attends over is the stream's cells padded to 256, so the split starts past 256
+        # tokens; below that a padding row would only cost time (about 2 ms a step here: two rows take another
+        # matmul path than one)
+        if not self.pad_lone or len(decoding) != 1 or decoding[0].n_past + 1 <= SPLIT_KV_FROM:
+            return -1
+        stream = decoding[0].seq_id
+        for pad in (stream + 1, stream - 1):
+            if 0 <= pad < self.max_seqs and pad not in self.streams.busy:
+                return pad
+        return -1
+
+    def _prefill_chunk(self, seq: Sequence) -> list:
+        """Feed the next chunk of seq's prompt to the prefill context; at its end, hand it over."""
+        logits = self._import_hits(seq) if seq.cached and seq.n_past == 0 else None
+        if logits is not None:  # the whole prompt came from the cache: nothing to evaluate
+            try:
+                token = sample_logits(seq.sampler, logits, grammar=bool(seq.request.grammar))
+            except GrammarDeadEnd:
+                return self._dead_end(seq)
+            k = seq.request.logprobs
+            lp = logprobs.of_logits(logits, token, k) if k is not None else None
+        else:
+            b = self.prefill_batch
+            b.n_tokens = 0
+            # up to the next multiple of the chunk: a prompt resumed after cached blocks then runs the chunks a
+            # prompt run from the start runs
+            take = min(len(seq.pending), self.chunk - seq.n_past % self.chunk)
+            start = seq.n_past
+            every = seq.prompt_lp is not None  # echo's prompt logprobs: logits for every position
+            for _ in range(take):
+                last = len(seq.pending) == 1
+                self._add(b, seq.pending.popleft(), seq.n_past, 0, last or every)
+                seq.n_past += 1
+            rc = llama_cpp.llama_decode(self.prefill_ctx, b)
+            if rc != 0:
+                llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+                return self._fail(rc, [seq])
+            if every:  # row j predicts the prompt's token after position start + j
+                seq.prompt_lp += logprobs.prompt_chunk(self.prefill_ctx, take, self.n_vocab,
+                                                       seq.prompt[start + 1:start + take + 1],
+                                                       seq.request.prompt_logprobs)
+            if seq.pending:
+                return []
+            if seq.handling.prefix is not None and seq.handling.prefix.final_store >= 0:  # kept with the prompt
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.prefill_ctx, b.n_tokens - 1),
+                                               (self.n_vocab,)).copy()
+            try:
+                token, lp = self._sample(seq, self.prefill_ctx, b.n_tokens - 1)
+            except GrammarDeadEnd:
+                llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+                return self._dead_end(seq)
+        if not self.decodes or seq.handling.handoff:
+            cached = self._keep_blocks(seq, None, logits)
+            return [*cached, self._hand_on(seq, token, lp)]
+        size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
+        buf = self._state.ensure(size + 8 * self.max_seqs)  # widen_streams: 2 KV caches at most
+        export_seq(self.prefill_ctx, 0, self._state)
+        cached = self._keep_blocks(seq, buf[:size], logits)
+        llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+        size = widen_streams(buf, size, self.max_seqs)
+        seq.seq_id = self.streams.take()  # it joins the decode batch now, next to the others
+        got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, seq.seq_id)
+        if got != size:
+            return cached + self._fail(-1, [seq], "could not move the prompt's KV into the batch context")
+        return [*cached, *self._emit(seq, token, lp)]
+
+    def _emit(self, seq: Sequence, token: int, lp: TokenLogprob | None = None) -> list:
+        """The Delta of a token; at the sequence's end, after the blocks of what it generated that it keeps."""
+        text, finish = seq.out.token(token)
+        kept = []
+        if finish is None:
+            seq.next_token = token
+        else:
+            kept = self._keep_generated(seq)
+            self._release(seq)
+            self.counters["finished"] += 1
+        # the end-of-generation token that ends the text is not part of it: no logprob entry
+        ended = finish == "stop" and self.vocab.is_eog(token) and not seq.request.ignore_eos
+        prompt_lp, seq.prompt_lp = (tuple(seq.prompt_lp) if seq.prompt_lp is not None else None), None
+        return [*kept, Delta(seq.request.request_id, text, 1, finish, tokens=(token,),
+                             logprobs=(lp,) if lp is not None and not ended else (), prompt_logprobs=prompt_lp)]
+
+    def _compact(self) -> None:
+        """Fill each hole in the run of decoding streams with the end of the run that holds fewer tokens."""
+        while holes := self.streams.holes():
+            by_stream = {s.seq_id: s for s in self.active.values() if s.seq_id >= 0}
+            lo, hi = self.streams.ends()
+            if not self._move(min(by_stream[lo], by_stream[hi], key=lambda s: s.n_past), holes[0]):
+                break
+
+    def _move(self, seq: Sequence, target: int) -> bool:
+        """Move seq's KV into stream `target` of the batch context: the same bytes, so the same next tokens."""
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, seq.seq_id)
+        buf = export_seq(self.ctx, seq.seq_id, self._state)
+        got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, target)
+        if got != size:  # never seen; the sequence stays where it is, and the next step takes two ubatches
+            llama_cpp.llama_memory_seq_rm(self.memory, target, -1, -1)
+            log.error("could not move a sequence's KV from stream %d to %d (%d of %d bytes)", seq.seq_id, target,
+                      got, size)
+            return False
+        llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
+        self.streams.moved(seq.seq_id, target)
+        seq.seq_id = target
+        self.counters["stream_moves"] += 1
+        return True
