@@ -6,7 +6,7 @@ own, a class whose methods it takes on:
 
 * proofs.py (WarmUpProofs): the warm-up, and what it proves of this llama.cpp build;
 * stepping.py (Stepping): one step -- slots, the decode batch, prompt chunks, the KV streams;
-* prefix.py (PrefixSide): the prefix cache's hits and writes;
+* prefix_side.py (PrefixSide): the prefix cache's hits and writes (prefix.py reads and writes its blocks);
 * handoff.py (HandoffSide): a KV record in from a prefill engine, or out to a decoder;
 * sampling.py (SamplingSide): the next token of a row, and a grammar's dead end.
 
@@ -31,7 +31,7 @@ from syshaxd.sdk.prompt_fit import fit_prompt
 from syshaxd.sdk.gguf.vocab import Vocab
 from syshax_llamacpp import kernels, prefix
 from syshax_llamacpp.handoff import HandoffSide, KVPort
-from syshax_llamacpp.prefix import PrefixSide
+from syshax_llamacpp.prefix_side import PrefixSide
 from syshax_llamacpp.proofs import TILED_ATTENTION_ENV, WarmUpProofs
 from syshax_llamacpp.sampling import GrammarError, SamplingSide, grammar_parses, make_sampler
 from syshax_llamacpp.sequence import Sequence

@@ -1,8 +1,5 @@
 """This engine's end of the prefix cache: check and import a prompt's cached blocks, write its new ones.
 
-The functions read and write blocks; PrefixSide, at the end, is the engine's use of them for one sequence.
-Apart from stepping because the rules below, which keep a hit's tokens a miss's, are this module's alone.
-
 The daemon plans which slots of the block store hold the prompt's first blocks and which it may fill
 (engine/prefix_cache.py); each slot holds one block as a neutral KV record. Nothing here trusts the
 plan: a block is used only when its record's checksum is the one reported when it was written and
@@ -31,24 +28,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
-import llama_cpp
 import numpy as np
 
-from syshax_llamacpp.codec import (SeqState, StateBuffer, StateImportError, encode_state_into, export_seq,
-                                   import_record, parse_seq_state)
-from syshaxd.sdk.types import Cached, PrefixPlan
+from syshax_llamacpp.codec import SeqState, StateBuffer, encode_state_into, import_record, parse_seq_state
+from syshaxd.sdk.types import PrefixPlan
 from syshaxd.sdk.kv.block_keys import block_keys
 from syshaxd.sdk.kv.block_store import BlockStore
 from syshaxd.sdk.kv.record import DType, KVRecord, ModelFingerprint, RecordError, decode
 
-if TYPE_CHECKING:
-    from syshax_llamacpp.sequence import Sequence
-
 log = logging.getLogger(__name__)
-# PrefixSide's lines: the engine's, under the name they have always had (the worker's log prints it)
-engine_log = logging.getLogger("syshax_llamacpp.engine")
 
 
 @dataclass(frozen=True)
@@ -268,64 +257,3 @@ def _write(store: BlockStore, slot: int, fingerprint: ModelFingerprint, state: S
                     exc)
         return None
     return decode(view[:logits_at], verify=False).checksum
-
-
-class PrefixSide:
-    """The LlamaCppEngine's use of the functions above: a prompt's hits into the prompt context when it starts,
-    its new blocks (and at its end what it generated) into the store, each reported to the daemon as Cached."""
-
-    def _import_hits(self, seq: Sequence) -> np.ndarray | None:
-        """Start seq's prompt from its cached blocks: their KV into the prompt context, the rest still to run.
-        Returns the last token's logits when the whole prompt was cached."""
-        seq.cached = False
-        found = seq.found = find(self.store, self.fingerprint, seq.handling.prefix, seq.prompt, self.n_vocab,
-                                        seq.found)
-        seq.hit_tokens = 0
-        blocks = usable(found, seq.handling.prefix, len(seq.prompt), self.exact_resume)
-        if not blocks:
-            return None
-        try:
-            n = import_blocks(self.prefill_ctx, 0, blocks, self.fingerprint, self._state)
-        except StateImportError as exc:
-            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
-            engine_log.error("%s: cached prompt blocks could not be imported (%s); evaluating the whole prompt",
-                      seq.request.request_id, exc)
-            return None
-        seq.hit_tokens = n
-        for _ in range(n):
-            seq.pending.popleft()
-        seq.n_past = n
-        self.counters["cached_tokens"] += n
-        return found.whole[1] if found.whole is not None else None
-
-    def _keep_blocks(self, seq: Sequence, state_bytes, logits) -> list:
-        """Write the prompt's new blocks (and the whole prompt with its last logits) into the prefix cache as
-        planned, and tell the daemon (Cached)."""
-        plan = seq.handling.prefix
-        if plan is None or self.store is None:
-            return []
-        stored = []
-        if (plan.stores or plan.final_store >= 0) and not seq.handling.resume_tokens:
-            if state_bytes is None:
-                state_bytes = export_seq(self.prefill_ctx, 0, self._state)
-            stored = store_blocks(self.store, self.fingerprint, plan, state_bytes, seq.prompt,
-                                         logits if plan.final_store >= 0 else None, seq.hit_tokens,
-                                         self.exact_resume)
-        refused = tuple(seq.found.refused) if seq.found is not None else ()
-        return [Cached(seq.request.request_id, tuple(stored), refused, seq.hit_tokens)]
-
-    def _keep_generated(self, seq: Sequence) -> list:
-        """Write the blocks of the finished sequence's KV after its prompt's whole blocks -- what it generated --
-        into its plan's keeps slots, and tell the daemon (Cached, before the last Delta): a chat's next turn,
-        which sends the answer back, resumes after it."""
-        plan = seq.handling.prefix
-        if plan is None or not plan.keeps or not self.keeps_generated or seq.seq_id < 0 or not seq.fed:
-            return []  # the daemon frees the keeps slots when the request ends
-        history = seq.prompt + seq.fed
-        if len(history) != seq.n_past:
-            engine_log.error("%s: %d tokens in the KV, %d prompt and generated; nothing generated kept",
-                      seq.request.request_id, seq.n_past, len(history))
-            return []
-        kept = store_generated(self.store, self.fingerprint, plan, export_seq(self.ctx, seq.seq_id, self._state),
-                                      history, len(seq.prompt))
-        return [Cached(seq.request.request_id, generated=tuple(kept))] if kept else []
