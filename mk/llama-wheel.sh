@@ -20,8 +20,9 @@
 # too, so a token's KV has the same bits from a prompt chunk of any size or a decode step, and the prefix cache can
 # keep what a request generated; the tiled path's decode is made cheap, and 8 rows share a pass over repacked q4_0
 # weights. A patch that does not apply exactly to this llama.cpp stops the build and is named. The engine proves at
-# its warm-up which kind of llama.cpp it loaded (plugins/llamacpp/syshax_llamacpp/engine.py: _proves_lone,
-# _proves_rows) and does without what it cannot prove.
+# its warm-up which kind of llama.cpp it loaded (plugins/llamacpp/syshax_llamacpp/proofs.py: _proves_lone for the
+# first, _proves_decode_kv -- a prefill-only worker's _proves_any_chunking -- for the second) and does without what
+# it cannot prove.
 #
 # Cache: $SYSHAX_WHEEL_CACHE (default ~/.cache/syshax/wheels). About 5 minutes on 2 cores.
 set -euo pipefail

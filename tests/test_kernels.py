@@ -49,29 +49,29 @@ def test_cpu_flags_are_read_from_x86_and_arm_cpuinfo():
 def test_auto_repacks_where_the_build_has_no_amx():
     for flags in (ZEN4, SAPPHIRE_RAPIDS):  # the no-AMX build (mk/llama-wheel.sh) on an AMX Xeon too
         got = choose("auto", ["CPU_REPACK"], flags)
-        assert got == KernelChoice(True, "repack", got.why, fallback="off") and got.why
+        assert got == KernelChoice(True, "repack", got.why, safe_repack="off") and got.why
     arm = choose("auto", ["KLEIDIAI", "CPU_REPACK"], GRAVITON)
-    assert arm.use_extra_bufts and arm.kernels == "kleidiai+repack" and arm.fallback == "off"
+    assert arm.use_extra_bufts and arm.kernels == "kleidiai+repack" and arm.safe_repack == "off"
 
 
 def test_auto_turns_amx_off_on_an_amx_cpu_and_says_how_to_keep_repacking():
     got = choose("auto", ["AMX", "CPU_REPACK"], SAPPHIRE_RAPIDS)
-    assert not got.use_extra_bufts and got.kernels == "plain" and got.fallback == ""
+    assert not got.use_extra_bufts and got.kernels == "plain" and got.safe_repack == ""
     assert "AMX" in got.why and "20824" in got.why and "mk/llama-wheel.sh" in got.why
 
 
 def test_on_takes_amx_but_keeps_a_fallback_and_off_is_plain():
     on = choose("on", ["AMX", "CPU_REPACK"], SAPPHIRE_RAPIDS)
-    assert on.use_extra_bufts and on.kernels == "amx+repack" and on.fallback == "off" and "20824" in on.why
+    assert on.use_extra_bufts and on.kernels == "amx+repack" and on.safe_repack == "off" and "20824" in on.why
     off = choose("off", ["AMX", "CPU_REPACK"], SAPPHIRE_RAPIDS)
     assert not off.use_extra_bufts and off.kernels == "plain" and "config" in off.why
 
 
 def test_a_build_without_extra_kernels_or_one_that_cannot_be_asked():
     bare = choose("auto", [], ZEN4)
-    assert (bare.use_extra_bufts, bare.kernels, bare.fallback) == (False, "plain", "") and "no repacked" in bare.why
+    assert (bare.use_extra_bufts, bare.kernels, bare.safe_repack) == (False, "plain", "") and "no repacked" in bare.why
     unknown = choose("auto", None, ZEN4)
-    assert unknown.use_extra_bufts and unknown.fallback == "off"
+    assert unknown.use_extra_bufts and unknown.safe_repack == "off"
     with pytest.raises(ValueError, match="repack"):
         choose("fast", ["CPU_REPACK"], ZEN4)
 

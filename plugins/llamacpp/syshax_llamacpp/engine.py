@@ -1,4 +1,4 @@
-"""The llama.cpp CPU engine: one context, up to max_batch_size sequences decoded per llama_decode.
+"""The llama.cpp CPU engine: up to max_batch_size sequences decoded per llama_decode, prompts run beside them.
 
 LlamaCppEngine is the SDK's Engine: it builds the model, the batch context and the prompt context, takes
 requests in (submit, cancel) and hands them out (stats, close). Its other jobs each live in a module of their
@@ -73,10 +73,10 @@ def _graph_observer(on_graph: Callable[[], None]):
 class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSide):
     """Continuous batching: sequences join and leave the running batch at any step.
 
-    A sequence enters decoding either by evaluating its prompt here (`pending` tokens,
-    fed in chunks of at most prefill_chunk_size per step), or — for a later KV import —
-    by having its state set into `seq_id` and `next_token` given; the decode loop does
-    not care which.
+    A sequence enters decoding either by evaluating its prompt here (`pending` tokens, fed to the prompt
+    context in chunks of at most prefill_chunk_size per step, its KV then moved into the batch context), or
+    by having a prefill engine's KV record set into `seq_id` and its first token given (handoff.py); the
+    decode loop does not care which.
     """
 
     def __init__(self, spec: EngineSpec, on_graph: Callable[[], None] | None = None) -> None:
@@ -247,9 +247,9 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         return Proofs(self.exact_decode, self.exact_resume, self.pad_lone)
 
     def safer_kernels(self) -> tuple[dict, str]:
-        if not self.kernels.fallback:
+        if not self.kernels.safe_repack:
             return {}, ""
-        return {"repack": self.kernels.fallback}, f"weight repacking ({self.kernels.kernels} kernels)"
+        return {"repack": self.kernels.safe_repack}, f"weight repacking ({self.kernels.kernels} kernels)"
 
 
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> list:
@@ -358,6 +358,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
 
     @staticmethod
     def _add(b, token: int, pos: int, seq_id: int, logits: bool) -> int:
+        """Append one token's row to llama_batch b; its row index (the benches under bench/ fill batches with it)."""
         i = b.n_tokens
         b.token[i] = token
         b.pos[i] = pos
@@ -386,7 +387,8 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             seq.sampler = None
 
     def _fail(self, rc: int, seqs: list, why: str = "") -> list:
-        """llama.cpp refused a pass: end those sequences with an error rather than guess."""
+        """llama.cpp refused a pass, or a sequence cannot go on (`why`): end those sequences with an error rather than
+        guess."""
         self.counters["decode_errors"] += 1
         why = why or f"llama_decode failed ({rc})"
         log.error("%s; failing %d sequences", why, len(seqs))

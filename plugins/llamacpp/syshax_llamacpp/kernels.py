@@ -27,7 +27,7 @@ class KernelChoice:
     use_extra_bufts: bool  # llama_model_params.use_extra_bufts
     kernels: str  # "repack", "amx+repack", "kleidiai+repack", "plain", ...
     why: str
-    fallback: str = ""  # the repack setting to restart with if these kernels crash; "": none is safer
+    safe_repack: str = ""  # the repack setting of safer kernels, to restart with if these crash; "": none is safer
 
 
 def cpu_flags(cpuinfo: str) -> frozenset[str]:
@@ -68,7 +68,7 @@ def choose(setting: str, extra_bufts: list[str] | None, flags: frozenset[str]) -
     why = 'repack = "on" in the config' if setting == "on" else "the fastest kernels this build has for this CPU"
     if amx:
         why += f"; AMX is known to crash in this llama.cpp ({_AMX_ISSUE})"
-    return KernelChoice(True, names, why, fallback="off")
+    return KernelChoice(True, names, why, safe_repack="off")
 
 
 def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
