@@ -1,8 +1,8 @@
 """The llama.cpp CPU engine: up to max_batch_size sequences decoded per llama_decode, prompts run beside them.
 
-LlamaCppEngine is the SDK's Engine: it builds the model, the batch context and the prompt context, takes
-requests in (submit, cancel) and hands them out (stats, close). Its other jobs each live in a module of their
-own, a class whose methods it takes on:
+LlamaCppEngine is the SDK's Engine: it owns the model and its two contexts (contexts.py loads and sets them
+up), takes requests in (submit, cancel; each a Sequence, sequence.py), says how it stands (info, stats) and frees
+it all (close). Its other jobs each live in a module of their own, a class whose methods it takes on:
 
 * proofs.py (WarmUpProofs): the warm-up, and what it proves of this llama.cpp build;
 * stepping.py (Stepping): one step -- slots, the decode batch, prompt chunks, the KV streams;
@@ -11,14 +11,13 @@ own, a class whose methods it takes on:
 * sampling.py (SamplingSide): the next token of a row, and a grammar's dead end.
 
 They share the engine's state (its contexts, batches, sequences and counters) rather than each owning a part:
-a step touches all of it, and the split keeps every line where it was, so tokens, proofs and logs are the same.
+a step touches all of it, and their lines moved unchanged, so tokens, proofs and log lines are what they were.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,32 +25,25 @@ from pathlib import Path
 
 import llama_cpp
 
-from syshaxd.sdk.gguf.quantize import ensure_quantized
-from syshaxd.sdk.prompt_fit import fit_prompt
-from syshaxd.sdk.gguf.vocab import Vocab
-from syshax_llamacpp import kernels, prefix
+from syshax_llamacpp import prefix
+from syshax_llamacpp.codec import StateBuffer
+from syshax_llamacpp.contexts import batch_params, load_model, prompt_params
 from syshax_llamacpp.handoff import HandoffSide, KVPort
 from syshax_llamacpp.prefix_side import PrefixSide
-from syshax_llamacpp.proofs import TILED_ATTENTION_ENV, WarmUpProofs
+from syshax_llamacpp.proofs import WarmUpProofs
 from syshax_llamacpp.sampling import GrammarError, SamplingSide, grammar_parses, make_sampler
 from syshax_llamacpp.sequence import Sequence
 from syshax_llamacpp.stepping import Stepping
 from syshax_llamacpp.streams import StreamRun
+from syshaxd.sdk.gguf.header import fingerprint_from_gguf
+from syshaxd.sdk.gguf.vocab import Vocab
 from syshaxd.sdk.output import SequenceOutput
+from syshaxd.sdk.prompt_fit import fit_prompt
 from syshaxd.sdk.rate import TokenRate
 from syshaxd.sdk.types import (Accepted, Delta, EngineSpec, EngineStats, Fallback, GenerateRequest, Handling,
-                                  Imported, Proofs, Refusal, Rejected)
-from syshaxd.sdk.gguf.header import fingerprint_from_gguf
-from syshax_llamacpp.codec import StateBuffer
+                               Imported, Proofs, Refusal, Rejected)
 
 log = logging.getLogger(__name__)
-
-
-def _meta(model, key: bytes) -> str:
-    """A metadata string of a loaded model ("" when it has none)."""
-    buf = ctypes.create_string_buffer(128)
-    n = llama_cpp.llama_model_meta_val_str(model, key, buf, len(buf))
-    return buf.value.decode("utf-8", "replace") if n > 0 else ""
 
 
 def _graph_observer(on_graph: Callable[[], None]):
@@ -83,44 +75,10 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         """on_graph (tests, diagnostics): called for every graph llama.cpp computes on the batch context --
         once per ubatch -- through its eval callback, which costs a Python call per graph node."""
         self.spec = spec
-        flags = kernels.read_cpu_flags()
-        # every row's attention tiled where asked for and cheap on this CPU (else llama.cpp's own attention: nothing
-        # generated is kept and a resume is not exact); set before the first graph: llama.cpp reads it once per process
-        # (a process's engines share one setting)
-        self.tiled_attention = spec.tiled_attention and kernels.tiles_decode_cheaply(flags)
-        if spec.tiled_attention and not self.tiled_attention:
-            log.info("tiled_attention: this CPU has neither AVX-512 nor AVX2 with F16C and FMA, so a decode step's "
-                     "tiled attention would cost more than it saves; llama.cpp's own attention runs, so nothing "
-                     "generated is kept and a resumed request may part from its undisturbed text at a near-tie")
-        os.environ[TILED_ATTENTION_ENV] = "1" if self.tiled_attention else "0"
-        llama_cpp.llama_backend_init()
-        path = Path(spec.model_path)
-        if spec.quantize:
-            path = ensure_quantized(path, spec.quantize, Path(spec.cache_dir or path.parent))
-        self.model_path = path
-        try:
-            extra = kernels.extra_buffer_types()
-        except (OSError, AttributeError) as exc:  # another llama-cpp-python layout: llama.cpp decides alone
-            log.warning("could not list llama.cpp's CPU buffer types (%s)", exc)
-            extra = None
-        self.kernels = kernels.choose(spec.repack, extra, flags)
-        log.info("CPU kernels: %s (%s)", self.kernels.kernels, self.kernels.why)
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.use_extra_bufts = self.kernels.use_extra_bufts
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-        if self.model is None:
-            raise RuntimeError(f"llama.cpp could not load {path}")
-        self.arch = _meta(self.model, b"general.architecture") or "this model"
-        if llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model):
-            raise RuntimeError(f"{path.name} is a {self.arch} model, whose recurrent state this engine cannot move "
-                               "between its contexts; serve a transformer model (llama, qwen, mistral, gemma, phi)")
-        # sliding-window layers (gemma 2 and 3): llama.cpp keeps them in a second KV cache (iswa), which the KV
-        # record (ring handoffs, the prefix cache, remote nodes) does not carry; such a model serves in cpu mode,
-        # each prompt computed whole
-        self.sliding_window = llama_cpp.llama_model_n_swa(self.model) > 0
-        if self.sliding_window and spec.ring:
-            raise RuntimeError(f"{self.arch} has sliding-window attention layers, whose KV the handoff does not "
-                               "carry yet: serve it in cpu mode (--mode cpu)")
+        loaded = load_model(spec)
+        self.model_path, self.model, self.kernels = loaded.path, loaded.model, loaded.kernels
+        self.tiled_attention = loaded.tiled_attention
+        self.arch, self.sliding_window = loaded.arch, loaded.sliding_window
         self.vocab = Vocab(model=self.model)  # tokenizing, chat template and pieces, as every engine does them
         self.n_vocab = self.vocab.n_vocab
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
@@ -137,17 +95,8 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         # a prefill-only worker hands every prompt on and never decodes: no batch context
         self.decodes = spec.role != "prefill"
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams) if self.decodes else None
-        # Prompts run in a 1-sequence context of their own, one chunk per step, exactly as if the
-        # request were alone; the finished KV then moves into the sequence's stream of the batch
-        # context -- the same import a KV record from another engine takes in hetero mode. Mixed
-        # into the batch, a prompt would make llama.cpp split it into one ubatch per stream.
-        pparams = llama_cpp.llama_context_default_params()
-        pparams.n_ctx = self.seq_ctx
-        pparams.n_batch = pparams.n_ubatch = self.chunk
-        pparams.n_seq_max = 1
-        pparams.n_threads = pparams.n_threads_batch = spec.threads
-        pparams.flash_attn_type = cparams.flash_attn_type
-        pparams.no_perf = True
+        # prompts run alone, in a context of their own (contexts.prompt_params says why)
+        pparams = prompt_params(spec, self.seq_ctx, self.chunk, cparams.flash_attn_type)
         self.prefill_ctx = llama_cpp.llama_init_from_model(self.model, pparams)
         if (self.decodes and self.ctx is None) or self.prefill_ctx is None:
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
@@ -159,7 +108,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.port = None
         if spec.ring:
-            self.port = KVPort(spec.ring, str(path), n_stream=self.max_seqs, timeout=spec.handoff_timeout)
+            self.port = KVPort(spec.ring, str(self.model_path), n_stream=self.max_seqs, timeout=spec.handoff_timeout)
         # a prompt chunk of this many tokens or more gives the same bits wherever it starts (proved at the
         # warm-up; 0: not proved, so a prefix cache hit resumes only at a multiple of the chunk; 1: any chunk)
         self.exact_resume = 0
@@ -181,7 +130,8 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             from syshaxd.sdk.kv.block_store import BlockStore
 
             self.store = BlockStore.attach(spec.prefix_store)
-        self.fingerprint = fingerprint_from_gguf(path)  # reads the KV out of a state (the proofs, the prefix cache)
+        # reads the KV out of a state (the proofs, the prefix cache)
+        self.fingerprint = fingerprint_from_gguf(self.model_path)
 
         self.free_slots = self.max_seqs
         self.streams = StreamRun(self.max_seqs)  # a decoding sequence's KV stream: seq_id in the batch context
@@ -193,29 +143,13 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self._rate = TokenRate()
         log.info(
             "llama.cpp engine built: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d, kernels %s",
-            path.name, self.n_ctx, self.max_seqs, self.chunk, spec.threads, self.kernels.kernels,
+            self.model_path.name, self.n_ctx, self.max_seqs, self.chunk, spec.threads, self.kernels.kernels,
         )
 
     def batch_params(self, n_batch: int):
         """The batch context's parameters, with room for n_batch tokens per llama_decode (the benches under bench/
         build twins of it with more room)."""
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = self.seq_ctx * self.max_seqs
-        cparams.n_batch = cparams.n_ubatch = n_batch
-        cparams.n_seq_max = self.max_seqs
-        # One KV stream per slot, each of n_ctx cells. In a unified cache a finished sequence
-        # leaves holes that the others' next tokens fill, so a sequence's cells stop being in
-        # position order and the attention sums round differently than for the request alone
-        # (measured: 9 of 16 staggered requests kept their alone-text unified, 16 of 16 split;
-        # decode speed is the same once prompts run in their own context, below).
-        cparams.kv_unified = False
-        cparams.n_threads = cparams.n_threads_batch = self.spec.threads
-        cparams.no_perf = True
-        # Flash attention walks a sequence's own cells in order; the plain path sums over all
-        # cells of the batch, so neighbours change the rounding (measured: 16 prompts batched
-        # 8 at a time kept 16/16 of their alone-text with it, 7/16 without).
-        cparams.flash_attn_type = 1
-        return cparams
+        return batch_params(self.spec, self.seq_ctx, self.max_seqs, n_batch)
 
     # --- Engine protocol ------------------------------------------------------------------
 
@@ -250,7 +184,6 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         if not self.kernels.safe_repack:
             return {}, ""
         return {"repack": self.kernels.safe_repack}, f"weight repacking ({self.kernels.kernels} kernels)"
-
 
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> list:
         rid = request.request_id

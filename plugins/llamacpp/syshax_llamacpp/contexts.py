@@ -1,0 +1,126 @@
+"""The llama.cpp objects an engine owns: the model, loaded with the kernels chosen for this CPU, and the
+parameters of its two contexts (the batch context that decodes, the prompt context that runs prompts).
+
+Apart from the engine because each setting here is a measured promise -- tiled attention, one KV stream per
+slot, flash attention, a prompt context of one sequence -- that keeps a request's tokens the ones it gets
+alone, and because loading refuses, with the reason, a model the engine cannot serve.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+
+from syshax_llamacpp import kernels
+from syshax_llamacpp.proofs import TILED_ATTENTION_ENV
+from syshaxd.sdk.gguf.quantize import ensure_quantized
+from syshaxd.sdk.types import EngineSpec
+
+# the engine's lines, under the name they have always had (the worker's log prints it)
+log = logging.getLogger("syshax_llamacpp.engine")
+
+
+def _meta(model, key: bytes) -> str:
+    """A metadata string of a loaded model ("" when it has none)."""
+    buf = ctypes.create_string_buffer(128)
+    n = llama_cpp.llama_model_meta_val_str(model, key, buf, len(buf))
+    return buf.value.decode("utf-8", "replace") if n > 0 else ""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What load_model made and chose; the engine frees `model` at its close."""
+
+    path: Path  # the GGUF file loaded (the quantized copy, where the spec asks for one)
+    model: object  # llama_model_p
+    kernels: kernels.KernelChoice
+    tiled_attention: bool  # every query row's attention tiled (TILED_ATTENTION_ENV)
+    arch: str
+    sliding_window: bool  # sliding-window layers: a second KV cache that KV records do not carry
+
+
+def load_model(spec: EngineSpec) -> LoadedModel:
+    """Set the attention for this process, choose the kernels and load the model; RuntimeError when it cannot
+    load or this engine cannot serve it."""
+    flags = kernels.read_cpu_flags()
+    # every row's attention tiled where asked for and cheap on this CPU (else llama.cpp's own attention: nothing
+    # generated is kept and a resume is not exact); set before the first graph: llama.cpp reads it once per process
+    # (a process's engines share one setting)
+    tiled_attention = spec.tiled_attention and kernels.tiles_decode_cheaply(flags)
+    if spec.tiled_attention and not tiled_attention:
+        log.info("tiled_attention: this CPU has neither AVX-512 nor AVX2 with F16C and FMA, so a decode step's "
+                 "tiled attention would cost more than it saves; llama.cpp's own attention runs, so nothing "
+                 "generated is kept and a resumed request may part from its undisturbed text at a near-tie")
+    os.environ[TILED_ATTENTION_ENV] = "1" if tiled_attention else "0"
+    llama_cpp.llama_backend_init()
+    path = Path(spec.model_path)
+    if spec.quantize:
+        path = ensure_quantized(path, spec.quantize, Path(spec.cache_dir or path.parent))
+    try:
+        extra = kernels.extra_buffer_types()
+    except (OSError, AttributeError) as exc:  # another llama-cpp-python layout: llama.cpp decides alone
+        log.warning("could not list llama.cpp's CPU buffer types (%s)", exc)
+        extra = None
+    choice = kernels.choose(spec.repack, extra, flags)
+    log.info("CPU kernels: %s (%s)", choice.kernels, choice.why)
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.use_extra_bufts = choice.use_extra_bufts
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+    if model is None:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    arch = _meta(model, b"general.architecture") or "this model"
+    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        raise RuntimeError(f"{path.name} is a {arch} model, whose recurrent state this engine cannot move "
+                           "between its contexts; serve a transformer model (llama, qwen, mistral, gemma, phi)")
+    # sliding-window layers (gemma 2 and 3): llama.cpp keeps them in a second KV cache (iswa), which the KV
+    # record (ring handoffs, the prefix cache, remote nodes) does not carry; such a model serves in cpu mode,
+    # each prompt computed whole
+    sliding_window = llama_cpp.llama_model_n_swa(model) > 0
+    if sliding_window and spec.ring:
+        raise RuntimeError(f"{arch} has sliding-window attention layers, whose KV the handoff does not "
+                           "carry yet: serve it in cpu mode (--mode cpu)")
+    return LoadedModel(path, model, choice, tiled_attention, arch, sliding_window)
+
+
+def batch_params(spec: EngineSpec, seq_ctx: int, max_seqs: int, n_batch: int):
+    """The batch context's parameters: max_seqs streams of seq_ctx cells, room for n_batch tokens per
+    llama_decode."""
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = seq_ctx * max_seqs
+    cparams.n_batch = cparams.n_ubatch = n_batch
+    cparams.n_seq_max = max_seqs
+    # One KV stream per slot, each of n_ctx cells. In a unified cache a finished sequence
+    # leaves holes that the others' next tokens fill, so a sequence's cells stop being in
+    # position order and the attention sums round differently than for the request alone
+    # (measured: 9 of 16 staggered requests kept their alone-text unified, 16 of 16 split;
+    # decode speed is the same once prompts run in their own context, below).
+    cparams.kv_unified = False
+    cparams.n_threads = cparams.n_threads_batch = spec.threads
+    cparams.no_perf = True
+    # Flash attention walks a sequence's own cells in order; the plain path sums over all
+    # cells of the batch, so neighbours change the rounding (measured: 16 prompts batched
+    # 8 at a time kept 16/16 of their alone-text with it, 7/16 without).
+    cparams.flash_attn_type = 1
+    return cparams
+
+
+def prompt_params(spec: EngineSpec, seq_ctx: int, chunk: int, flash_attn_type: int):
+    """The prompt context's parameters: one sequence of seq_ctx cells, a chunk of tokens per llama_decode.
+
+    Prompts run in a 1-sequence context of their own, one chunk per step, exactly as if the
+    request were alone; the finished KV then moves into the sequence's stream of the batch
+    context -- the same import a KV record from another engine takes in hetero mode. Mixed
+    into the batch, a prompt would make llama.cpp split it into one ubatch per stream."""
+    pparams = llama_cpp.llama_context_default_params()
+    pparams.n_ctx = seq_ctx
+    pparams.n_batch = pparams.n_ubatch = chunk
+    pparams.n_seq_max = 1
+    pparams.n_threads = pparams.n_threads_batch = spec.threads
+    pparams.flash_attn_type = flash_attn_type
+    pparams.no_perf = True
+    return pparams
