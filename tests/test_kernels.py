@@ -60,7 +60,7 @@ def test_auto_turns_amx_off_on_an_amx_cpu_and_says_how_to_keep_repacking():
     assert "AMX" in got.why and "20824" in got.why and "mk/llama-wheel.sh" in got.why
 
 
-def test_on_takes_amx_but_keeps_a_fallback_and_off_is_plain():
+def test_on_takes_amx_but_keeps_safer_kernels_and_off_is_plain():
     on = choose("on", ["AMX", "CPU_REPACK"], SAPPHIRE_RAPIDS)
     assert on.use_extra_bufts and on.kernels == "amx+repack" and on.safe_repack == "off" and "20824" in on.why
     off = choose("off", ["AMX", "CPU_REPACK"], SAPPHIRE_RAPIDS)
@@ -89,7 +89,7 @@ def test_fault_names_are_checked():
             faults.parse(bad)
 
 
-# --- real daemons: the warm-up, the fallback, the crash loop -----------------------------------------
+# --- real daemons: the warm-up, the safer kernels, the crash loop--------------------------------------
 
 
 def worker(d) -> dict:
