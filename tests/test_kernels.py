@@ -89,7 +89,7 @@ def test_fault_names_are_checked():
             faults.parse(bad)
 
 
-# --- real daemons: the warm-up, the safer kernels, the crash loop--------------------------------------
+# --- real daemons: the warm-up, the safer kernels, the crash loop --------------------------------------
 
 
 def worker(d) -> dict:
