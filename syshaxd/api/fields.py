@@ -10,7 +10,10 @@ sampling rule) and the answer would break it without a word. Three kinds of fiel
 * DEFAULT_ONLY: the peers' switches, taken only at the value that asks for what this server does anyway
   (vLLM's `use_beam_search: false`, `skip_special_tokens: true`, ...); any other value is a 400.
 
-Values are checked by validate.py; this module checks names. The README lists all three kinds.
+This module checks names; validate.py checks values, with the limits declared here, and api/openapi.py
+writes chat's and completions' request schemas from these declarations (each value's type, enum and range,
+each object's required keys); tests/test_request_schemas.py holds the two to what validation does. The
+README lists all three kinds.
 """
 
 from __future__ import annotations
@@ -19,14 +22,55 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syshaxd.api.errors import invalid
+from syshaxd.api.reasoning import EFFORTS, ReasoningFormat
+from syshaxd.sdk.gguf.chat import RENDER_NAMES
+
+# --- the limits validate.py enforces (the OpenAPI document gives these same numbers) -----------------------
+
+MAX_STOP = 4
+MAX_N = 16  # choices per prompt (n)
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_LOGPROBS = 20  # top alternatives per token (completions' logprobs, chat's top_logprobs), as vLLM
+MAX_TOOLS = 128  # as OpenAI's
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"  # a function's and a response_format schema's name, as OpenAI's
+NUMBER_RANGES = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.01, 10.0),
+}
+INTEGER_RANGES = {
+    "top_k": (0, 2**31 - 1),  # llama.cpp takes an int32; anything above the vocabulary means "off"
+    "seed": (-(2**63), 2**64 - 1),
+}
+
+
+# --- how a field is declared ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Val:
+    """A value validate.py checks whole (a scalar, a list of strings, a JSON Schema): its JSON Schema as the
+    OpenAPI document gives it. `fill` names what the running daemon puts in: "model" (the served model's id as
+    the one enum value), "n_ctx" (the context size as the maximum), "routes" (the modes it serves as the enum)."""
+
+    schema: dict = field(default_factory=dict)
+    nullable: bool = True  # null is taken as an absent field (validate.py)
+    fill: str = ""
 
 
 @dataclass(frozen=True)
 class Obj:
-    """An object's known keys, each with the spec of its value (None: a value whose keys are not checked --
-    a scalar, a JSON Schema, or an object validate.py reads whole)."""
+    """An object's known keys, each with the spec of its value (None: a value whose keys are not checked and
+    whose type the document leaves open); `doc`: more of its JSON Schema (a description, bounds)."""
 
     keys: dict[str, "Spec"] = field(default_factory=dict)
+    required: tuple[str, ...] = ()
+    doc: dict = field(default_factory=dict)
+    nullable: bool = True
 
 
 @dataclass(frozen=True)
@@ -34,13 +78,19 @@ class Each:
     """An array whose object items follow `item`."""
 
     item: "Spec"
+    doc: dict = field(default_factory=dict)
+    nullable: bool = True
 
 
 @dataclass(frozen=True)
 class OneOf:
-    """A value that is a string or an object (tool_choice, a message's content as parts): objects follow `obj`."""
+    """A value that is `alt` (a string, as the JSON Schema says) or follows `obj` (tool_choice, a message's
+    content as parts)."""
 
-    obj: Obj
+    obj: "Obj | Each"
+    alt: dict = field(default_factory=dict)
+    doc: dict = field(default_factory=dict)
+    nullable: bool = True
 
 
 @dataclass(frozen=True)
@@ -54,7 +104,15 @@ class Tagged:
     untagged: str | None = None
 
 
-Spec = Obj | Each | OneOf | Tagged | None
+Spec = Val | Obj | Each | OneOf | Tagged | None
+
+BOOLEAN = Val({"type": "boolean"})
+STRING = Val({"type": "string"}, nullable=False)
+
+
+def _described(schema: dict, description: str) -> Val:
+    return Val(schema | {"description": description})
+
 
 # Accepted at the top level of every endpoint, and not used: nothing in an answer here depends on them.
 HARMLESS = {
@@ -85,40 +143,158 @@ DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1, 1.0),
 }
 
-_SCHEMA = None  # a JSON Schema: structured.py checks its keywords
-_FUNCTION = Obj({"name": None, "description": None, "parameters": _SCHEMA, "strict": None})
-_TOOL = Obj({"type": None, "function": _FUNCTION})
-_TOOL_CALL = Obj({"id": None, "type": None, "function": Obj({"name": None, "arguments": None}), "index": None})
+# --- chat completions and completions ----------------------------------------------------------------------
+
+_SCHEMA = Val({"type": ["object", "boolean"], "description": "A JSON Schema; keywords the grammar cannot enforce (minimum, not, "
+                                                "oneOf, ...) are a 400 naming them."}, nullable=False)
+_REGEX = {"type": "string", "minLength": 1, "description": "The whole output matches this regular expression "
+          "(no lookarounds, backreferences or lazy quantifiers)."}
+_CHOICE = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+           "description": "The output is exactly one of these strings."}
+_GBNF = {"type": "string", "minLength": 1, "description": "A GBNF grammar with a rule named root."}
+
+
+def _vllm(schema: dict, whose: str = "vLLM's") -> Val:
+    return _described(schema, f"{whose}: {schema['description']}")
+
+
+_FUNCTION = Obj({"name": Val({"type": "string", "pattern": NAME_PATTERN}, nullable=False),
+                 "description": Val({"type": "string"}),
+                 "parameters": Val({"type": "object", "description": "A JSON Schema of the arguments (the same "
+                                                                     "keywords as response_format's)."}),
+                 "strict": BOOLEAN}, required=("name",), nullable=False)
+_TOOL = Obj({"type": Val({"const": "function"}, nullable=False), "function": _FUNCTION}, required=("type", "function"),
+            nullable=False)
+_TOOL_CALL = Obj({"id": STRING, "type": Val({"const": "function"}),
+                  "function": Obj({"name": STRING, "arguments": STRING}, required=("name", "arguments"),
+                                  nullable=False),
+                  "index": None},  # an answer's own, sent back
+                 required=("id", "function"), nullable=False)
 # the other part types' keys are known, so that validate.py refuses such a part for what it is (not text)
-_TEXT_PART = Obj({"type": None, "text": None, "image_url": None, "input_audio": None, "file": None})
-_MESSAGE = Obj({"role": None, "content": Each(_TEXT_PART), "name": None, "tool_calls": Each(_TOOL_CALL),
-                "tool_call_id": None, "refusal": None, "annotations": None,  # an answer's own, sent back
-                "reasoning_content": None, "reasoning": None})  # an answer's thinking, sent back (validate.py)
-_RESPONSE_FORMAT = Obj({"type": None, "schema": _SCHEMA,  # schema: llama-server's json_object with a schema
-                        "json_schema": Obj({"name": None, "description": None, "schema": _SCHEMA, "strict": None})})
-_STRUCTURED_OUTPUTS = Obj({"json": _SCHEMA, "regex": None, "choice": None, "grammar": None, "json_object": None})
+_TEXT_PART = Obj({"type": Val({"type": "string", "enum": ["text"]}, nullable=False), "text": STRING,
+                  "image_url": None, "input_audio": None, "file": None}, required=("type", "text"), nullable=False)
+_THOUGHT = _described({"type": "string"}, "An assistant message's thinking, sent back (an answer's "
+                                          "`reasoning_content`); templates that render it (Qwen3's) get it.")
+_MESSAGE = Obj({
+    "role": Val({"type": "string", "enum": list(CHAT_ROLES)}, nullable=False),
+    "content": OneOf(Each(_TEXT_PART, nullable=False), alt={"type": "string"},
+                     doc={"description": "Text, or text parts; required but in an assistant message, which may send "
+                                         "null or none."}),
+    "name": Val({"type": "string"}),
+    "tool_calls": Each(_TOOL_CALL, {"description": "An assistant message's earlier calls (OpenAI's shape)."}),
+    "tool_call_id": Val({"type": "string", "description": "Required in a `tool` message: the call it answers."}),
+    "refusal": None, "annotations": None,  # an answer's own, sent back
+    "reasoning_content": _THOUGHT, "reasoning": _THOUGHT,  # an answer's thinking, sent back (validate.py)
+}, required=("role",), nullable=False)
+_RESPONSE_FORMAT = Obj({
+    "type": Val({"type": "string", "enum": ["text", "json_object", "json_schema"]}, nullable=False),
+    "schema": Val(_SCHEMA.schema | {"description": "llama-server's: with json_object, the output validates "
+                                                   "against this JSON Schema."}),
+    "json_schema": Obj({"name": Val({"type": "string", "pattern": NAME_PATTERN}, nullable=False),
+                        "description": Val({"type": "string"}), "schema": _SCHEMA,
+                        "strict": BOOLEAN}, required=("name",), nullable=False,
+                       doc={"description": "Required with type json_schema."}),
+}, required=("type",), doc={"description": "json_object and json_schema constrain sampling with a grammar: the "
+                                           "output parses (and validates).",
+                             "if": {"properties": {"type": {"const": "json_schema"}}},
+                             "then": {"required": ["type", "json_schema"]}})
+_STRUCTURED_OUTPUTS = Obj({"json": _SCHEMA, "regex": Val(_REGEX, nullable=False),
+                           "choice": Val(_CHOICE, nullable=False), "grammar": Val(_GBNF, nullable=False),
+                           "json_object": Val({"const": True}, nullable=False)},
+                          doc={"minProperties": 1, "maxProperties": 1, "description": "vLLM's newer form: exactly "
+                               "one of json, regex, choice, grammar, json_object."})
+
+
+def _max_tokens(default: str, low: int = 1) -> Val:
+    return Val({"type": "integer", "minimum": low,
+                "description": f"Tokens to generate (default {default}); the prompt plus this must fit the context, "
+                               "else 400 `context_length_exceeded`."}, fill="n_ctx")
+
 
 # Read by both endpoints (validate.py's _common and what follows it)
 _COMMON: dict[str, Spec] = {
-    "model": None, "n": None, "temperature": None, "top_p": None, "min_p": None, "top_k": None, "seed": None,
-    "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None, "stop": None,
-    "stream": None, "stream_options": Obj({"include_usage": None}), "max_tokens": None, "ignore_eos": None,
-    "cache_prompt": None, "syshax": Obj({"mode": None}), "min_tokens": None,
-    # constraints (constraints.py): OpenAI's, vLLM's and llama-server's forms
-    "response_format": _RESPONSE_FORMAT, "guided_json": _SCHEMA, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "structured_outputs": _STRUCTURED_OUTPUTS, "grammar": None, "json_schema": _SCHEMA,
+    "model": Val({"type": "string", "description": "The id /v1/models lists; any other gets 404 "
+                                                   "`model_not_found`."}, nullable=False, fill="model"),
+    "n": _described({"type": "integer", "minimum": 1, "maximum": MAX_N},
+                    "Choices per prompt; with a seed, choice j samples with seed + j."),
+    **{name: Val({"type": "number", "minimum": low, "maximum": high}) for name, (low, high) in NUMBER_RANGES.items()},
+    **{name: Val({"type": "integer", "minimum": low, "maximum": high}) for name, (low, high) in INTEGER_RANGES.items()},
+    "stop": _described({"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "maxItems": MAX_STOP,
+                                                                       "items": {"type": "string", "minLength": 1}}]},
+                       f"Up to {MAX_STOP} strings; the text ends before the first one that appears."),
+    "stream": _described({"type": "boolean"}, "Answer as server-sent events (text/event-stream)."),
+    "stream_options": Obj({"include_usage": BOOLEAN}, doc={"description": "Only together with `stream: true`; "
+                          "`include_usage` adds a last chunk with the token counts."}),
+    "ignore_eos": _described({"type": "boolean"}, "Keep generating past the end-of-text token."),
+    "cache_prompt": _described({"type": "boolean"}, "false: neither reuse nor keep this prompt's KV in the prefix "
+                                                    "cache (default true)."),
+    "syshax": Obj({"mode": Val({"type": "string"}, fill="routes")},
+                  doc={"description": "syshax's extension: run this request alone in one mode (those this daemon "
+                                      "serves)."}),
+    "min_tokens": _described({"type": "integer", "minimum": 0}, "vLLM's: above 0 only with ignore_eos and no stop "
+                             "(the answer then runs to max_tokens, which it may not exceed)."),
+    # constraints (constraints.py): OpenAI's, vLLM's and llama-server's forms; a request may use one
+    "response_format": _RESPONSE_FORMAT,
+    "guided_json": _described({"anyOf": [_SCHEMA.schema, {"type": "string", "description": "The schema as JSON "
+                                                                                            "text."}]},
+                              "vLLM's: the output validates against this JSON Schema."),
+    "guided_regex": _vllm(_REGEX), "guided_choice": _vllm(_CHOICE), "guided_grammar": _vllm(_GBNF),
+    "structured_outputs": _STRUCTURED_OUTPUTS, "grammar": _vllm(_GBNF, "llama-server's"),
+    "json_schema": _described(_SCHEMA.schema, "llama-server's: the output validates against this JSON Schema."),
 }
+_COMMON["top_k"] = Val(_COMMON["top_k"].schema | {"description": "0: off."})
 
 CHAT = Obj(_COMMON | {
-    "messages": Each(_MESSAGE), "max_completion_tokens": None, "logprobs": None, "top_logprobs": None,
-    "tools": Each(_TOOL), "tool_choice": OneOf(Obj({"type": None, "function": Obj({"name": None})})),
-    "parallel_tool_calls": None,
+    "messages": Each(_MESSAGE, {"minItems": 1, "description": "Rendered with the model's own chat template."},
+                     nullable=False),
+    "max_tokens": _max_tokens("default_max_tokens, within the context"),
+    "max_completion_tokens": _max_tokens("max_tokens"),
+    "logprobs": _described({"type": "boolean"}, "Each token's logprob (the raw model distribution, as completions' "
+                                                "logprobs)."),
+    "top_logprobs": _described({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                               "Alternatives per token; needs logprobs: true."),
+    "tools": Each(_TOOL, {"maxItems": MAX_TOOLS, "description": "Functions the model may call. tool_choice `required` "
+                          "or a named function constrains the output to one valid call by grammar; `auto` parses "
+                          "the calls the model writes."}),
+    "tool_choice": OneOf(Obj({"type": Val({"const": "function"}, nullable=False),
+                              "function": Obj({"name": STRING}, required=("name",), nullable=False)},
+                             required=("type", "function"), nullable=False),
+                         alt={"type": "string", "enum": ["none", "auto", "required"]}),
+    "parallel_tool_calls": BOOLEAN,
     # reasoning models (reasoning.py): llama-server's reasoning_format, the template's variables (vLLM's and
     # llama-server's chat_template_kwargs), OpenAI's reasoning_effort
-    "reasoning_format": None, "chat_template_kwargs": None, "reasoning_effort": None,
-})
-COMPLETIONS = Obj(_COMMON | {"prompt": None, "echo": None, "logprobs": None, "best_of": None})
+    "reasoning_format": _described({"type": "string", "enum": [str(f) for f in ReasoningFormat]},
+                                   "llama-server's: `deepseek` reads a reasoning model's <think> block into "
+                                   "`reasoning_content`; `none` leaves it in content; `auto` (the default) is "
+                                   "deepseek where the model's chat template is a thinking template."),
+    "chat_template_kwargs": _described({"type": "object",
+                                        "properties": {"enable_thinking": {"type": ["boolean", "null"]}},
+                                        "propertyNames": {"not": {"enum": sorted(RENDER_NAMES)}}},
+                                       "Variables for the model's chat template (vLLM's and llama-server's), e.g. "
+                                       "`enable_thinking: false` (Qwen3)."),
+    "reasoning_effort": _described({"type": "string", "enum": list(EFFORTS)}, "`none`: enable_thinking false; the "
+                                   "others are passed to the template as `reasoning_effort`."),
+}, required=("model", "messages"), nullable=False)
 
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+COMPLETIONS = Obj(_COMMON | {
+    "prompt": Val({"anyOf": [
+        {"type": "string", "minLength": 1},
+        _TOKEN_IDS | {"description": "Token ids of the model's vocabulary."},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_PROMPTS},
+    ], "description": "Text, or token ids, or a batch of either: n choices per prompt, choice index "
+                      "prompt_index * n + j; usage counts each prompt once."}, nullable=False),
+    "max_tokens": _max_tokens("16; 0 only with echo: the prompt alone", low=0),
+    "echo": _described({"type": "boolean"}, "The prompt's text before each completion (with logprobs, the prompt "
+                                            "tokens' too)."),
+    "logprobs": _described({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                           "Each token's logprob and this many most likely alternatives: the model's raw "
+                           "distribution, before temperature and penalties. A torch or vLLM prefill engine (hetero) "
+                           "answers 400."),
+    "best_of": _described({"type": "integer", "minimum": 1, "maximum": MAX_N},
+                          "Only equal to n (no extra candidates are ranked)."),
+}, required=("model", "prompt"), nullable=False)
 
 # /v1/responses (responses.py): OpenAI's Responses API
 _TEXT = Obj({"type": None, "text": None, "annotations": None, "logprobs": None})
@@ -173,6 +349,7 @@ MESSAGES_COUNT = Obj({k: v for k, v in MESSAGES.keys.items()
                                    "metadata")})
 
 
+
 def check_fields(body: dict, spec: Obj) -> None:
     """Raise a 400 naming the first field of body that spec does not declare (HARMLESS and DEFAULT_ONLY at the
     top level are declared too)."""
@@ -182,7 +359,7 @@ def check_fields(body: dict, spec: Obj) -> None:
         if key in spec.keys:
             _check_value(value, spec.keys[key], key)
         elif key in DEFAULT_ONLY:
-            if value not in DEFAULT_ONLY[key]:
+            if not any(type(value) is type(v) and value == v for v in DEFAULT_ONLY[key]):  # 0 is not false
                 allowed = " or ".join(repr(v).replace("True", "true").replace("False", "false")
                                       for v in DEFAULT_ONLY[key])
                 raise invalid(f"'{key}' is not supported by this server: it takes only {allowed}, what it does "
@@ -192,7 +369,7 @@ def check_fields(body: dict, spec: Obj) -> None:
 
 
 def _check_value(value: Any, spec: Spec, where: str) -> None:
-    if spec is None:
+    if spec is None or isinstance(spec, Val):
         return
     if isinstance(spec, OneOf):
         spec = spec.obj

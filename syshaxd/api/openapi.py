@@ -1,20 +1,22 @@
-"""The OpenAPI 3.1 document of syshaxd's HTTP API, built from the limits validate.py enforces.
+"""The OpenAPI 3.1 document of syshaxd's HTTP API (/openapi.json), written from api/fields.py's declarations.
 
-Served at /openapi.json. It describes this running daemon: the served model's id,
-its context size, the routes it can take (``syshax.mode``), and whether API keys
-are required. Request schemas list the fields validate.py accepts with the ranges
-it checks, and no others (api/fields.py: an unknown field is a 400); responses give the
-OpenAI shapes, the error shape for every 4xx/5xx, and SSE as ``text/event-stream``.
+It describes this running daemon: the served model's id, its context size, the routes it can take
+(``syshax.mode``), and whether API keys are required. Chat's and completions' request schemas are
+generated from the declarations validation reads (api/fields.py: each field's type, enum and range,
+each object's required keys, and no other field: an unknown one is a 400); the Responses and Messages
+requests list their declared fields, typed where given here. Responses give OpenAI's and Anthropic's
+shapes, the error shape for every 4xx/5xx, and streams as ``text/event-stream``; /tokenize, /detokenize,
+/tokenizer_info, the model list, health, status and metrics are described too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from syshaxd import __version__
 from syshaxd.api import messages, responses
-from syshaxd.api.fields import DEFAULT_ONLY, HARMLESS, MESSAGES, RESPONSES, Obj
-from syshaxd.api.reasoning import EFFORTS, ReasoningFormat
-from syshaxd.sdk.gguf.chat import RENDER_NAMES
-from syshaxd.api.validate import CHAT_ROLES, INTEGER_RANGES, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP, NUMBER_RANGES
+from syshaxd.api.fields import (CHAT, CHAT_ROLES, COMPLETIONS, DEFAULT_ONLY, HARMLESS, MESSAGES, RESPONSES, Each, Obj,
+                                OneOf, Spec, Val)
 
 ERROR_STATUSES = {
     "400": "The body is invalid: the error's `param` names the field and its message says what is allowed.",
@@ -43,79 +45,6 @@ def _errors(*statuses: str) -> dict:
             for s in statuses}
 
 
-def _sampling_fields(model_name: str, routes: list[str]) -> dict:
-    fields = {
-        "model": {"type": "string", "enum": [model_name],
-                  "description": "The id /v1/models lists; any other gets 404 `model_not_found`."},
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N,
-                        "description": "Choices per prompt; with a seed, choice j samples with seed + j."}),
-        "stream": _nullable({"type": "boolean", "description": "Answer as server-sent events (text/event-stream)."}),
-        "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})},
-                                     "additionalProperties": False,
-                                     "description": "Only together with `stream: true`; `include_usage` adds a "
-                                                    "last chunk with the token counts."}),
-        "stop": _nullable({"anyOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
-        ], "description": f"Up to {MAX_STOP} strings; the text ends before the first one that appears."}),
-        "ignore_eos": _nullable({"type": "boolean", "description": "Keep generating past the end-of-text token."}),
-        "min_tokens": _nullable({"type": "integer", "minimum": 0, "description": "vLLM's: above 0 only with "
-                                 "ignore_eos and no stop (the answer then runs to max_tokens, which it may not "
-                                 "exceed)."}),
-        "cache_prompt": _nullable({"type": "boolean", "description": "false: neither reuse nor keep this prompt's "
-                                   "KV in the prefix cache (default true)."}),
-        "syshax": _nullable({"type": "object", "properties": {
-            "mode": _nullable({"type": "string", "enum": routes}),
-        }, "additionalProperties": False, "description": "syshax's extension: run this request alone in one mode "
-                                                          f"({', '.join(routes)} on this daemon)."}),
-    } | _constraint_fields() | _accepted_fields()
-    for name, (low, high) in NUMBER_RANGES.items():
-        fields[name] = _nullable({"type": "number", "minimum": low, "maximum": high})
-    for name, (low, high) in INTEGER_RANGES.items():
-        fields[name] = _nullable({"type": "integer", "minimum": low, "maximum": high})
-    fields["top_k"]["description"] = "0: off."
-    return fields
-
-
-def _constraint_fields() -> dict:
-    """Every way to constrain the output (api/constraints.py); a request may use one."""
-    schema = {"type": "object", "description": "A JSON Schema; keywords the grammar cannot enforce (minimum, not, "
-                                               "oneOf, ...) are a 400 naming them."}
-    regex = {"type": "string", "minLength": 1, "description": "The whole output matches this regular expression "
-             "(no lookarounds, backreferences or lazy quantifiers)."}
-    choice = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-              "description": "The output is exactly one of these strings."}
-    gbnf = {"type": "string", "minLength": 1, "description": "A GBNF grammar with a rule named root."}
-    return {
-        "response_format": _nullable({"anyOf": [
-            {"type": "object", "required": ["type"], "additionalProperties": False,
-             "properties": {"type": {"type": "string", "enum": ["text", "json_object"]},
-                            "schema": schema | {"description": "llama-server's: with json_object, the output "
-                                                               "validates against this JSON Schema."}}},
-            {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
-             "properties": {"type": {"const": "json_schema"}, "json_schema": {
-                 "type": "object", "required": ["name"], "additionalProperties": False,
-                 "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
-                                "description": {"type": "string"}, "schema": schema,
-                                "strict": _nullable({"type": "boolean"})}}}}],
-            "description": "json_object and json_schema constrain sampling with a grammar: the output parses "
-                           "(and validates)."}),
-        "guided_json": _nullable({"anyOf": [schema, {"type": "string", "description": "The schema as JSON text."}],
-                                  "description": "vLLM's: the output validates against this JSON Schema."}),
-        "guided_regex": _nullable(regex | {"description": "vLLM's: " + regex["description"]}),
-        "guided_choice": _nullable(choice | {"description": "vLLM's: " + choice["description"]}),
-        "guided_grammar": _nullable(gbnf | {"description": "vLLM's: " + gbnf["description"]}),
-        "structured_outputs": _nullable({
-            "type": "object", "properties": {"json": schema, "regex": regex, "choice": choice, "grammar": gbnf,
-                                             "json_object": {"type": "boolean"}},
-            "additionalProperties": False, "minProperties": 1, "maxProperties": 1,
-            "description": "vLLM's newer form: exactly one of json, regex, choice, grammar, json_object."}),
-        "grammar": _nullable(gbnf | {"description": "llama-server's: " + gbnf["description"]}),
-        "json_schema": _nullable(schema | {"description": "llama-server's: the output validates against this "
-                                                          "JSON Schema."}),
-    }
-
-
 def _accepted_fields() -> dict:
     """Fields clients send that change nothing here (HARMLESS), and the peers' switches taken at the value that
     asks for what this server does anyway (DEFAULT_ONLY)."""
@@ -126,101 +55,50 @@ def _accepted_fields() -> dict:
     return fields
 
 
-def _max_tokens(n_ctx: int, default: str, low: int = 1) -> dict:
-    return _nullable({"type": "integer", "minimum": low, "maximum": n_ctx,
-                      "description": f"Tokens to generate (default {default}); the prompt plus this must fit "
-                                     f"the context of {n_ctx} tokens, else 400 `context_length_exceeded`."})
+@dataclass(frozen=True)
+class _Daemon:
+    """What the running daemon puts into a declared field's schema (fields.Val.fill)."""
+
+    model_name: str
+    n_ctx: int
+    routes: list[str]
+
+    def fill(self, val: Val) -> dict:
+        if val.fill == "model":
+            return val.schema | {"enum": [self.model_name]}
+        if val.fill == "n_ctx":
+            return val.schema | {"maximum": self.n_ctx}
+        if val.fill == "routes":
+            return val.schema | {"enum": list(self.routes)}
+        return dict(val.schema)
 
 
-def _completion_request(common: dict, n_ctx: int) -> dict:
-    prompt = {"anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
-         "description": "Token ids of the model's vocabulary."},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
-        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-         "minItems": 1, "maxItems": MAX_PROMPTS},
-    ], "description": "Text, or token ids, or a batch of either: n choices per prompt, choice index "
-                      "prompt_index * n + j; usage counts each prompt once."}
-    return {
-        "type": "object",
-        "required": ["model", "prompt"],
-        "properties": common | {
-            "prompt": prompt,
-            "max_tokens": _max_tokens(n_ctx, "16; 0 only with echo: the prompt alone", low=0),
-            "echo": _nullable({"type": "boolean", "description": "The prompt's text before each completion (with "
-                                                                 "logprobs, the prompt tokens' too)."}),
-            "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N,
-                                  "description": "Only equal to n (no extra candidates are ranked)."}),
-            "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
-                                   "description": "Each token's logprob and this many most likely alternatives: "
-                                                  "the model's raw distribution, before temperature and "
-                                                  "penalties. A torch or vLLM prefill engine (hetero) answers 400."}),
-        },
-        "additionalProperties": False,
-    }
+def _schema_of(spec: Spec, daemon: _Daemon) -> dict:
+    """The JSON Schema of a field as api/fields.py declares it: an object takes its declared keys and no others."""
+    if spec is None:
+        return {}
+    if isinstance(spec, Val):
+        schema = daemon.fill(spec)
+    elif isinstance(spec, Obj):
+        schema = {"type": "object", "properties": {k: _schema_of(v, daemon) for k, v in spec.keys.items()},
+                  "additionalProperties": False} | ({"required": list(spec.required)} if spec.required else {}) \
+            | spec.doc
+    elif isinstance(spec, Each):
+        schema = {"type": "array", "items": _schema_of(spec.item, daemon)} | spec.doc
+    elif isinstance(spec, OneOf):  # null, where taken, is a third branch: clients read the first two
+        return {"anyOf": [spec.alt, _schema_of(spec.obj, daemon)] + ([{"type": "null"}] if spec.nullable else [])} \
+            | spec.doc
+    else:  # Tagged: the endpoint refuses an unknown kind by its type
+        return {"type": "object"}
+    return _nullable(schema) if spec.nullable else schema
 
 
-def _chat_request(common: dict, n_ctx: int) -> dict:
-    text_part = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
-                 "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
-    message = {
-        "type": "object",
-        "required": ["role", "content"],
-        "properties": {
-            "role": {"type": "string", "enum": list(CHAT_ROLES)},
-            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}],
-                        "description": "Text, or text parts; an assistant message may send null."},
-            "tool_calls": {"type": "array", "description": "An assistant message's earlier calls (OpenAI's shape).",
-                           "items": {"type": "object", "required": ["id", "type", "function"]}},
-            "tool_call_id": {"type": "string", "description": "Required in a `tool` message: the call it answers."},
-            "name": {"type": "string"}, "refusal": {}, "annotations": {},
-            **{name: _nullable({"type": "string", "description": "An assistant message's thinking, sent back (an "
-                                                                 "answer's `reasoning_content`); templates that "
-                                                                 "render it (Qwen3's) get it."})
-               for name in ("reasoning_content", "reasoning")},
-        },
-        "additionalProperties": False,
-    }
-    return {
-        "type": "object",
-        "required": ["model", "messages"],
-        "properties": common | {
-            "messages": {"type": "array", "items": message, "minItems": 1,
-                         "description": "Rendered with the model's own chat template."},
-            "max_tokens": _max_tokens(n_ctx, "default_max_tokens, within the context"),
-            "max_completion_tokens": _max_tokens(n_ctx, "max_tokens"),
-            "logprobs": _nullable({"type": "boolean", "description": "Each token's logprob (the raw model "
-                                   "distribution, as completions' logprobs)."}),
-            "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
-                                       "description": "Alternatives per token; needs logprobs: true."}),
-            "tools": _nullable({"type": "array", "maxItems": 128, "items": _ref("Tool"),
-                                "description": "Functions the model may call. tool_choice `required` or a named "
-                                               "function constrains the output to one valid call by grammar; "
-                                               "`auto` parses the calls the model writes."}),
-            "tool_choice": _nullable({"anyOf": [
-                {"type": "string", "enum": ["none", "auto", "required"]},
-                {"type": "object", "required": ["type", "function"],
-                 "properties": {"type": {"const": "function"},
-                                "function": {"type": "object", "required": ["name"],
-                                             "properties": {"name": {"type": "string"}}}}}]}),
-            "parallel_tool_calls": _nullable({"type": "boolean"}),
-            "reasoning_format": _nullable({"type": "string", "enum": [str(f) for f in ReasoningFormat],
-                                           "description": "llama-server's: `deepseek` reads a reasoning model's "
-                                                          "<think> block into `reasoning_content`; `none` leaves it "
-                                                          "in content; `auto` (the default) is deepseek where the "
-                                                          "model's chat template is a thinking template."}),
-            "chat_template_kwargs": _nullable({
-                "type": "object", "properties": {"enable_thinking": _nullable({"type": "boolean"})},
-                "propertyNames": {"not": {"enum": sorted(RENDER_NAMES)}},
-                "description": "Variables for the model's chat template (vLLM's and llama-server's), e.g. "
-                               "`enable_thinking: false` (Qwen3)."}),
-            "reasoning_effort": _nullable({"type": "string", "enum": list(EFFORTS),
-                                           "description": "`none`: enable_thinking false; the others are passed "
-                                                          "to the template as `reasoning_effort`."}),
-        },
-        "additionalProperties": False,
-    }
+def _request(spec: Obj, daemon: _Daemon) -> dict:
+    """A request body's schema: the fields the endpoint declares (api/fields.py) and those every endpoint
+    accepts."""
+    schema = _schema_of(spec, daemon)
+    schema["properties"] = _accepted_fields() | schema["properties"]
+    return schema
 
 
 def _declared(spec: Obj, typed: dict) -> dict:
@@ -385,14 +263,6 @@ def _schemas() -> dict:
                             "decided_by": {"type": "string"}, "moved_to": {"type": "string"}}}
     return {
         "Route": route,
-        "Tool": {"type": "object", "required": ["type", "function"], "additionalProperties": False,
-                 "properties": {"type": {"const": "function"}, "function": {
-                     "type": "object", "required": ["name"], "additionalProperties": False,
-                     "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
-                                    "description": {"type": "string"},
-                                    "parameters": {"type": "object", "description": "A JSON Schema of the "
-                                                   "arguments (the same keywords as response_format's)."},
-                                    "strict": _nullable({"type": "boolean"})}}}},
         "Error": {
             "type": "object", "required": ["error"],
             "properties": {"error": {
@@ -511,9 +381,9 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
                    metrics_require_key: bool) -> dict:
     """The OpenAPI document for a daemon serving model_name with this context size and these routes."""
     secured = [{"bearerAuth": []}] if keys_required else []
-    common = _sampling_fields(model_name, routes)
-    schemas = _schemas() | {"CompletionRequest": _completion_request(common, n_ctx),
-                            "ChatCompletionRequest": _chat_request(common, n_ctx)} | _token_schemas(model_name) \
+    daemon = _Daemon(model_name, n_ctx, routes)
+    schemas = _schemas() | {"CompletionRequest": _request(COMPLETIONS, daemon),
+                            "ChatCompletionRequest": _request(CHAT, daemon)} | _token_schemas(model_name) \
         | _other_api_schemas(model_name, n_ctx)
     json_200 = lambda ref, what: {"200": {"description": what,  # noqa: E731
                                           "content": {"application/json": {"schema": _ref(ref)}}}}

@@ -159,6 +159,9 @@ def parse_response_format(fmt) -> str:
     if not isinstance(name, str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", name):
         raise invalid("Invalid 'response_format.json_schema.name': it must be 1 to 64 of a-z, A-Z, 0-9, _ and -.",
                       param="response_format.json_schema.name")
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise invalid("Invalid type for 'response_format.json_schema.description': expected a string.",
+                      param="response_format.json_schema.description", code="invalid_type")
     if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
         raise invalid("Invalid type for 'response_format.json_schema.strict': expected a boolean.",
                       param="response_format.json_schema.strict", code="invalid_type")

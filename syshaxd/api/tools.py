@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from json.decoder import scanstring
 
 from syshaxd.api.errors import invalid
+from syshaxd.api.fields import MAX_TOOLS
 from syshaxd.api.structured import SchemaError, _check, schema_to_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -86,6 +87,9 @@ def _function(i: int, tool) -> dict:
     if fn.get("description") is not None and not isinstance(fn["description"], str):
         raise invalid(f"Invalid type for '{_param(i, 'function.description')}': expected a string.",
                       param=_param(i, "function.description"), code="invalid_type")
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        raise invalid(f"Invalid type for '{_param(i, 'function.strict')}': expected a boolean.",
+                      param=_param(i, "function.strict"), code="invalid_type")
     params = fn.get("parameters")
     if params is None:  # OpenAI: no parameters means a function that takes none
         params = {"type": "object", "properties": {}}
@@ -109,22 +113,22 @@ def parse_tools(body: dict) -> Tools | None:
     raw, choice = body.get("tools"), body.get("tool_choice")
     if raw is not None and not isinstance(raw, list):
         raise invalid("Invalid type for 'tools': expected an array.", param="tools", code="invalid_type")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("Invalid type for 'parallel_tool_calls': expected a boolean.", param="parallel_tool_calls",
+                      code="invalid_type")
     if not raw:
         if choice is not None and choice != "none":
             raise invalid("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are "
                           "specified.", param="tool_choice")
         return None
-    if len(raw) > 128:
-        raise invalid(f"Invalid 'tools': array too long. Expected an array with maximum length 128, but got an "
+    if len(raw) > MAX_TOOLS:
+        raise invalid(f"Invalid 'tools': array too long. Expected an array with maximum length {MAX_TOOLS}, but got an "
                       f"array with length {len(raw)} instead.", param="tools", code="array_above_max_length")
     tools = tuple(_function(i, t) for i, t in enumerate(raw))
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise invalid("Invalid 'tools': function names must be unique.", param="tools")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise invalid("Invalid type for 'parallel_tool_calls': expected a boolean.", param="parallel_tool_calls",
-                      code="invalid_type")
     if choice is None or choice in ("auto", "required", "none"):
         choice = choice or "auto"
     elif isinstance(choice, dict):

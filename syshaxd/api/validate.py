@@ -11,32 +11,15 @@ from typing import Any
 from syshaxd.api.errors import APIError, invalid, one_of
 from syshaxd.api import fields
 from syshaxd.api.constraints import Constraint, parse_constraint
-from syshaxd.api.fields import check_fields
+from syshaxd.api.fields import (CHAT_ROLES, INTEGER_RANGES, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP,
+                                NUMBER_RANGES, check_fields)
 from syshaxd.api.reasoning import Thinking, parse_thinking
 from syshaxd.api.tools import Tools, call_grammar, parse_tools
 from syshaxd.config import MODES
 from syshaxd.sdk.types import GenerateRequest, SamplingParams
 
-MAX_STOP = 4
-MAX_N = 16  # choices per prompt (n)
-MAX_PROMPTS = 64  # prompts in one completions request
-MAX_LOGPROBS = 20  # top alternatives per token (completions' logprobs, chat's top_logprobs), as vLLM
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 
-# The ranges _common enforces; api/openapi.py documents these same numbers.
-NUMBER_RANGES = {
-    "temperature": (0.0, 2.0),
-    "top_p": (0.0, 1.0),
-    "min_p": (0.0, 1.0),
-    "presence_penalty": (-2.0, 2.0),
-    "frequency_penalty": (-2.0, 2.0),
-    "repetition_penalty": (0.01, 10.0),
-}
-INTEGER_RANGES = {
-    "top_k": (0, 2**31 - 1),  # llama.cpp takes an int32; anything above the vocabulary means "off"
-    "seed": (-(2**63), 2**64 - 1),
-}
 NUMBER_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0,
                    "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
@@ -277,7 +260,7 @@ def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> 
     model, sampling, stream, include_usage, stop, ignore_eos, n = _common(body, served_model)
     prompts = _prompts(body)
     echo = _boolean(body, "echo", False)
-    best_of = body.get("best_of")
+    best_of = _integer(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
         raise invalid(f"'best_of' other than n is not supported by this server (got {best_of!r}); send n alone.",
                       param="best_of", code="unsupported_parameter")
@@ -332,14 +315,18 @@ def parse_message(i: int, m: Any) -> dict:
     if not isinstance(content, str):
         raise type_error(f"{where}.content", "a string or an array of text parts", content)
     out = {"role": role, "content": _text(f"{where}.content", content)}
-    if role == "assistant" and m.get("tool_calls"):
-        out["tool_calls"] = _tool_calls(where, m["tool_calls"])
+    if role == "assistant" and m.get("tool_calls") is not None:
+        calls = _tool_calls(where, m["tool_calls"])
+        if calls:
+            out["tool_calls"] = calls
     reasoning = _reasoning(where, m)
     if reasoning is not None:
         out["reasoning_content"] = reasoning
+    call_id = m.get("tool_call_id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise type_error(f"{where}.tool_call_id", "a string", call_id)
     if role == "tool":
-        call_id = m.get("tool_call_id")
-        if not isinstance(call_id, str):
+        if call_id is None:
             raise invalid(f"Missing required parameter: '{where}.tool_call_id'.", param=f"{where}.tool_call_id",
                           code="missing_required_parameter")
         out["tool_call_id"] = call_id
@@ -376,8 +363,8 @@ def _tool_calls(where: str, calls: Any) -> list[dict]:
     for j, call in enumerate(calls):
         at = f"{where}.tool_calls[{j}]"
         fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str) \
-                or not isinstance(fn.get("arguments"), str):
+        if not isinstance(fn, dict) or call.get("type") not in (None, "function") or not isinstance(call.get("id"), str) \
+                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
             raise invalid(f"Invalid '{at}': expected {{\"id\": ..., \"type\": \"function\", \"function\": "
                           "{\"name\": ..., \"arguments\": <JSON text>}}.", param=at)
         out.append({"id": call["id"], "type": "function",
