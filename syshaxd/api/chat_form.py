@@ -16,17 +16,13 @@ from typing import Any
 from aiohttp import web
 
 from syshaxd.api.errors import APIError, invalid
-from syshaxd.api.fanout import Fanout
-from syshaxd.api.generation import prepared, read_body, run
+from syshaxd.api.generation import Generation
 from syshaxd.api.keys import MODEL_NAME, STATE
 from syshaxd.api.validate import ParsedRequest, parse_chat, type_error
-from syshaxd.sdk.types import Accepted
-from syshaxd.metrics import RequestTimer
 
 Translate = Callable[[dict], tuple[dict, "Renames"]]
-# respond(request, timer, body, parsed, fan, accepted): the endpoint's answer to a started request
-Respond = Callable[[web.Request, RequestTimer, dict, ParsedRequest, Fanout, list[Accepted]],
-                   Awaitable[web.StreamResponse]]
+# respond(gen, body): the endpoint's answer to the started request, from the body the client sent
+Respond = Callable[[Generation, dict], Awaitable[web.StreamResponse]]
 
 
 def expect(value: Any, kind: type | tuple[type, ...], name: str, expected: str) -> Any:
@@ -119,19 +115,28 @@ def chat_tool(name: Any, description: Any, parameters: Any) -> dict:
     return {"type": "function", "function": fn}
 
 
-async def translated(request: web.Request, timer: RequestTimer, translate: Translate, respond: Respond
-                     ) -> web.StreamResponse:
-    """Read the body, translate it, check it as chat, run it and respond; every error named in the endpoint's
-    own fields."""
-    cfg = request.app[STATE].config
-    body = await read_body(request)
-    chat, renames = translate(body)
-    try:
-        parsed = parse_chat(chat, request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages)
-        if renames.thinking_field:
-            parsed = replace(parsed, thinking=replace(parsed.thinking, demanded_by=renames.thinking_field))
-        parsed = await prepared(request, parsed)  # its thinking settled: how respond() reads the output
-        return await run(request, parsed, timer,
-                         lambda fan, accepted: respond(request, timer, body, parsed, fan, accepted))
-    except APIError as exc:
-        raise renames.apply(exc) from None
+class Translated:
+    """A request to an endpoint whose body becomes a chat body (generation.Endpoint): translated, checked as chat,
+    answered by respond(gen, body); every error named in the endpoint's own fields."""
+
+    def __init__(self, request: web.Request, translate: Translate, respond: Respond) -> None:
+        self.request = request
+        self.translate = translate
+        self.answer = respond
+        self.body: dict = {}
+        self.renames: Renames | None = None  # known once the body is translated
+
+    def parse(self, body: dict) -> ParsedRequest:
+        self.body = body
+        chat, self.renames = self.translate(body)  # its errors name the endpoint's fields already
+        cfg = self.request.app[STATE].config
+        parsed = parse_chat(chat, self.request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages)
+        if self.renames.thinking_field:
+            parsed = replace(parsed, thinking=replace(parsed.thinking, demanded_by=self.renames.thinking_field))
+        return parsed
+
+    def renamed(self, exc: APIError) -> APIError:
+        return self.renames.apply(exc) if self.renames is not None else exc
+
+    async def respond(self, gen: Generation) -> web.StreamResponse:
+        return await self.answer(gen, self.body)

@@ -28,7 +28,7 @@ class ChatExchange(Exchange):
             if calls:
                 message["tool_calls"] = [c.to_json() for c in calls]
             finish = finish_reason(ch.finish, calls)
-        if ch.reader is not None:
+        if self.reading:
             thought = "".join(ch.thoughts) or None
             if thought is not None and not message["content"]:
                 message["content"] = None  # all thinking (max_tokens ended it there): no answer, as vLLM gives it
@@ -37,8 +37,8 @@ class ChatExchange(Exchange):
 
     def usage(self, accepted: list[Accepted]) -> dict:
         usage = super().usage(accepted)
-        if self.choices[0].reader is not None:  # OpenAI's count of the completion's reasoning tokens
-            usage["completion_tokens_details"] = {"reasoning_tokens": sum(ch.reader.tokens for ch in self.choices)}
+        if self.reading:  # OpenAI's count of the completion's reasoning tokens
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(ch.reasoning_tokens for ch in self.choices)}
         return usage
 
     def thought_chunk(self, index: int, thought: str, logprobs: dict | None = None) -> dict:

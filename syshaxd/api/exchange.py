@@ -1,13 +1,13 @@
-"""One chat or completions request's answer as it is shown: what a Delta adds to a choice, the JSON body folded from
-those Deltas, and the stream's chunks. The parts both endpoints share are here; chat_shapes.py and
-completion_shapes.py give each its own bodies, chunks and logprobs."""
+"""One chat or completions request's answer as it is shown: what a Delta shows of a choice (echo's prompt, logprobs),
+the JSON body folded from the Steps (api/outputs.py), and the stream's chunks. The parts both endpoints share are
+here; chat_shapes.py and completion_shapes.py give each its own bodies, chunks and logprobs."""
 
 from __future__ import annotations
 
 import time
 
 from syshaxd import __version__
-from syshaxd.api.reasoning import ThinkingReader
+from syshaxd.api.outputs import Step
 from syshaxd.api.validate import ParsedRequest
 from syshaxd.engine.prompts import Pieces
 from syshaxd.sdk.types import Accepted, Delta
@@ -18,12 +18,12 @@ SYSTEM_FINGERPRINT = f"syshax-{__version__}"
 class Choice:
     """What one choice has shown so far."""
 
-    def __init__(self, index: int, reader: ThinkingReader | None = None) -> None:
+    def __init__(self, index: int) -> None:
         self.index = index
-        self.reader = reader  # a reasoning model's output, read apart into thinking and answer (chat)
         self.thoughts: list[str] = []  # the thinking shown so far; parts: the rest
         self.parts: list[str] = []
-        self.n = 0  # tokens generated
+        self.n = 0  # tokens generated, once it finished
+        self.reasoning_tokens = 0  # of them, those up to the end of the thinking
         self.finish: str | None = None
         self.logprobs: dict | None = None
         self.chars = 0  # characters shown: where the next token's text_offset begins
@@ -46,10 +46,9 @@ class Exchange:
         self.pieces = pieces
         self.echo_texts = echo_texts  # per prompt: what echo puts before the completion
         self.prompt_ids = prompt_ids  # per prompt: its tokens, for echo's prompt logprobs
-        thinking = parsed.thinking
-        reading = thinking is not None and thinking.split
-        self.choices = [Choice(i, ThinkingReader(thinking.opened) if reading else None)
-                        for i in range(len(parsed.generates))]
+        # a reasoning model's output, read apart into thinking and answer (chat)
+        self.reading = parsed.thinking is not None and parsed.thinking.split
+        self.choices = [Choice(i) for i in range(len(parsed.generates))]
         self.tools = parsed.tools  # chat with tools: the output is read back into tool calls
 
     def head(self, obj: str) -> dict:
@@ -100,25 +99,31 @@ class Exchange:
         ch.chars += len(text)
         return text, lp
 
-    def read_apart(self, ch: Choice, text: str, event: Delta) -> tuple[str, str]:
-        """(thinking, answer) of the text a Delta shows: a reasoning model's thinking read apart, else ("", text)."""
-        if ch.reader is None:
-            return "", text
-        return ch.reader.feed(text, event.n_tokens, event.finish_reason is not None)
+    def show(self, index: int, event: Delta) -> tuple[str, dict | None]:
+        """shown() for choice `index`: how the Steps read a Delta (api/outputs.Show)."""
+        return self.shown(self.choices[index], event)
 
-    def add(self, ch: Choice, event: Delta) -> None:
-        """Fold a Delta into the whole body: the same Deltas, shown the same way, as a stream sends."""
-        text, lp = self.shown(ch, event)
-        thought, text = self.read_apart(ch, text, event)
-        if thought:
-            ch.thoughts.append(thought)
-        ch.parts.append(text)
-        ch.n += event.n_tokens
+    def fold(self, step: Step) -> None:
+        """Fold a Step into the whole body: the same Steps, shown the same way, as a stream sends."""
+        ch = self.choices[step.index]
+        if step.thought:
+            ch.thoughts.append(step.thought)
+        ch.parts.append(step.text)
+        lp = step.logprobs
         if lp is not None:
             if ch.logprobs is None:
                 ch.logprobs = lp
             else:
                 self.merge_logprobs(ch.logprobs, lp)
+        self.ended(step)
+
+    def ended(self, step: Step) -> None:
+        """Keep how a choice ended, from its last Step."""
+        if step.finish is not None:
+            ch = self.choices[step.index]
+            ch.finish = step.finish.reason
+            ch.n = step.finish.completion_tokens
+            ch.reasoning_tokens = step.finish.reasoning_tokens
 
     def usage(self, accepted: list[Accepted]) -> dict:
         """Each prompt counted once (its n choices share it), every choice's completion counted."""

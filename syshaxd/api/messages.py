@@ -3,7 +3,7 @@
 The body becomes a chat body (system -> a system message, tool_use / tool_result blocks ->
 assistant tool calls and tool messages, tools with input_schema, tool_choice auto / any / tool /
 none, output_config.format -> response_format, thinking -> enable_thinking) that parse_chat checks;
-the output is read as thinking, text and tool calls (generation.turn) and written as Anthropic's stream
+the output is read as thinking, text and tool calls (api/outputs.py) and written as Anthropic's stream
 events: a reasoning model's thinking is a `thinking` block before the text. A JSON answer is folded from
 the same events. Errors leave in Anthropic's shape (app.py's middleware), their
 message naming the field.
@@ -15,22 +15,21 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
-from syshaxd.api.chat_form import (TOOL_RULES, Renames, chat_tool, chat_tools, expect, required,
-                                   text_parts, translated)
-from syshaxd.api import fields
+from syshaxd.api import fields, sse
+from syshaxd.api.chat_form import (TOOL_RULES, Renames, Translated, chat_tool, chat_tools, expect, required,
+                                   text_parts)
 from syshaxd.api.errors import APIError, invalid, one_of
 from syshaxd.api.fields import check_fields
-from syshaxd.api.fanout import Fanout
-from syshaxd.api.generation import Finish, Thought, admitted, read_body, route_of, stream_sse, turn, typed_sse
+from syshaxd.api.generation import Generation, read_body, serve
 from syshaxd.api.keys import MODEL_NAME, STATE, VOCAB
+from syshaxd.api.outputs import Finish, Step
 from syshaxd.api.tools import partial_object
-from syshaxd.api.validate import ParsedRequest, parse_chat
-from syshaxd.sdk.types import Accepted
-from syshaxd.metrics import RequestTimer
+from syshaxd.api.validate import parse_chat
 
 routes = web.RouteTableDef()
 
@@ -246,31 +245,33 @@ def _tool_use(call) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": {}}
 
 
-async def _events(request: web.Request, parsed: ParsedRequest, message_id: str, prompt_tokens: int,
-                  pieces: AsyncIterator, fan: Fanout, shown_thinking: bool = True) -> AsyncIterator[dict]:
+async def _events(gen: Generation, message_id: str, steps: AsyncIterator[Step | None],
+                  shown_thinking: bool = True) -> AsyncIterator[dict]:
     """Anthropic's stream events for one output, in order; the first comes with the engine's first token. A reasoning
     model's thinking is a thinking block before the text (its text left out with `shown_thinking` false: thinking
     display "omitted"); its signature is empty, as nothing here signs it."""
-    await anext(pieces)
+    await anext(steps)
     yield {"type": "message_start", "message": {
-        "id": message_id, "type": "message", "role": "assistant", "model": parsed.model, "content": [],
+        "id": message_id, "type": "message", "role": "assistant", "model": gen.parsed.model, "content": [],
         "stop_reason": None,
-        "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}
+        "stop_sequence": None, "usage": {"input_tokens": gen.accepted[0].prompt_tokens, "output_tokens": 0}}}
     yield {"type": "ping"}
     index = 0
     open_text = open_thought = False
-    async for piece in pieces:
-        if isinstance(piece, Finish):
-            finish = piece
-            break
-        if isinstance(piece, Thought):
+    finish: Finish | None = None
+    async for step in steps:
+        if step.thought:
             if not open_thought:
                 open_thought = True
                 yield {"type": "content_block_start", "index": index,
                        "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
             if shown_thinking:
                 yield {"type": "content_block_delta", "index": index,
-                       "delta": {"type": "thinking_delta", "thinking": piece.text}}
+                       "delta": {"type": "thinking_delta", "thinking": step.thought}}
+        if step.finish is not None:
+            finish = step.finish
+        piece = step.answer
+        if not (piece or step.bare):
             continue
         if open_thought:  # the thinking ended where the answer begins
             open_thought = False
@@ -281,6 +282,7 @@ async def _events(request: web.Request, parsed: ParsedRequest, message_id: str, 
             yield {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}
         if piece:
             yield {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": piece}}
+    assert finish is not None  # the steps end with the choice's Finish
     if open_thought or open_text:
         yield {"type": "content_block_stop", "index": index}
         index += 1
@@ -291,12 +293,12 @@ async def _events(request: web.Request, parsed: ParsedRequest, message_id: str, 
                    "delta": {"type": "input_json_delta", "partial_json": call.arguments}}
         yield {"type": "content_block_stop", "index": index}
         index += 1
-    stop = await _stop_sequence(request, finish, parsed.generate.stop)
+    stop = await _stop_sequence(gen.request, finish, gen.parsed.generate.stop)
     yield {"type": "message_delta", "delta": {"stop_reason": _stop_reason(finish, stop), "stop_sequence": stop},
            "usage": {"input_tokens": finish.prompt_tokens, "output_tokens": finish.completion_tokens,
                      # prompt tokens whose KV came from the prefix cache
                      "cache_read_input_tokens": finish.cached_tokens, "cache_creation_input_tokens": 0},
-           "syshax": route_of(fan.route_stream)}
+           "syshax": gen.route}
     yield {"type": "message_stop"}
 
 
@@ -330,21 +332,20 @@ def _failed(exc: APIError, sent: int) -> dict:
     return exc.anthropic_body()
 
 
-async def _respond(request: web.Request, timer: RequestTimer, body: dict, parsed: ParsedRequest, fan: Fanout,
-                   accepted: list[Accepted]) -> web.StreamResponse:
+async def _respond(gen: Generation, body: dict) -> web.StreamResponse:
     message_id = f"msg_{uuid.uuid4().hex}"
-    pieces = turn(request, parsed, fan, accepted, timer)
     shown_thinking = (body.get("thinking") or {}).get("display") != "omitted"
-    events = _events(request, parsed, message_id, accepted[0].prompt_tokens, pieces, fan, shown_thinking)
-    if parsed.stream:
-        return await stream_sse(request, fan, message_id, typed_sse(events, _failed))
-    message = await _folded(events)
+    async with aclosing(gen.steps()) as steps:
+        events = _events(gen, message_id, steps, shown_thinking)
+        if gen.parsed.stream:
+            return await gen.stream(events, sse.Framing(sse.typed, _failed))
+        message = await _folded(events)
     return web.json_response(message, headers={"X-Syshax-Route": message["syshax"]["route"]})
 
 
 @routes.post("/v1/messages")
 async def create_message(request: web.Request) -> web.StreamResponse:
-    return await admitted(request, lambda timer: translated(request, timer, to_chat, _respond))
+    return await serve(request, Translated(request, to_chat, _respond))
 
 
 @routes.post("/v1/messages/count_tokens")

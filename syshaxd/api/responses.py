@@ -2,7 +2,7 @@
 
 The body becomes a chat body (instructions -> a system message, input items -> messages,
 function tools, text.format -> response_format, reasoning.effort -> reasoning_effort) that parse_chat
-checks; the output is read as thinking, text and tool calls (generation.turn) and written as the Responses
+checks; the output is read as thinking, text and tool calls (api/outputs.py) and written as the Responses
 API's typed events: a reasoning model's thinking is a `reasoning` item before the message, as OpenAI's
 (its text as `reasoning_text` content; no summaries are made). A JSON answer is the `response` of the last
 event a stream would send.
@@ -19,21 +19,19 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
-from syshaxd.api.chat_form import (TOOL_RULES, Renames, chat_tool, chat_tools, expect, refuse, required,
-                                   text_parts, translated)
-from syshaxd.api import fields
+from syshaxd.api import fields, sse
+from syshaxd.api.chat_form import (TOOL_RULES, Renames, Translated, chat_tool, chat_tools, expect, refuse, required,
+                                   text_parts)
 from syshaxd.api.errors import APIError, invalid, one_of
 from syshaxd.api.fields import check_fields
-from syshaxd.api.fanout import Fanout
-from syshaxd.api.generation import Finish, Thought, admitted, route_of, stream_sse, turn, typed_sse
+from syshaxd.api.generation import Generation, serve
+from syshaxd.api.outputs import Finish, Step
 from syshaxd.api.reasoning import EFFORTS
-from syshaxd.api.validate import ParsedRequest
-from syshaxd.sdk.types import Accepted
-from syshaxd.metrics import RequestTimer
 
 routes = web.RouteTableDef()
 
@@ -307,10 +305,10 @@ def _reasoning(item_id: str, text: str | None, status: str) -> dict:
     return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
-async def _events(shape: _Shape, pieces: AsyncIterator, fan: Fanout) -> AsyncIterator[dict]:
+async def _events(shape: _Shape, steps: AsyncIterator[Step | None], gen: Generation) -> AsyncIterator[dict]:
     """The Responses API's events for one output, in order; the first comes with the engine's first token. A reasoning
     model's thinking is a reasoning item before the message."""
-    await anext(pieces)
+    await anext(steps)
     seq = itertools.count()
 
     def event(kind: str, **fields) -> dict:
@@ -332,19 +330,21 @@ async def _events(shape: _Shape, pieces: AsyncIterator, fan: Fanout) -> AsyncIte
                 event("response.content_part.done", **at, part=_reasoning_part(whole)),
                 event("response.output_item.done", output_index=at["output_index"], item=output[-1])]
 
-    async for piece in pieces:
-        if isinstance(piece, Finish):
-            finish = piece
-            break
-        if isinstance(piece, Thought):
+    finish: Finish | None = None
+    async for step in steps:
+        if step.thought:
             at = {"item_id": thought_id, "output_index": len(output), "content_index": 0}
             if thought is None:
                 thought = []
                 yield event("response.output_item.added", output_index=len(output),
                             item=_reasoning(thought_id, None, "in_progress"))
                 yield event("response.content_part.added", **at, part=_reasoning_part(""))
-            thought.append(piece.text)
-            yield event("response.reasoning_text.delta", **at, delta=piece.text)
+            thought.append(step.thought)
+            yield event("response.reasoning_text.delta", **at, delta=step.thought)
+        if step.finish is not None:
+            finish = step.finish
+        piece = step.answer
+        if not (piece or step.bare):
             continue
         if text is None:
             if thought is not None:  # the thinking ended where the answer begins
@@ -359,6 +359,7 @@ async def _events(shape: _Shape, pieces: AsyncIterator, fan: Fanout) -> AsyncIte
         if piece:
             text.append(piece)
             yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
+    assert finish is not None  # the steps end with the choice's Finish
     status = "incomplete" if finish.reason == "length" and not finish.whole_calls else "completed"
     if thought is not None:  # all thinking: max_output_tokens ended it there, or the model ended with it
         for done in thought_done(status):
@@ -380,7 +381,7 @@ async def _events(shape: _Shape, pieces: AsyncIterator, fan: Fanout) -> AsyncIte
         # max_output_tokens cut it: its arguments as far as they got, as OpenAI answers it
         output.append(_call(item_id, call, call.arguments, "completed" if call.complete else "incomplete"))
         yield event("response.output_item.done", output_index=index, item=output[-1])
-    yield event(f"response.{status}", response=shape.response(status, output, finish, route_of(fan.route_stream)))
+    yield event(f"response.{status}", response=shape.response(status, output, finish, gen.route))
 
 
 def _failed(shape: _Shape) -> Callable[[APIError, int], dict]:
@@ -391,18 +392,18 @@ def _failed(shape: _Shape) -> Callable[[APIError, int], dict]:
     return failed
 
 
-async def _respond(request: web.Request, timer: RequestTimer, body: dict, parsed: ParsedRequest, fan: Fanout,
-                   accepted: list[Accepted]) -> web.StreamResponse:
-    shape = _Shape(body, parsed.model)
-    events = _events(shape, turn(request, parsed, fan, accepted, timer), fan)
-    if parsed.stream:
-        return await stream_sse(request, fan, shape.id, typed_sse(events, _failed(shape)))
-    last = None
-    async for last in events:  # the JSON answer is the response the stream's last event carries
-        pass
+async def _respond(gen: Generation, body: dict) -> web.StreamResponse:
+    shape = _Shape(body, gen.parsed.model)
+    async with aclosing(gen.steps()) as steps:
+        events = _events(shape, steps, gen)
+        if gen.parsed.stream:
+            return await gen.stream(events, sse.Framing(sse.typed, _failed(shape)))
+        last = None
+        async for last in events:  # the JSON answer is the response the stream's last event carries
+            pass
     return web.json_response(last["response"], headers={"X-Syshax-Route": last["response"]["syshax"]["route"]})
 
 
 @routes.post("/v1/responses")
 async def create_response(request: web.Request) -> web.StreamResponse:
-    return await admitted(request, lambda timer: translated(request, timer, to_chat, _respond))
+    return await serve(request, Translated(request, to_chat, _respond))

@@ -1,6 +1,6 @@
 """The daemon's live state, shared by the HTTP routes, the admin socket and the signal handlers.
 
-One object holds what can change while syshaxd runs: whether it admits new
+One object holds what can change while syshaxd runs: whether it takes new
 requests (draining), how many HTTP generations are in progress, and the live
 configuration. The scheduler's ``config`` is the one current Config: this
 object reads it from there and replaces it there (``Config.replace``), so the
@@ -60,7 +60,7 @@ class ServiceState:
         self._reload = reload  # re-reads the config file with the command line's overrides
         self.draining = False
         self.drain_reason = ""
-        self.active = 0  # HTTP generation requests admitted and not finished
+        self.active = 0  # HTTP generation requests taken and not finished
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -68,11 +68,12 @@ class ServiceState:
     def config(self) -> Config:
         return self.scheduler.config
 
-    # --- admission and drain --------------------------------------------------------------
+    # --- requests in progress, and the drain ----------------------------------------------
 
     @contextmanager
-    def admitted(self):
-        """Hold one admitted request for the block; raises Draining when no new requests are taken."""
+    def one_request(self):
+        """Count one request in progress for the block (a drain waits for it); raises Draining when no new
+        requests are taken."""
         if self.draining:
             raise Draining(self.drain_reason or "draining")
         self.active += 1
@@ -92,12 +93,12 @@ class ServiceState:
 
     def resume(self) -> None:
         if self.draining:
-            log.info("resumed: admitting new requests again")
+            log.info("resumed: taking new requests again")
         self.draining = False
         self.drain_reason = ""
 
     async def wait_idle(self, timeout: float) -> bool:
-        """True once no admitted request is left; False if some still run after `timeout` seconds."""
+        """True once no request is in progress; False if some still run after `timeout` seconds."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True

@@ -1,4 +1,5 @@
-"""Check OpenAI request bodies field by field and turn them into GenerateRequests."""
+"""Check chat and completions bodies field by field, within the limits api/fields.py declares, and turn them into
+ParsedRequests: one GenerateRequest per choice, and how to show the results."""
 
 from __future__ import annotations
 
