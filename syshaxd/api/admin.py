@@ -228,6 +228,7 @@ class AdminServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        assert task is not None  # each connection is served in its own task
         self._conns.add(task)
         try:
             await self._session(reader, writer)

@@ -9,7 +9,7 @@ so that a client is told about the field it sent.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,7 +48,7 @@ def refuse(name: str, why: str) -> APIError:
 class Renames:
     """Chat field names -> the endpoint's: rules applied in order to an error's param and message."""
 
-    rules: list[tuple[str, str | Callable[[re.Match], str]]]
+    rules: Sequence[tuple[str, str | Callable[[re.Match], str]]]
     origins: list[str] = field(default_factory=list)  # chat message i came from this field of the body
     origin_prefix: str = "messages"
     # the endpoint's field that asked the model to think (Messages' `thinking`, Responses' `reasoning.effort`): a
@@ -131,7 +131,7 @@ class Translated:
         chat, self.renames = self.translate(body)  # its errors name the endpoint's fields already
         cfg = self.request.app[STATE].config
         parsed = parse_chat(chat, self.request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages)
-        if self.renames.thinking_field:
+        if self.renames.thinking_field and parsed.thinking is not None:  # parse_chat gives every chat one
             parsed = replace(parsed, thinking=replace(parsed.thinking, demanded_by=self.renames.thinking_field))
         return parsed
 

@@ -3,6 +3,8 @@ apart as `reasoning_content`), delta chunks, and logprobs as `content` entries."
 
 from __future__ import annotations
 
+from typing import Any
+
 from syshaxd.api import logprob_shapes
 from syshaxd.api.exchange import Choice, Exchange
 from syshaxd.api.tools import finish_reason, parse_output
@@ -21,13 +23,14 @@ class ChatExchange(Exchange):
         into["content"] += more["content"]
 
     def choice_body(self, ch: Choice, text: str) -> dict:
-        message, finish = {"role": "assistant", "content": text}, ch.finish
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = ch.finish
         if self.tools is not None:
             content, calls = parse_output(text, self.tools, cut=ch.finish == "length")
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = [c.to_json() for c in calls]
-            finish = finish_reason(ch.finish, calls)
+            finish = finish_reason(ch.finish, calls) if ch.finish is not None else None
         if self.reading:
             thought = "".join(ch.thoughts) or None
             if thought is not None and not message["content"]:

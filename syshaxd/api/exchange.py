@@ -37,7 +37,7 @@ class Exchange:
     CHUNK_OBJECT = ""  # a stream chunk's object
     FINAL_TEXT: str | None = None  # the text of the chunk that carries a choice's finish reason
 
-    def __init__(self, parsed: ParsedRequest, model: str, pieces: Pieces | None, echo_texts: list[str],
+    def __init__(self, parsed: ParsedRequest, model: str, pieces: Pieces, echo_texts: list[str],
                  prompt_ids: list[list[int]] | None) -> None:
         self.parsed = parsed
         self.id = parsed.generate.request_id

@@ -242,7 +242,9 @@ _COMMON: dict[str, Spec] = {
     "structured_outputs": _STRUCTURED_OUTPUTS, "grammar": _vllm(_GBNF, "llama-server's"),
     "json_schema": _described(_SCHEMA.schema, "llama-server's: the output validates against this JSON Schema."),
 }
-_COMMON["top_k"] = Val(_COMMON["top_k"].schema | {"description": "0: off."})
+_TOP_K = _COMMON["top_k"]
+assert isinstance(_TOP_K, Val)
+_COMMON["top_k"] = Val(_TOP_K.schema | {"description": "0: off."})
 
 CHAT = Obj(_COMMON | {
     "messages": Each(_MESSAGE, {"minItems": 1, "description": "Rendered with the model's own chat template."},
@@ -299,7 +301,7 @@ COMPLETIONS = Obj(_COMMON | {
 # /v1/responses (responses.py): OpenAI's Responses API
 _TEXT = Obj({"type": None, "text": None, "annotations": None, "logprobs": None})
 _RESPONSE_TEXT = Tagged({"input_text": _TEXT, "output_text": _TEXT})  # other parts are refused by their type
-_ITEM_STATE = {"type": None, "id": None, "status": None}  # an earlier answer's own keys, sent back
+_ITEM_STATE: dict[str, Spec] = {"type": None, "id": None, "status": None}  # an earlier answer's own keys, sent back
 RESPONSES = Obj({
     "model": None, "instructions": None, "max_output_tokens": None, "temperature": None, "top_p": None,
     "top_k": None, "seed": None, "stream": None, "stream_options": Obj({"include_obfuscation": None}),
@@ -376,7 +378,8 @@ def _check_value(value: Any, spec: Spec, where: str) -> None:
     if isinstance(spec, Tagged):
         if not isinstance(value, dict):
             return
-        spec = spec.kinds.get(value.get(spec.tag, spec.untagged))
+        kind = value.get(spec.tag, spec.untagged)
+        spec = spec.kinds.get(kind) if isinstance(kind, str) else None
         if spec is None:
             return  # an unknown kind: the endpoint refuses it by its type
     if isinstance(spec, Each):

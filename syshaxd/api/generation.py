@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -65,7 +65,7 @@ class Generation:
     timer: RequestTimer
     deadline: float  # the engine's first token is due by then (request_timeout)
 
-    def steps(self, show: Show | None = None, hold: bool = True) -> AsyncIterator[Step | None]:
+    def steps(self, show: Show | None = None, hold: bool = True) -> AsyncGenerator[Step | None, None]:
         """The output, read once (api/outputs.py)."""
         return steps(self.request, self.parsed, self.fan, self.accepted, self.timer, self.deadline, show, hold)
 
@@ -118,7 +118,7 @@ async def _served(request: web.Request, endpoint: Endpoint, timer: RequestTimer)
 
 def route_of(stream: RequestStream) -> dict:
     """Where the request ran: "cpu", "gpu" or "hetero"; in auto mode why, and whether its decode moved back."""
-    route = {"route": stream.route}
+    route: dict[str, str] = {"route": str(stream.route)}
     if stream.reason:
         route["reason"] = stream.reason
     if stream.decided_by:
@@ -145,7 +145,7 @@ def _scheduler_refusals() -> Iterator[None]:
                        headers=None if exc.final else {"Retry-After": "5"}) from None
 
 
-def _submit(request: web.Request, generate: GenerateRequest, route: str, fields: dict) -> RequestStream:
+def _submit(request: web.Request, generate: GenerateRequest, route: str, fields: dict | None) -> RequestStream:
     with _scheduler_refusals():
         return request.app[SCHEDULER].submit(generate, route, fields)
 
@@ -207,8 +207,9 @@ async def _thinking_settled(request: web.Request, parsed: ParsedRequest) -> Pars
     to think to max_tokens)."""
     holder = request.app[VOCAB]
     vocab = await holder.get()
-    end = parsed.generate.prompt_tokens[-_PROMPT_END_TOKENS:]
+    end = (parsed.generate.prompt_tokens or ())[-_PROMPT_END_TOKENS:]
     text = b"".join(holder.pieces.bytes(t) for t in end if 0 <= t < vocab.n_vocab).decode("utf-8", errors="replace")
+    assert parsed.thinking is not None  # a chat request's: prepared settles only those
     thinking = parsed.thinking.settle(vocab.template.thinking, text)
     generates = parsed.generates
     if thinking.split and (thinking.opened or len(vocab.tokenize(THINK_OPEN, add_special=False)) == 1):

@@ -219,7 +219,7 @@ class _Refused(asyncio.Protocol):
         self._seen = b""
         self._transport = None
         self._answered = False
-        self._timer = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         self._transport = transport
@@ -284,7 +284,10 @@ class CappedTCPSite(web.TCPSite):
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with the runner, as TCPSite.start does
-        cap = self._cap.bind(self._runner.server)
+        server = self._runner.server
+        if server is None:
+            raise RuntimeError("the site's runner is not set up (runner.setup() first)")
+        cap = self._cap.bind(server)
         ensure_file_limit(cap.limit)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(cap, self._host, self._port, ssl=self._ssl_context,

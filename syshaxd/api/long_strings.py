@@ -99,5 +99,7 @@ def check_strings(body: Any, raw_size: int, limit: int) -> None:
         return
     # paths cost a string per container, so only a body found to hold a long string is walked with them
     if _any_over(body, limit):
-        path, size, what = _first_over(body, limit)
+        found = _first_over(body, limit)
+        assert found is not None  # _any_over saw one
+        path, size, what = found
         raise _too_long(path, size, limit, what)

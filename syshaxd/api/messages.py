@@ -260,6 +260,8 @@ async def _events(gen: Generation, message_id: str, steps: AsyncIterator[Step | 
     open_text = open_thought = False
     finish: Finish | None = None
     async for step in steps:
+        if step is None:
+            continue  # outputs.steps' first: the headers may go
         if step.thought:
             if not open_thought:
                 open_thought = True

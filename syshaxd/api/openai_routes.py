@@ -23,14 +23,14 @@ from syshaxd.engine.prompts import Pieces
 routes = web.RouteTableDef()
 
 
-async def _prompt_views(request: web.Request, parsed: ParsedRequest) -> tuple[Pieces | None, list[str], list | None]:
+async def _prompt_views(request: web.Request, parsed: ParsedRequest) -> tuple[Pieces, list[str], list | None]:
     """What echo and logprobs show of the prompts: the token pieces, each prompt's text, and its token ids."""
-    if not (parsed.echo or parsed.logprobs):
-        return None, [], None
     holder = request.app[VOCAB]
-    vocab = await holder.get()
+    vocab = await holder.get()  # loaded already: the prompts were tokenized with it
+    if not (parsed.echo or parsed.logprobs):
+        return holder.pieces, [], None
     firsts = parsed.generates[:: parsed.n]  # one per prompt, tokenized (generation.prepared)
-    ids = [list(g.prompt_tokens) for g in firsts] if parsed.echo and parsed.logprobs else None
+    ids = [list(g.prompt_tokens or ()) for g in firsts] if parsed.echo and parsed.logprobs else None
     texts = []
     for g, text in zip(firsts, parsed.prompts):
         if text is None and g.prompt_tokens is not None:
@@ -78,6 +78,8 @@ async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict]:
         for chunk in ex.opening_chunks():
             yield chunk
         async for step in steps:
+            if step is None:
+                continue  # outputs.steps' first: the headers may go
             lp = ex.streamed_logprobs(step.logprobs)
             if step.thought:  # a reasoning model's thinking goes first, apart
                 yield ex.thought_chunk(step.index, step.thought, logprobs=lp)
@@ -88,7 +90,7 @@ async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict]:
                 continue
             ex.ended(step)
             finish = step.finish.reason
-            if ex.tools is not None:  # the text held as a possible call is known now
+            if isinstance(ex, ChatExchange) and ex.tools is not None:  # the held text's calls are known now
                 if step.finish.rest:
                     yield ex.chunk(step.index, step.finish.rest, None)
                 for chunk in ex.tool_call_chunks(step.index, step.finish.calls):

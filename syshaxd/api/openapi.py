@@ -12,6 +12,7 @@ shapes, the error shape for every 4xx/5xx, and streams as ``text/event-stream``;
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from syshaxd import __version__
 from syshaxd.api import messages, responses
@@ -236,7 +237,7 @@ def _schemas() -> dict:
                        "top_logprobs": {"type": "array", "items": {"anyOf": [
                            {"type": "null"}, {"type": "object", "additionalProperties": {"type": "number"}}]}},
                        "text_offset": {"type": "array", "items": {"type": "integer"}}}}]}
-    chat_token = {"type": "object", "required": ["token", "logprob", "bytes"],
+    chat_token: dict[str, Any] = {"type": "object", "required": ["token", "logprob", "bytes"],
                   "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
                                  "bytes": {"type": "array", "items": {"type": "integer"}}}}
     chat_lp = {"anyOf": [{"type": "null"}, {
@@ -380,7 +381,7 @@ def _generation(summary: str, request: str, body: str, chunk: str, secured: list
 def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required: bool,
                    metrics_require_key: bool) -> dict:
     """The OpenAPI document for a daemon serving model_name with this context size and these routes."""
-    secured = [{"bearerAuth": []}] if keys_required else []
+    secured: list[dict] = [{"bearerAuth": []}] if keys_required else []
     daemon = _Daemon(model_name, n_ctx, routes)
     schemas = _schemas() | {"CompletionRequest": _request(COMPLETIONS, daemon),
                             "ChatCompletionRequest": _request(CHAT, daemon)} | _token_schemas(model_name) \

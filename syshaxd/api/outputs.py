@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -122,7 +122,7 @@ Show = Callable[[int, Delta], tuple[str, "dict | None"]]
 
 async def steps(request: web.Request, parsed: ParsedRequest, fan: Fanout, accepted: list[Accepted],
                 timer: RequestTimer, deadline: float, show: Show | None = None,
-                hold: bool = True) -> AsyncIterator[Step | None]:
+                hold: bool = True) -> AsyncGenerator[Step | None, None]:
     """Every choice's output, event by event, in the order events arrive.
 
     First None, once the engine's first event arrived and is neither a refusal nor a failure: a stream may

@@ -219,7 +219,7 @@ def to_chat(body: dict) -> tuple[dict, Renames]:
     check_fields(body, fields.RESPONSES)
     _stateless(body)
     messages, origins = _messages(body)
-    chat = {"messages": messages}
+    chat: dict[str, Any] = {"messages": messages}
     thinking_field = _reasoning_effort(body, chat)
     for name in ("model", "temperature", "top_p", "top_k", "seed", "stream", "parallel_tool_calls", "syshax"):
         if name in body:
@@ -323,7 +323,7 @@ async def _events(shape: _Shape, steps: AsyncIterator[Step | None], gen: Generat
 
     def thought_done(status: str) -> list[dict]:
         """The events that close the reasoning item."""
-        whole = "".join(thought)
+        whole = "".join(thought or ())
         at = {"item_id": thought_id, "output_index": len(output), "content_index": 0}
         output.append(_reasoning(thought_id, whole, status))
         return [event("response.reasoning_text.done", **at, text=whole),
@@ -332,6 +332,8 @@ async def _events(shape: _Shape, steps: AsyncIterator[Step | None], gen: Generat
 
     finish: Finish | None = None
     async for step in steps:
+        if step is None:
+            continue  # outputs.steps' first: the headers may go
         if step.thought:
             at = {"item_id": thought_id, "output_index": len(output), "content_index": 0}
             if thought is None:
@@ -398,7 +400,7 @@ async def _respond(gen: Generation, body: dict) -> web.StreamResponse:
         events = _events(shape, steps, gen)
         if gen.parsed.stream:
             return await gen.stream(events, sse.Framing(sse.typed, _failed(shape)))
-        last = None
+        last: dict = {}
         async for last in events:  # the JSON answer is the response the stream's last event carries
             pass
     return web.json_response(last["response"], headers={"X-Syshax-Route": last["response"]["syshax"]["route"]})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -60,7 +60,7 @@ async def write_within(resp: web.StreamResponse, chunk: bytes, timeout: float) -
         await resp.write(chunk)
 
 
-async def _framed(events: AsyncIterator[dict], framing: Framing) -> AsyncIterator[bytes]:
+async def _framed(events: AsyncIterator[dict], framing: Framing) -> AsyncGenerator[bytes, None]:
     """The events as bytes. A failure before the first event is the caller's HTTP error; after it, the stream
     ends with framing.failed(error, events sent) and the end."""
     sent = 0

@@ -78,7 +78,7 @@ async def tokenize(request: web.Request) -> web.Response:
     def run() -> list[int]:
         if req.messages is not None:
             return vocab.prompt_tokens(req)  # the template writes its own special tokens
-        return vocab.tokenize(req.prompt, add_special=add_special)
+        return vocab.tokenize(req.prompt or "", add_special=add_special)
 
     try:
         tokens = await asyncio.to_thread(run)

@@ -20,7 +20,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from json.decoder import scanstring
+from json.decoder import scanstring  # type: ignore[attr-defined]  # the C scanner, not in typeshed
 
 from syshaxd.api.errors import invalid
 from syshaxd.api.fields import MAX_TOOLS
@@ -32,6 +32,15 @@ MISTRAL_CALLS = "[TOOL_CALLS]"  # Mistral's calls follow it as a JSON list
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
 _SPACE = re.compile(r"\s*")
+
+
+def _skip_space(text: str, at: int = 0) -> int:
+    """Where the whitespace from `at` ends."""
+    found = _SPACE.match(text, at)
+    assert found is not None  # \s* matches anywhere, if only nothing
+    return found.end()
+
+
 _DECODER = json.JSONDecoder()
 
 
@@ -178,10 +187,10 @@ def _members(text: str) -> tuple[list[_Member], int | None]:
     """The members of the JSON object `text` is, and where it closed (None: it did not). Parsing stops at the first
     member that does not arrive whole; a value cut short is kept as far as it got."""
     members: list[_Member] = []
-    i = _SPACE.match(text).end()
+    i = _skip_space(text)
     if not text.startswith("{", i):
         return members, None
-    i = _SPACE.match(text, i + 1).end()
+    i = _skip_space(text, i + 1)
     if text.startswith("}", i):
         return members, i + 1
     while text.startswith('"', i):
@@ -189,22 +198,22 @@ def _members(text: str) -> tuple[list[_Member], int | None]:
             key, i = scanstring(text, i + 1)
         except ValueError:  # the key itself is cut
             return members, None
-        i = _SPACE.match(text, i).end()
+        i = _skip_space(text, i)
         if not text.startswith(":", i):
             return members, None
-        start = _SPACE.match(text, i + 1).end()
+        start = _skip_space(text, i + 1)
         try:
             end = _DECODER.raw_decode(text, start)[1]
         except ValueError:
             members.append(_Member(key, text[start:], whole=False))
             return members, None
         members.append(_Member(key, text[start:end], whole=True))
-        i = _SPACE.match(text, end).end()
+        i = _skip_space(text, end)
         if text.startswith("}", i):
             return members, i + 1
         if not text.startswith(",", i):
             return members, None
-        i = _SPACE.match(text, i + 1).end()
+        i = _skip_space(text, i + 1)
     return members, None
 
 
@@ -309,7 +318,7 @@ def _mistral_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
     body = text.strip()
     if not body.startswith("["):
         return []
-    calls, i = [], _SPACE.match(body, 1).end()
+    calls, i = [], _skip_space(body, 1)
     while True:
         try:
             end = _DECODER.raw_decode(body, i)[1]
@@ -319,12 +328,12 @@ def _mistral_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
         if call is None:
             return []
         calls.append(call)
-        i = _SPACE.match(body, end).end()
+        i = _skip_space(body, end)
         if body.startswith("]", i):
             return calls if not body[i + 1:].strip() else []
         if not body.startswith(",", i):
             return []
-        i = _SPACE.match(body, i + 1).end()
+        i = _skip_space(body, i + 1)
 
 
 def finish_reason(reason: str, calls: list[ToolCall]) -> str:

@@ -7,7 +7,7 @@ import json
 import math
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, overload
 
 from syshaxd.api.errors import APIError, invalid, one_of
 from syshaxd.api import fields
@@ -89,6 +89,10 @@ def _text(name: str, value: str) -> str:
     return value
 
 
+@overload
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float: ...
+@overload
+def _number(body: dict, name: str, default: None, low: float, high: float) -> float | None: ...
 def _number(body: dict, name: str, default: float | None, low: float, high: float) -> float | None:
     value = body.get(name)
     if value is None:
@@ -100,6 +104,10 @@ def _number(body: dict, name: str, default: float | None, low: float, high: floa
     return float(value)
 
 
+@overload
+def _integer(body: dict, name: str, default: int, low: int, high: int | None = None) -> int: ...
+@overload
+def _integer(body: dict, name: str, default: None, low: int, high: int | None = None) -> int | None: ...
 def _integer(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
@@ -235,8 +243,8 @@ def _prompts(body: dict) -> list[tuple[str | None, tuple[int, ...] | None]]:
         if len(p) > MAX_PROMPTS:
             raise invalid(f"Invalid 'prompt': at most {MAX_PROMPTS} prompts per request, got {len(p)}.",
                           param="prompt", code="array_above_max_length")
-        batch = [_one_prompt(x) for x in p]
-        if all(b is not None for b in batch):
+        batch = [b for x in p if (b := _one_prompt(x)) is not None]
+        if len(batch) == len(p):
             return batch
     raise type_error("prompt", "a string, an array of token ids, or an array of those", p)
 

@@ -22,7 +22,7 @@ class DaemonVocab:
     def __init__(self, gguf: str) -> None:
         self.gguf = gguf
         self._vocab: Vocab | None = None
-        self.pieces: Pieces | None = None
+        self._pieces: Pieces | None = None
         self._lock = asyncio.Lock()
 
     async def get(self) -> Vocab:
@@ -30,9 +30,16 @@ class DaemonVocab:
             async with self._lock:
                 if self._vocab is None:
                     vocab = await asyncio.to_thread(Vocab, self.gguf)
-                    self.pieces = Pieces(vocab)
+                    self._pieces = Pieces(vocab)
                     self._vocab = vocab
         return self._vocab
+
+    @property
+    def pieces(self) -> Pieces:
+        """Token id -> its bytes and text; read after get() loaded the vocabulary."""
+        if self._pieces is None:
+            raise RuntimeError("the vocabulary is read before it was loaded (DaemonVocab.get first)")
+        return self._pieces
 
 
 class Pieces:
