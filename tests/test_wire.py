@@ -84,11 +84,23 @@ def test_every_type_that_crosses_round_trips_whole(cls):
     value = _example(cls)
     if cls in wire.FRONT_MESSAGES + wire.NODE_MESSAGES:
         back = wire.loads(wire.dumps(value))
-    else:
-        back = wire.loads(wire.dumps(wire.FromNode((value,)))).events[0] if cls in wire.EVENTS else value
-    assert back == value and repr(back) == repr(value)
+    else:  # an event or a nested type: inside a message that carries it, and found again in what came back
+        carrier = next(m for m in map(_example, wire.FRONT_MESSAGES + wire.NODE_MESSAGES) if _found(m, value))
+        came = wire.loads(wire.dumps(carrier))
+        assert came == carrier and repr(came) == repr(carrier)
+        back = _found(came, value)
+    assert back == value and repr(back) == repr(value) and type(back) is cls
     assert {f.name for f in dataclasses.fields(cls)} <= {k for k, v in vars(value).items() if v != _default(cls, k)}, \
         "the example leaves a field at its default"
+
+
+def _found(value, want):
+    """The first part of value equal to want and of its type, through dataclass fields and tuples; None if none."""
+    if type(value) is type(want) and value == want:
+        return value
+    inner = [getattr(value, f.name) for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else \
+        list(value) if isinstance(value, (tuple, list)) else []
+    return next((got for v in inner if (got := _found(v, want)) is not None), None)
 
 
 def _default(cls, name):
@@ -153,7 +165,7 @@ def test_a_frame_that_asks_for_a_huge_allocation_is_refused_at_once():
         started = time.perf_counter()
         with pytest.raises(wire.WireError):
             wire.loads(body)
-        assert time.perf_counter() - started < 0.05
+        assert time.perf_counter() - started < 1.0  # no 64 GiB asked for: a loaded 2-core host takes ms
 
 
 def test_the_handshake_needs_the_same_secret_on_both_sides():
