@@ -166,7 +166,7 @@ async def steps(request: web.Request, parsed: ParsedRequest, fan: Fanout, accept
             left -= 1
             if not left:
                 timer.finished(event.finish_reason)
-        step = Step(index, thought, text, logprobs, finish)
-        bare = finish is not None and not ch.shown and not step.answer and not finish.calls
-        ch.shown = ch.shown or bool(thought or step.answer)
-        yield Step(index, thought, text, logprobs, finish, bare) if bare else step
+        answer = text + (finish.rest if finish is not None else "")  # Step.answer, without building a Step for it
+        bare = finish is not None and not ch.shown and not answer and not finish.calls
+        ch.shown = ch.shown or bool(thought or answer)
+        yield Step(index, thought, text, logprobs, finish, bare)

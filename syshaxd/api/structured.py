@@ -13,6 +13,7 @@ import json
 import re
 
 from syshaxd.api.errors import invalid
+from syshaxd.api.fields import NAME_PATTERN
 
 # Keywords that only describe: they never change which instances validate.
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
@@ -156,7 +157,7 @@ def parse_response_format(fmt) -> str:
         raise invalid("Missing required parameter: 'response_format.json_schema' (an object with 'name' and "
                       "'schema').", param="response_format.json_schema", code="missing_required_parameter")
     name = spec.get("name")
-    if not isinstance(name, str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", name):
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
         raise invalid("Invalid 'response_format.json_schema.name': it must be 1 to 64 of a-z, A-Z, 0-9, _ and -.",
                       param="response_format.json_schema.name")
     if spec.get("description") is not None and not isinstance(spec["description"], str):

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from json.decoder import scanstring  # type: ignore[attr-defined]  # the C scanner, not in typeshed
 
 from syshaxd.api.errors import invalid
-from syshaxd.api.fields import MAX_TOOLS
+from syshaxd.api.fields import MAX_TOOLS, NAME_PATTERN
 from syshaxd.api.structured import SchemaError, _check, schema_to_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open a JSON call with it
 MISTRAL_CALLS = "[TOOL_CALLS]"  # Mistral's calls follow it as a JSON list
-_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_NAME = re.compile(NAME_PATTERN)  # the one declaration the OpenAPI document shows too
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
 _SPACE = re.compile(r"\s*")
 
