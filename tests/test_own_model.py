@@ -104,11 +104,18 @@ def test_a_ring_too_small_for_one_prompt_of_n_ctx_tokens_is_said_at_start(defaul
 
     from syshaxd.engine.plan import _warn_if_the_ring_is_small
 
-    per_token = 2 * 30 * 3 * 64 * 2  # SmolLM2-135M: 30 layers, 3 KV heads of 64, f16 K and V
+    from syshaxd.sdk.gguf.header import fingerprint_from_gguf
+    from syshaxd.sdk.kv.record import DType, record_size
+    from syshaxd.sdk.kv.ring import RECORD_HEADER
+
+    # the record as the ring takes it: its header, tokens, positions and the f16 K and V (SmolLM2-135M: 30 layers,
+    # 3 KV heads of 64, 23,040 bytes a token), not the KV alone
+    need = RECORD_HEADER + record_size(fingerprint_from_gguf(default_model), 4096, DType.F16)
+    assert need > 2 * 30 * 3 * 64 * 2 * 4096
     with caplog.at_level(logging.WARNING, logger="syshaxd.engine.plan"):
-        _warn_if_the_ring_is_small(default_model, per_token * 4096, 4096)
+        _warn_if_the_ring_is_small(default_model, need, 4096)
         assert not caplog.records
-        _warn_if_the_ring_is_small(default_model, per_token * 4095, 4096)
+        _warn_if_the_ring_is_small(default_model, need - 1, 4096)
     (said,) = caplog.records
     assert "holds the KV of a prompt of at most 4095 tokens" in said.getMessage()
-    assert f"ring_size_mb = {-(-per_token * 4096 >> 20)} holds one of n_ctx tokens" in said.getMessage()
+    assert f"ring_size_mb = {-(-need >> 20)} holds one of n_ctx tokens" in said.getMessage()

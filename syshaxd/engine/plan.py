@@ -126,17 +126,27 @@ def _warn_if_the_ring_is_small(model_path: Path, capacity: int, n_ctx: int) -> N
     """A prompt's KV record must fit the ring whole, or its decoder computes the prompt again: say so at start when
     the ring cannot hold one prompt of n_ctx tokens of this model (a 32B model's 2,048 tokens are 512 MiB)."""
     from syshaxd.sdk.gguf.header import fingerprint_from_gguf
+    from syshaxd.sdk.kv.record import DType, record_size
+    from syshaxd.sdk.kv.ring import RECORD_HEADER
 
     try:
         fp = fingerprint_from_gguf(model_path)
     except (GGUFError, OSError):
         return
-    per_token = 2 * fp.n_layer * fp.n_head_kv * fp.head_dim * 2  # K and V in f16
-    if capacity < per_token * n_ctx:
+
+    def in_ring(n_tokens: int) -> int:  # what a record of n_tokens takes in the ring, its ring header included
+        return RECORD_HEADER + record_size(fp, n_tokens, DType.F16)
+
+    need = in_ring(n_ctx)
+    if capacity < need:
+        fits, over = 0, n_ctx  # the longest prompt whose record fits: in_ring(fits) <= capacity < in_ring(over)
+        while over - fits > 1:
+            mid = (fits + over) // 2
+            fits, over = (mid, over) if in_ring(mid) <= capacity else (fits, mid)
+        per_token = in_ring(1) - in_ring(0)
         log.warning("ring_size_mb %d holds the KV of a prompt of at most %d tokens of this model (%d KiB a token), "
                     "n_ctx is %d: a longer prompt is computed again by its decoder; ring_size_mb = %d holds one of "
-                    "n_ctx tokens", capacity >> 20, capacity // per_token, per_token >> 10, n_ctx,
-                    -(-per_token * n_ctx >> 20))
+                    "n_ctx tokens", capacity >> 20, fits, per_token >> 10, n_ctx, -(-need >> 20))
 
 
 def _refuse_codecs_unproven_for(model_path: Path, mode: str, other_backends: set[str]) -> None:
