@@ -164,14 +164,9 @@ def _show(args: argparse.Namespace, result, human) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    return _live(args, lambda c, a: _show(a, c.call("status"), _print_status))
-
-
-def _print_status(st: dict) -> None:
-    # imported only to print: `syshax status --json` runs on the system's bare Python (no numpy for engine/)
     from syshaxd.status_text import print_status
 
-    print_status(st)
+    return _live(args, lambda c, a: _show(a, c.call("status"), print_status))
 
 
 def _config_get(client, args: argparse.Namespace, key: str | None) -> int:

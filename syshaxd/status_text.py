@@ -7,9 +7,6 @@ import dataclasses
 import json
 import time
 
-from syshaxd.engine.status import SchedulerStatus
-from syshaxd.sdk.placement import format_cpulist
-
 
 def duration(seconds: float) -> str:
     seconds = int(seconds)
@@ -25,6 +22,10 @@ def duration(seconds: float) -> str:
 
 def print_status(st: dict) -> None:
     """The daemon's status (the admin socket's `status`), as `syshax status` prints it."""
+    # here, not at the top: `syshax version` takes duration() alone, on the system's bare Python (no numpy)
+    from syshaxd.engine.status import SchedulerStatus
+    from syshaxd.sdk.placement import format_cpulist
+
 
     sched = SchedulerStatus.from_json(st)  # a key the daemon renamed fails here, not as a silent blank
     state = "draining" if st["draining"] else ("ready" if sched.ready else "not ready")
