@@ -39,6 +39,8 @@ LIVE_KEYS = frozenset({"max_queue_size", "request_timeout", "default_max_tokens"
                        "token_limit_min", "token_limit_max", "decider", "tpot_target_ms", "ttft_target_ms",
                        "routing_rules"})
 DECIDERS = ("thresholds", "measured")
+# a guess's rows give a lone row's bits only in chunks under 64 rows (bench_chunk_invariance.py); 16 is plenty
+MAX_SPECULATIVE_TOKENS = 16
 
 
 class ConfigError(ValueError):
@@ -74,6 +76,8 @@ class Config:
     # every llama.cpp worker tiles every query row's attention: every route and a resume give the same tokens
     tiled_attention: bool = True
     repack: str = "auto"  # llama.cpp's repacked weight kernels (llama-server's --repack): auto, on, off
+    # speculative decoding: the most tokens of a request's own context a decode step guesses and checks; 0: off
+    speculative_tokens: int = 0
 
     # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring
     prefill_cpu_affinity: str = ""  # the prefill worker's CPUs ("0-3;4-7": one GPU engine each); "": a quarter of
@@ -243,6 +247,9 @@ def _validate(cfg: Config) -> None:
     if cfg.repack not in REPACK_SETTINGS:
         raise ConfigError(f'repack: must be "auto" (the fastest kernels that run correctly on this CPU), "on" or '
                           f'"off" (plain kernels); got {cfg.repack!r}')
+    if not 0 <= cfg.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"speculative_tokens: must be 0 (off) to {MAX_SPECULATIVE_TOKENS} (the most tokens a "
+                          f"decode step guesses); got {cfg.speculative_tokens!r}")
     if cfg.log_level not in LOG_LEVELS:
         raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}; got {cfg.log_level!r}")
     if not 0 <= cfg.port <= 65535:

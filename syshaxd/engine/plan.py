@@ -265,6 +265,16 @@ def _cpu_backend(name: str, mode: str) -> str:
                     "KV records from the prefill engine)", device="cpu")
 
 
+def _guessing(engines: Engines, env: dict) -> Engines:
+    """SYSHAX_GUESS=always: every decode step takes every guess it has, paying or not (sdk/faults.py; tests only)."""
+    value = env.get("SYSHAX_GUESS", "")
+    if value not in ("", "always"):
+        raise PlanError(f"SYSHAX_GUESS: only \"always\" (every guess checked, tests only) is known; got {value!r}")
+    if not value:
+        return engines
+    return replace(engines, workers=[(name, replace(spec, guess_always=True)) for name, spec in engines.workers])
+
+
 def _slowed(engines: Engines, env: dict) -> Engines:
     """SYSHAX_SLOW's step delays on the workers it names (sdk/faults.py; tests only)."""
     try:
@@ -282,7 +292,7 @@ def _slowed(engines: Engines, env: dict) -> Engines:
 
 def plan_engines(cfg: Config, model_path: Path, model_name: str, env: dict, instance: str | None = None) -> Engines:
     """The workers, ring and prefix cache for cfg; see _plan_workers."""
-    engines = _slowed(_plan_workers(cfg, model_path, model_name, env, instance), env)
+    engines = _guessing(_slowed(_plan_workers(cfg, model_path, model_name, env, instance), env), env)
     return _with_prefix_store(engines, cfg, model_path, instance or f"{os.getpid()}")
 
 
@@ -300,6 +310,7 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
         n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=1,
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
         handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env), tiled_attention=cfg.tiled_attention,
+        speculative_tokens=cfg.speculative_tokens,
         gpu=GpuSettings(cfg.gpu_memory_utilization, cfg.max_num_seqs, cfg.tensor_parallel_size, cfg.preemption_mode),
     )
     topology = read_host_topology()
@@ -360,7 +371,8 @@ def plan_node(cfg: Config, model_path: Path, model_name: str, env: dict, instanc
         backend=_cpu_backend(cfg.cpu_engine, "hetero"), role=Role.GENERATE, model_path=str(model_path),
         model_name=model_name, n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size,
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
-        handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env), tiled_attention=cfg.tiled_attention)
+        handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env), tiled_attention=cfg.tiled_attention,
+        speculative_tokens=cfg.speculative_tokens)
     instance = instance or f"node-{os.getpid()}"
     try:
         placements = plan_cpu_workers(read_host_topology(), _overrides(cfg, env), role="decode")

@@ -37,6 +37,8 @@ class WorkerStatus:
     exact_decode: bool = False
     # ... and the prefix cache keeps what requests generate there (cpu mode, keep_generated_tokens)
     keeps_generated: bool = False
+    # speculative decoding: the most tokens a decode step guesses (its warm-up proved a guess's rows exact); 0: off
+    speculative_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -442,7 +442,8 @@ class WorkerHandle:
                             kernels_why=self.on_safer_kernels or str(self.info.get("kernels_why", "")),
                             attention=str(self.info.get("attention", "")),
                             exact_decode=bool(self.info.get("exact_decode", False)),
-                            keeps_generated=bool(self.info.get("keeps_generated", False)))
+                            keeps_generated=bool(self.info.get("keeps_generated", False)),
+                            speculative_tokens=int(self.info.get("speculative_tokens", 0)))
 
 
 def _exit_words(code: int | None) -> str:

@@ -18,8 +18,13 @@ and faults that kill nothing:
                     hit resumes only where 64 prompt tokens or more are left to the chunk's end)
   lone              the warm-up's proof that a row decoded alone sums its attention as a batched row does
                     fails, as with a stock llama.cpp (a lone long sequence then decodes beside a padding row)
+  guesses           the warm-up's proof that a sequence's rows in one decode step get the bits each gets in a
+                    step of its own fails (speculative decoding then stays off)
 
 This is how the tests prove the fallback and crash-loop paths on CPUs whose kernels do not crash.
+
+SYSHAX_GUESS=always makes every decode step check every guess it has (speculative decoding, whether or not it pays
+here), so that the tests prove a guess changes no text on any machine.
 
 SYSHAX_SLOW="gpu0=0.05,decode0=0.01" makes the named workers sleep that many seconds after each engine step (a
 slower engine whose speed a test controls: decider v2's tests place requests by measured speed).
@@ -32,7 +37,7 @@ import resource
 import signal
 
 POINTS = ("warmup", "decode")
-PROOFS = ("chunking", "lone", "generated")
+PROOFS = ("chunking", "lone", "generated", "guesses")
 CONDITIONS = ("", "repacked")
 
 

@@ -122,6 +122,10 @@ class EngineSpec:
     # kills itself with SIGSEGV at that point, as a CPU's bad kernels would. Empty in service.
     fault: str = ""
     step_delay: float = 0.0  # seconds the worker sleeps after each engine step (SYSHAX_SLOW, tests only)
+    # speculative decoding (config speculative_tokens): the most tokens of a sequence's own context a decode step
+    # guesses and checks beside its next one (the llama.cpp engine's drafting.py); 0: off
+    speculative_tokens: int = 0
+    guess_always: bool = False  # every guess checked, paying or not (SYSHAX_GUESS=always, tests only)
 
 
 @dataclass(frozen=True)
@@ -377,6 +381,8 @@ class EngineStats:
     stream_moves: int = 0  # sequences moved between KV streams to keep the decode batch one ubatch
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache instead of being evaluated
     padded_steps: int = 0  # decode steps in which a lone sequence had a padding row beside it (llama.cpp)
+    guessed_tokens: int = 0  # speculative decoding: tokens guessed and checked in a decode step (llama.cpp)
+    kept_guesses: int = 0  # ... of them, those the sampler chose too: each one a token without a step of its own
 
 
 @dataclass(frozen=True)

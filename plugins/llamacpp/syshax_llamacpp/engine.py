@@ -25,7 +25,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from syshax_llamacpp import prefix
+from syshax_llamacpp import drafting, prefix
 from syshax_llamacpp.codec import StateBuffer
 from syshax_llamacpp.contexts import batch_params, load_model, prompt_params
 from syshax_llamacpp.handoff import HandoffSide, KVPort
@@ -85,8 +85,12 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
 
         self.max_seqs = spec.max_batch_size
         self.chunk = spec.prefill_chunk_size
-        # the batch context only ever decodes one token per sequence
-        self.n_batch = self.max_seqs
+        # the batch context decodes one token per sequence, and its guessed next ones (speculative decoding)
+        self.speculative_tokens = spec.speculative_tokens if spec.role != "prefill" else 0
+        self.n_batch = self.max_seqs * (1 + self.speculative_tokens)
+        # a decode step's time by its rows, learnt as steps run: whether a guess pays (drafting.py); None while
+        # speculation is off (set at the warm-up, once it proved that rows give a lone row's bits)
+        self.step_cost: drafting.StepCost | None = None
         self.seq_ctx = min(spec.n_ctx, self.n_ctx_train)
         cparams = self.batch_params(self.n_batch)
         if on_graph is not None:
@@ -139,7 +143,8 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self.active: dict[str, Sequence] = {}  # request_id -> sequence holding a seq_id
         self.queued: dict[str, Sequence] = {}  # request_id -> sequence waiting for a slot
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "decode_errors": 0,
-                         "stream_moves": 0, "cached_tokens": 0, "padded_steps": 0}
+                         "stream_moves": 0, "cached_tokens": 0, "padded_steps": 0,
+                         "guessed_tokens": 0, "kept_guesses": 0}
         self._rate = TokenRate()
         log.info(
             "llama.cpp engine built: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d, kernels %s",
@@ -175,6 +180,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             "exact_decode": self.exact_decode,
             "keeps_generated": self.keeps_generated,
             "lone_padding": self.pad_lone,
+            "speculative_tokens": self.speculative_tokens if self.step_cost is not None else 0,
         }
 
     def proofs(self) -> Proofs:

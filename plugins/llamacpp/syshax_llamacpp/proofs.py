@@ -10,10 +10,13 @@ restarts) and says in the log what it found.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 
 import llama_cpp
 import numpy as np
 
+from syshax_llamacpp import drafting
 from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
 from syshaxd.sdk import faults
 
@@ -88,6 +91,10 @@ class WarmUpProofs:
                     self.exact_resume = 1  # a chunk of any size gives the bits, wherever it starts
                 elif self.store is not None:
                     self.exact_resume = self._prove_chunking(tokens, *reference)
+            if self.speculative_tokens and self.decodes:
+                self.step_cost = self._proves_guessed_rows(tokens, n) if self.exact_decode else None
+                if not self.exact_decode:
+                    log.info("speculative decoding off: this build's decode rows may not give a prompt chunk's bits")
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
             if self.decodes:
@@ -185,6 +192,59 @@ class WarmUpProofs:
                         "mk/llama-wheel.sh?): a lone sequence past %d tokens decodes beside a padding row, 1 to 2 "
                         "ms a step, so that its text is the one it gets beside others", SPLIT_KV_FROM)
         return same
+
+    def _proves_guessed_rows(self, tokens: list[int], n: int) -> drafting.StepCost | None:
+        """Speculative decoding's proof and first costs: whether a sequence's 1 + speculative_tokens rows in one
+        decode step of the batch context get the very logits each gets in a step of its own (stream 0, after a
+        prompt of the warm-up's tokens), and what the two kinds of step cost (the medians of 3): a guess is then
+        token-exact here, and drafting.plan has a first line of costs. None (speculation off) where the bits
+        differ. Leaves the batch context's streams empty after the prompt's cells."""
+        rows = 1 + self.speculative_tokens
+        prompt = min(n, self.seq_ctx - rows)
+        if prompt < 1:
+            log.info("speculative decoding off: %d KV cells leave no room to check %d rows", self.seq_ctx, rows)
+            return None
+        for stream in range(1, self.max_seqs):
+            llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
+        guess = [tokens[(5 * j + 3) % n] for j in range(rows)]
+        b = self.batch
+
+        def decode(first: int, count: int) -> float:
+            b.n_tokens = 0
+            for j in range(first, first + count):
+                self._add(b, guess[j], prompt + j, 0, True)
+            started = time.perf_counter()
+            if llama_cpp.llama_decode(self.ctx, b) != 0:
+                raise RuntimeError(f"warm-up: llama_decode of {count} rows of one sequence failed")
+            return time.perf_counter() - started
+
+        def logits(i: int) -> np.ndarray:
+            return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), (self.n_vocab,)).copy()
+
+        alone, together, one_row, all_rows = [], [], [], []
+        for attempt in range(3):
+            llama_cpp.llama_memory_seq_rm(self.memory, 0, prompt, -1)
+            for j in range(rows):
+                one_row.append(decode(j, 1))
+                if attempt == 0:
+                    alone.append(logits(0))
+            llama_cpp.llama_memory_seq_rm(self.memory, 0, prompt, -1)
+            all_rows.append(decode(0, rows))
+            if attempt == 0:
+                together = [logits(j) for j in range(rows)]
+        llama_cpp.llama_memory_seq_rm(self.memory, 0, prompt, -1)
+        same = all(np.array_equal(a, t) for a, t in zip(alone, together))
+        if faults.fails_proof(self.spec.fault, "guesses") or not same:
+            log.warning("speculative decoding off: %d rows of a sequence in one decode step gave other bits than "
+                        "each in a step of its own, so a guess could change a text", rows)
+            return None
+        cost = drafting.StepCost()
+        cost.add(1, statistics.median(one_row))
+        cost.add(rows, statistics.median(all_rows))
+        log.info("speculative decoding: up to %d guessed tokens a step, checked in rows that give a lone row's bits "
+                 "(a step of 1 row %.1f ms, of %d rows %.1f ms here)", self.speculative_tokens,
+                 1000 * cost(1), rows, 1000 * cost(rows))
+        return cost
 
     def _prove_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> int:
         """EXACT_RESUME if the warm-up prompt, run again in chunks of that many tokens or more that start off

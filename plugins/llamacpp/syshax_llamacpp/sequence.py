@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from syshax_llamacpp import prefix
+from syshax_llamacpp.drafting import Acceptance, PromptLookup
 from syshaxd.sdk.output import SequenceOutput
 from syshaxd.sdk.types import GenerateRequest, Handling
 
@@ -36,3 +37,7 @@ class Sequence:
     # request.prompt_logprobs: the prompt's logprobs as its chunks run (None for its first token), sent once
     prompt_lp: list | None = None
     fed: list[int] = field(default_factory=list)  # generated tokens evaluated: in the KV after the prompt
+    # speculative decoding (drafting.py): its tokens indexed for guesses, made at its first decode step; and how
+    # many of its guessed tokens were kept
+    lookup: PromptLookup | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)

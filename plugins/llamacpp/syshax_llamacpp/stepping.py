@@ -9,12 +9,13 @@ the prompt context and the move of its finished KV into the batch context, and k
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import llama_cpp
 import numpy as np
 
-from syshax_llamacpp import logprobs
+from syshax_llamacpp import drafting, logprobs
 from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
 from syshax_llamacpp.proofs import SPLIT_KV_FROM
 from syshax_llamacpp.sampling import GrammarDeadEnd, sample_logits
@@ -53,28 +54,31 @@ class Stepping:
         # in stream order: with the streams one consecutive run, llama.cpp takes the batch in one ubatch
         decoding = sorted((s for s in self.active.values() if s.next_token is not None), key=lambda s: s.seq_id)
         pad = self._pad_stream(decoding)
-        for seq in decoding:
+        guesses = self._guesses(decoding) if pad < 0 else [[] for _ in decoding]
+        for seq, guess in zip(decoding, guesses):
             if 0 <= pad < seq.seq_id:
                 self._add(self.batch, seq.next_token, 0, pad, False)
-            rows.append((seq, self._add(self.batch, seq.next_token, seq.n_past, seq.seq_id, True)))
+            rows.append((seq, self._add(self.batch, seq.next_token, seq.n_past, seq.seq_id, True), guess))
+            for j, token in enumerate(guess):  # each guessed token's row: its logits check the next guess
+                self._add(self.batch, token, seq.n_past + 1 + j, seq.seq_id, True)
             if pad > seq.seq_id:
                 self._add(self.batch, seq.next_token, 0, pad, False)
             seq.n_past += 1
             seq.fed.append(seq.next_token)
             seq.next_token = None
         if rows:
+            started = time.perf_counter()
             rc = llama_cpp.llama_decode(self.ctx, self.batch)
+            if self.step_cost is not None:
+                self.step_cost.add(self.batch.n_tokens, time.perf_counter() - started)
             if pad >= 0:
                 llama_cpp.llama_memory_seq_rm(self.memory, pad, -1, -1)
                 self.counters["padded_steps"] += 1
             self.counters["steps"] += 1
             if rc != 0:
-                return self._fail(rc, [seq for seq, _ in rows])
-            for seq, i in rows:
-                try:
-                    deltas += self._emit(seq, *self._sample(seq, self.ctx, i))
-                except GrammarDeadEnd:
-                    deltas += self._dead_end(seq)
+                return self._fail(rc, [seq for seq, _, _ in rows])
+            for seq, i, guess in rows:
+                deltas += self._check(seq, i, guess)
         seq = next((s for s in self.active.values() if s.pending), None)
         if seq is not None:
             deltas += self._prefill_chunk(seq)
@@ -157,21 +161,90 @@ class Stepping:
             return cached + self._fail(-1, [seq], "could not move the prompt's KV into the batch context")
         return [*cached, *self._emit(seq, token, lp)]
 
+    def _guesses(self, decoding: list[Sequence]) -> list[list[int]]:
+        """Each decoding sequence's guessed next tokens (drafting.py), as many as are expected to pay this step;
+        none where speculation is off (speculative_tokens = 0, or a build whose rows may not give a lone row's
+        bits) or the request has a grammar."""
+        if self.step_cost is None or not decoding:
+            return [[] for _ in decoding]
+        offers, candidates = [], []
+        for seq in decoding:
+            if seq.request.grammar:
+                offers.append([])
+                candidates.append((0.0, 0))
+                continue
+            if seq.lookup is None:
+                seq.lookup = drafting.PromptLookup(seq.prompt + seq.fed)
+            seq.lookup.extend(seq.fed[len(seq.lookup.tokens) - len(seq.prompt):] + [seq.next_token])
+            # room: the request's tokens left after the one this row gives, and the sequence's KV cells
+            room = min(self.speculative_tokens, seq.max_tokens - seq.out.n_generated - 1,
+                       self.n_ctx - seq.n_past - 2)
+            guess = seq.lookup.guess(room)
+            offers.append(guess)
+            candidates.append((seq.acceptance.rate, len(guess)))
+        if self.spec.guess_always:
+            return offers
+        taken = drafting.plan(len(decoding), candidates, self.step_cost)
+        return [guess[:n] for guess, n in zip(offers, taken)]
+
+    def _check(self, seq: Sequence, i: int, guess: list[int]) -> list:
+        """Sample seq's tokens from its rows, from batch row i on: the first row's token, then, while the token
+        sampled is the guessed one, the next row's (its KV, the guess's, is then the sequence's own). The guessed
+        rows after the first refused one are dropped from the KV. One Delta for all the tokens."""
+        sampled: list[tuple[int, TokenLogprob | None]] = []
+        finish = None
+        text = ""
+        for j in range(len(guess) + 1):
+            try:
+                token, lp = self._sample(seq, self.ctx, i + j)
+            except GrammarDeadEnd:
+                return self._dead_end(seq)
+            sampled.append((token, lp))
+            piece, finish = seq.out.token(token)
+            text += piece
+            if finish is not None:
+                break
+            if j < len(guess) and token == guess[j]:  # kept: the guess's row is this token's KV
+                seq.n_past += 1
+                seq.fed.append(token)
+                continue
+            seq.next_token = token
+            break
+        if guess:
+            kept = 0  # the guessed tokens sampled as guessed, from the first on
+            while kept < min(len(guess), len(sampled)) and sampled[kept][0] == guess[kept]:
+                kept += 1
+            seq.acceptance.add(len(guess), kept)
+            self.counters["guessed_tokens"] += len(guess)
+            self.counters["kept_guesses"] += kept
+            # the refused guesses' KV, past the sequence's tokens (before a finished one's generated blocks are kept)
+            llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, seq.n_past, -1)
+        return self._delta(seq, text, sampled, finish)
+
     def _emit(self, seq: Sequence, token: int, lp: TokenLogprob | None = None) -> list:
         """The Delta of a token; at the sequence's end, after the blocks of what it generated that it keeps."""
         text, finish = seq.out.token(token)
-        kept = []
         if finish is None:
             seq.next_token = token
-        else:
+        return self._delta(seq, text, [(token, lp)], finish)
+
+    def _delta(self, seq: Sequence, text: str, sampled: list[tuple[int, TokenLogprob | None]],
+               finish: str | None) -> list:
+        """The Delta of the tokens sampled (their text `text`); at the sequence's end (finish), after the blocks of
+        what it generated that it keeps."""
+        kept = []
+        if finish is not None:
             kept = self._keep_generated(seq)
             self._release(seq)
             self.counters["finished"] += 1
         # the end-of-generation token that ends the text is not part of it: no logprob entry
-        ended = finish == "stop" and self.vocab.is_eog(token) and not seq.request.ignore_eos
+        last = sampled[-1][0]
+        ended = finish == "stop" and self.vocab.is_eog(last) and not seq.request.ignore_eos
+        lps = tuple(lp for n, (_, lp) in enumerate(sampled)
+                    if lp is not None and not (ended and n == len(sampled) - 1))
         prompt_lp, seq.prompt_lp = (tuple(seq.prompt_lp) if seq.prompt_lp is not None else None), None
-        return [*kept, Delta(seq.request.request_id, text, 1, finish, tokens=(token,),
-                             logprobs=(lp,) if lp is not None and not ended else (), prompt_logprobs=prompt_lp)]
+        return [*kept, Delta(seq.request.request_id, text, len(sampled), finish, tokens=tuple(t for t, _ in sampled),
+                             logprobs=lps, prompt_logprobs=prompt_lp)]
 
     def _compact(self) -> None:
         """Fill each hole in the run of decoding streams with the end of the run that holds fewer tokens."""

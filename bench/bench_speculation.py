@@ -1,0 +1,220 @@
+"""Speculative decoding's gain: syshaxd guessing (speculative_tokens, drafting.py) against syshaxd not guessing, in
+one run, on a copy-heavy load, on chat and on unique prompts (issue 38, item 2).
+
+Both daemons are up at once (cpu mode, the default model, 2 threads each, 8 batch slots) and loaded one at a time,
+alternating which goes first from load to load and round to round (bench_peers.py's way: this machine's speed
+drifts, and side by side in time both see the same drift). The loads, each at concurrency --concurrency (1 by
+default) with greedy requests whose outputs end where the model ends them (max 256 tokens):
+
+* copy: requests that copy from their prompt -- repeat a text, quote sentences of it, fix a bug and give the whole
+  code, summarise quoting it, continue a list that repeats (the texts are built from a few paragraphs and code
+  files here, several rounds each with other pieces);
+* chat: tests/greedy.py's kind of open questions, nothing to copy but what the answer repeats of itself;
+* unique: bench prompts of random words (syshaxd/bench/prompts.py), 128 tokens in, 256 forced out (ignore_eos).
+
+Per load: output tokens/s of each daemon (completion tokens over the load's wall time), the ratio guessing / not,
+the share of guessed tokens kept, and whether every text was the same on both (greedy: it must be). Speculation is
+worth turning on by default where it wins and loses no more than noise elsewhere.
+
+    .venv/bin/python bench/bench_speculation.py                  # c=1, 2 rounds: about 6 minutes on 2 quiet cores
+    .venv/bin/python bench/bench_speculation.py --concurrency 4 --rounds 1
+    .venv/bin/python bench/bench_speculation.py --tokens 4       # guess at most 4 tokens a step
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
+
+PARAGRAPHS = [
+    "The lighthouse stood on the northern cliff for two hundred years. Its keeper, an old sailor named Tom, climbed "
+    "the ninety-nine steps every evening to light the lamp. Ships passing in the night saw its beam and steered clear "
+    "of the rocks below. One winter a storm broke the great lens, and Tom had to keep a fire burning on the gallery "
+    "until the new lens arrived from the city in spring.",
+    "Bread needs only four things: flour, water, salt and yeast. Mix them into a dough, knead it for ten minutes "
+    "until it is smooth, and leave it covered in a warm place for an hour. When it has doubled in size, shape it into "
+    "a loaf, let it rise again, and bake it in a hot oven for thirty-five minutes until the crust is brown.",
+    "The committee met on Tuesday to discuss the new library. The architect presented three designs: a glass tower, "
+    "a low brick building around a garden, and a wooden hall with a reading room under the roof. After a long debate "
+    "the committee chose the brick building, because it was the cheapest to heat and the easiest to extend later.",
+    "Photosynthesis takes place in the chloroplasts of plant cells. Light energy splits water into oxygen, protons "
+    "and electrons; the electrons pass along a chain of proteins that pumps protons across a membrane, and the "
+    "resulting gradient drives the synthesis of ATP, which the Calvin cycle then uses to fix carbon dioxide.",
+]
+CODES = [
+    "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(x)\n\n"
+    "def variance(xs):\n    m = mean(xs)\n    return sum((x - m) ** 2 for x in xs) / len(xs)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop(0)\n\n"
+    "    def is_empty(self):\n        return len(self.items) == 0\n",
+    "def fizzbuzz(n):\n    for i in range(1, n):\n        if i % 15 == 0:\n            print('FizzBuzz')\n"
+    "        elif i % 3 == 0:\n            print('Fizz')\n        elif i % 5 == 0:\n            print('Buzz')\n"
+    "        else:\n            print(i)\n",
+]
+QUESTIONS = [
+    "Explain how a steam engine works, step by step.",
+    "Write a short story about a lighthouse.",
+    "List ten uses of a paperclip and explain each.",
+    "What were the causes of the French Revolution?",
+    "Describe the water cycle to a ten-year-old, with examples.",
+    "How do vaccines train the immune system?",
+    "Give me a recipe for a simple vegetable soup.",
+    "What is the difference between weather and climate?",
+]
+
+
+def copy_requests(round_index: int) -> list[list[dict]]:
+    """Requests whose answers copy from their prompt, other pieces each round."""
+    p = [PARAGRAPHS[(round_index + k) % len(PARAGRAPHS)] for k in range(4)]
+    c = [CODES[(round_index + k) % len(CODES)] for k in range(3)]
+    asks = [
+        f"Repeat the following text exactly, word for word:\n\n{p[0]}",
+        f"Here is a story:\n\n{p[1]}\n\nQuote its first three sentences.",
+        f"Fix the bug in this code and give the whole corrected code:\n\n{c[0]}",
+        f"Summarise this text in two sentences, quoting it where you can:\n\n{p[2]}",
+        f"Add a docstring to every function of this code and give the whole code back:\n\n{c[1]}",
+        f"Translate this text into simpler English, keeping its sentences in order:\n\n{p[3]}",
+        f"Rename the variable i to number in this code and give the whole code:\n\n{c[2]}",
+        f"Copy this text, then add one sentence at its end:\n\n{p[0]}",
+    ]
+    return [[{"role": "user", "content": a}] for a in asks]
+
+
+def chat_requests(round_index: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": QUESTIONS[(round_index + k) % len(QUESTIONS)]}] for k in range(8)]
+
+
+def post(url: str, body: dict, timeout: float = 900) -> dict:
+    base = url.split("/v1/")[0]
+    if base not in MODELS:
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
+            MODELS[base] = json.loads(r.read())["data"][0]["id"]
+    req = urllib.request.Request(url, json.dumps({"model": MODELS[base]} | body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise SystemExit(f"{url}: {exc.code} {exc.read()[:500]!r}") from None
+
+
+MODELS: dict[str, str] = {}  # a daemon's URL -> the model it serves
+
+
+def status(base: str) -> dict:
+    with urllib.request.urlopen(f"{base}/v1/syshax/status", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def run_load(base: str, bodies: list[dict], concurrency: int) -> tuple[float, int, list[str]]:
+    """Every body, `concurrency` at a time: (wall seconds, completion tokens, texts in order)."""
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        outs = list(pool.map(lambda b: post(f"{base}/v1/{'chat/completions' if 'messages' in b else 'completions'}",
+                                            b), bodies))
+    wall = time.perf_counter() - started
+    texts = [o["choices"][0]["message"]["content"] if "messages" in b else o["choices"][0]["text"]
+             for o, b in zip(outs, bodies)]
+    return wall, sum(o["usage"]["completion_tokens"] for o in outs), texts
+
+
+def guess_counts(base: str) -> tuple[int, int]:
+    stats = [w["stats"] for w in status(base)["workers"]]
+    return sum(s.get("guessed_tokens", 0) for s in stats), sum(s.get("kept_guesses", 0) for s in stats)
+
+
+def start(tokens: int, threads: int, log_dir: Path):
+    from syshaxd.bench.daemon import daemon_command, start_daemon  # noqa: PLC0415
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config = log_dir / f"syshaxd-{tokens}.toml"
+    config.write_text(f"threads = {threads}\ncpu_max_batch_size = 8\nn_ctx = 4096\nspeculative_tokens = {tokens}\n"
+                      f"admin_socket = {json.dumps(str(log_dir / f'admin-{tokens}.sock'))}\nlog_level = \"info\"\n")
+    import asyncio  # noqa: PLC0415
+
+    return asyncio.run(start_daemon("cpu", command=daemon_command(), config=str(config), startup_timeout_s=300,
+                                    log_dir=str(log_dir / f"spec-{tokens}")))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=8, help="speculative_tokens of the guessing daemon (default: 8)")
+    p.add_argument("--concurrency", type=int, default=1, help="requests at once (default: 1)")
+    p.add_argument("--rounds", type=int, default=2, help="every load this many times on each (default: 2)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--load", action="append", choices=("copy", "chat", "unique"), help="only these loads")
+    p.add_argument("--json", type=Path, default=REPO / "bench/results/bench_speculation.json")
+    args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops both daemons
+    loads = args.load or ["copy", "chat", "unique"]
+    builder = PromptBuilder(GGUFTokenizer(default_tokenizer_path()))
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-spec-"))
+    daemons = {"guessing": start(args.tokens, args.threads, log_dir / "g"), "plain": start(0, args.threads,
+                                                                                           log_dir / "p")}
+    results: dict[str, list[dict]] = {ld: [] for ld in loads}
+    try:
+        for name in daemons:  # a first request each, so neither pays its first graphs in a load
+            post(f"{daemons[name].url}/v1/completions", {"prompt": "Hello", "max_tokens": 8, "temperature": 0})
+        for r in range(args.rounds):
+            for li, ld in enumerate(loads):
+                if ld == "unique":
+                    bodies = [{"prompt": builder.build(128, 1000 * r + k).text, "max_tokens": 256, "temperature": 0,
+                               "ignore_eos": True} for k in range(4)]
+                else:
+                    chats = copy_requests(r) if ld == "copy" else chat_requests(r)
+                    bodies = [{"messages": m, "max_tokens": 256, "temperature": 0} for m in chats]
+                order = ["guessing", "plain"] if (r + li) % 2 == 0 else ["plain", "guessing"]
+                got = {}
+                for name in order:
+                    before = guess_counts(daemons[name].url)
+                    wall, tokens, texts = run_load(daemons[name].url, bodies, args.concurrency)
+                    after = guess_counts(daemons[name].url)
+                    got[name] = {"seconds": wall, "tokens": tokens, "tok_s": tokens / wall, "texts": texts,
+                                 "guessed": after[0] - before[0], "kept": after[1] - before[1]}
+                g, q = got["guessing"], got["plain"]
+                row = {"round": r, "ratio": g["tok_s"] / q["tok_s"], "same_texts": g["texts"] == q["texts"],
+                       "guessing_tok_s": g["tok_s"], "plain_tok_s": q["tok_s"], "tokens": g["tokens"],
+                       "guessed": g["guessed"], "kept": g["kept"]}
+                results[ld].append(row)
+                print(f"round {r} {ld:<7} guessing {g['tok_s']:6.1f} tok/s, plain {q['tok_s']:6.1f}: "
+                      f"{row['ratio']:.2f}x; kept {g['kept']} of {g['guessed']} guessed; texts "
+                      f"{'the same' if row['same_texts'] else 'DIFFER'}", flush=True)
+    finally:
+        import asyncio  # noqa: PLC0415
+
+        from syshaxd.bench.daemon import stop_daemon  # noqa: PLC0415
+
+        for d in daemons.values():
+            asyncio.run(stop_daemon(d.process))
+    print(f"\nc={args.concurrency}, speculative_tokens={args.tokens}, {args.rounds} rounds (median of the rounds):\n")
+    print("| load | guessing tok/s | plain tok/s | ratio | rounds' ratios | guesses kept | texts |")
+    print("|---|---:|---:|---:|---|---:|---|")
+    for ld, rows in results.items():
+        kept, guessed = sum(x["kept"] for x in rows), sum(x["guessed"] for x in rows)
+        print(f"| {ld} | {statistics.median(x['guessing_tok_s'] for x in rows):.1f} | "
+              f"{statistics.median(x['plain_tok_s'] for x in rows):.1f} | "
+              f"{statistics.median(x['ratio'] for x in rows):.2f}x | "
+              f"{', '.join(format(x['ratio'], '.2f') for x in rows)} | "
+              f"{kept} of {guessed} | {'same' if all(x['same_texts'] for x in rows) else 'DIFFER'} |")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"schema": "syshax-bench-speculation/1", "concurrency": args.concurrency,
+                                     "speculative_tokens": args.tokens, "results": results}, indent=1))
+    return 0 if all(x["same_texts"] for rows in results.values() for x in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

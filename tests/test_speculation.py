@@ -1,0 +1,154 @@
+"""Speculative decoding (plugins/llamacpp/syshax_llamacpp/drafting.py): a guess never changes a text.
+
+A daemon that checks every guess it has (SYSHAX_GUESS=always: on any machine, paying or not) against one that
+guesses nothing, on long answers, several at once:
+* greedy chats (tests/greedy.py's) and copy-heavy requests (a quote, an edit of code) give the same texts, and
+  the guesses were really checked, most kept on the copies and some refused;
+* seeded sampled requests give the same texts (the sampler draws each token with the very random numbers it
+  would draw without a guess), with penalties in the chain too, and the same logprobs;
+* a warm-up whose proof of the guessed rows fails (SYSHAX_FAULT=guesses) turns speculation off and says so.
+The guesses themselves and the choice of those that pay are checked on their own below.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from conftest import MODEL_NAME, start_daemon
+from greedy import CHATS, answer_all, assert_same, client_of, worker
+
+from syshax_llamacpp import drafting
+
+pytestmark = pytest.mark.slow
+
+BASE = {"model_name": MODEL_NAME, "n_ctx": 2048}
+
+STORY = ("The lighthouse stood on the northern cliff for two hundred years. Its keeper, an old sailor named Tom, "
+         "climbed the ninety-nine steps every evening to light the lamp. Ships passing in the night saw its beam and "
+         "steered clear of the rocks below. One winter a storm broke the great lens, and Tom had to keep a fire "
+         "burning on the gallery until the new lens arrived from the city in spring.")
+CODE = ("def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(x)\n\n"
+        "def variance(xs):\n    m = mean(xs)\n    return sum((x - m) ** 2 for x in xs) / len(xs)\n")
+COPIES = [
+    [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{STORY}"}],
+    [{"role": "user", "content": f"Here is a story:\n\n{STORY}\n\nQuote its first three sentences."}],
+    [{"role": "user", "content": f"Fix the bug in this code and give the whole corrected code:\n\n{CODE}"}],
+    [{"role": "user", "content": f"Summarise this story in two sentences, quoting it where you can:\n\n{STORY}"}],
+]
+
+
+@pytest.fixture(scope="module")
+def plain(default_model, tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("plain"), {"model": str(default_model), **BASE,
+                                                         "speculative_tokens": 0})
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture(scope="module")
+def guessing(default_model, tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("guessing"), {"model": str(default_model), **BASE,
+                                                            "speculative_tokens": 8},
+                     env={"SYSHAX_GUESS": "always"})
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def guesses(daemon) -> tuple[int, int]:
+    stats = worker(daemon, "cpu0")["stats"]
+    return stats["guessed_tokens"], stats["kept_guesses"]
+
+
+def test_the_warm_up_proves_the_guessed_rows(plain, guessing):
+    assert worker(guessing, "cpu0")["speculative_tokens"] == 8
+    assert worker(plain, "cpu0")["speculative_tokens"] == 0
+    assert "guessed tokens a step, checked in rows that give a lone row's bits" in guessing.log()
+
+
+def test_greedy_chats_keep_their_text(plain, guessing):
+    before = guesses(guessing)
+    assert_same(answer_all(guessing), answer_all(plain), "guessing against not")
+    guessed, kept = (a - b for a, b in zip(guesses(guessing), before))
+    assert guessed > 0 and kept < guessed, (guessed, kept)  # checked, and some refused: their KV dropped
+
+
+def test_copies_keep_their_text_and_most_guesses(plain, guessing):
+    before = guesses(guessing)
+    got, want = answer_all(guessing, chats=COPIES), answer_all(plain, chats=COPIES)
+    assert_same(got, want, "copies, guessing against not")
+    guessed, kept = (a - b for a, b in zip(guesses(guessing), before))
+    assert kept > guessed / 3 and kept > 100, (guessed, kept)
+
+
+def sampled(daemon, messages, seed: int, extra: dict) -> tuple[str, list]:
+    out = client_of(daemon).chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=96, temperature=0.8, top_p=0.95, seed=seed, logprobs=True,
+        top_logprobs=2, extra_body={"ignore_eos": True} | extra)
+    lps = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in out.choices[0].logprobs.content]
+    return out.choices[0].message.content, lps
+
+
+PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.3}
+
+
+def test_seeded_samples_keep_their_text_and_logprobs(plain, guessing):
+    """With and without penalties (the chain's own state, which must see exactly the tokens kept)."""
+    cases = [(COPIES[0], 1, {}), (COPIES[2], 2, {}), (CHATS[1], 1, {}),
+             (COPIES[0], 3, PENALTIES), (COPIES[2], 4, PENALTIES), (CHATS[1], 2, PENALTIES)]
+    before = guesses(guessing)
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        got = list(pool.map(lambda c: sampled(guessing, *c), cases))
+        want = list(pool.map(lambda c: sampled(plain, *c), cases))
+    for (messages, seed, extra), g, w in zip(cases, got, want):
+        assert g[0] == w[0], (f"seed {seed} {extra}, {messages[-1]['content'][:40]!r}:\ngot      {g[0]!r}\n"
+                              f"expected {w[0]!r}")
+        assert g[1] == w[1]
+    guessed, kept = (a - b for a, b in zip(guesses(guessing), before))
+    assert kept > 0, (guessed, kept)
+    assert len({g[0] for g in got}) == len(got)  # sampled: each seed and prompt its own text
+
+
+def test_a_failed_proof_turns_speculation_off(default_model, tmp_path):
+    d = start_daemon(tmp_path, {"model": str(default_model), **BASE, "speculative_tokens": 8},
+                     env={"SYSHAX_FAULT": "guesses", "SYSHAX_GUESS": "always"})
+    try:
+        assert worker(d, "cpu0")["speculative_tokens"] == 0
+        assert "speculative decoding off" in d.log()
+        answer_all(d, chats=COPIES[:1])
+        assert guesses(d) == (0, 0)
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+# --- the guesses, and which pay ------------------------------------------------------------------------------------
+
+def test_a_guess_is_what_followed_the_latest_earlier_occurrence():
+    lookup = drafting.PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3])
+    assert lookup.guess(2) == [4, 5]  # [1 2 3] occurred at the start (the longest match, before the later [2 3])
+    lookup.extend([7])
+    assert lookup.guess(5) == [8, 1, 2, 3, 7]  # [2 3 7] at 6..8, then on to the end (it may run into the present)
+    lookup.extend([6, 6])
+    assert lookup.guess(4) == []  # [7 6 6], [6 6]: never seen before
+    assert drafting.PromptLookup([5, 5, 5, 5]).guess(3) == [5]  # [5 5 5] ended at 3: only one token after it
+
+
+def test_a_longer_match_wins_over_a_later_shorter_one():
+    # [1 2 3] occurred at the start, followed by 4; [2 3] later, followed by 9
+    lookup = drafting.PromptLookup([1, 2, 3, 4, 0, 2, 3, 9, 0, 1, 2, 3])
+    assert lookup.guess(1) == [4]
+
+
+def test_guesses_are_taken_only_where_they_pay():
+    cheap, dear = drafting.StepCost(), drafting.StepCost()
+    for rows, seconds in ((1, 0.010), (9, 0.012)):  # memory-bound: a row costs little
+        cheap.add(rows, seconds)
+    for rows, seconds in ((1, 0.010), (9, 0.045)):  # compute-bound: a row costs almost a step
+        dear.add(rows, seconds)
+    assert drafting.plan(1, [(0.9, 8)], cheap) == [8]
+    assert drafting.plan(1, [(0.3, 8)], cheap)[0] >= 1  # even a poor guess: its first token is nearly free
+    assert drafting.plan(1, [(0.3, 8)], dear) == [0]
+    assert 1 <= drafting.plan(1, [(0.95, 8)], dear)[0]  # a copy pays even there
+    assert drafting.plan(2, [(0.95, 4), (0.1, 4)], cheap)[1] < drafting.plan(2, [(0.95, 4), (0.1, 4)], cheap)[0]
+    assert drafting.plan(1, [(0.9, 8)], drafting.StepCost()) == [0]  # no step timed yet: nothing to go on
