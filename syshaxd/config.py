@@ -77,7 +77,7 @@ class Config:
     tiled_attention: bool = True
     repack: str = "auto"  # llama.cpp's repacked weight kernels (llama-server's --repack): auto, on, off
     # speculative decoding: the most tokens of a request's own context a decode step guesses and checks; 0: off
-    speculative_tokens: int = 0
+    speculative_tokens: int = 8
 
     # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring
     prefill_cpu_affinity: str = ""  # the prefill worker's CPUs ("0-3;4-7": one GPU engine each); "": a quarter of

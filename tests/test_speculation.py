@@ -152,3 +152,27 @@ def test_guesses_are_taken_only_where_they_pay():
     assert 1 <= drafting.plan(1, [(0.95, 8)], dear)[0]  # a copy pays even there
     assert drafting.plan(2, [(0.95, 4), (0.1, 4)], cheap)[1] < drafting.plan(2, [(0.95, 4), (0.1, 4)], cheap)[0]
     assert drafting.plan(1, [(0.9, 8)], drafting.StepCost()) == [0]  # no step timed yet: nothing to go on
+
+
+def test_a_guess_not_checked_is_still_counted_as_the_tokens_come():
+    acceptance = drafting.Acceptance()
+    before = acceptance.rate
+    acceptance.watch([4, 5, 6])
+    acceptance.watch([9, 9])  # one at a time: the first is still being watched
+    for token in (4, 5, 6):
+        acceptance.token(token)
+    assert acceptance.rate > before and not acceptance.watching
+    high = acceptance.rate
+    acceptance.watch([7, 8])
+    acceptance.token(7)
+    acceptance.token(1)  # wrong: one kept, one refused
+    assert acceptance.rate < high and not acceptance.watching
+
+
+def test_a_guessed_row_beside_others_is_not_taken_before_such_a_step_was_timed():
+    costs = drafting.StepCosts()
+    costs[1].add(1, 0.010)
+    costs[1].add(9, 0.012)
+    costs[4].add(4, 0.020)  # four sequences, no guess yet: nothing says what a guessed row costs beside them
+    assert drafting.plan(1, [(0.9, 8)], costs[1]) == [8]
+    assert drafting.plan(4, [(0.99, 8)] * 4, costs[4]) == [0, 0, 0, 0]

@@ -90,7 +90,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self.n_batch = self.max_seqs * (1 + self.speculative_tokens)
         # a decode step's time by its rows, learnt as steps run: whether a guess pays (drafting.py); None while
         # speculation is off (set at the warm-up, once it proved that rows give a lone row's bits)
-        self.step_cost: drafting.StepCost | None = None
+        self.step_cost: drafting.StepCosts | None = None
         self.seq_ctx = min(spec.n_ctx, self.n_ctx_train)
         cparams = self.batch_params(self.n_batch)
         if on_graph is not None:

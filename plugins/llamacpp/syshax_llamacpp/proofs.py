@@ -193,7 +193,7 @@ class WarmUpProofs:
                         "ms a step, so that its text is the one it gets beside others", SPLIT_KV_FROM)
         return same
 
-    def _proves_guessed_rows(self, tokens: list[int], n: int) -> drafting.StepCost | None:
+    def _proves_guessed_rows(self, tokens: list[int], n: int) -> drafting.StepCosts | None:
         """Speculative decoding's proof and first costs: whether a sequence's 1 + speculative_tokens rows in one
         decode step of the batch context get the very logits each gets in a step of its own (stream 0, after a
         prompt of the warm-up's tokens), and what the two kinds of step cost (the medians of 3): a guess is then
@@ -238,13 +238,13 @@ class WarmUpProofs:
             log.warning("speculative decoding off: %d rows of a sequence in one decode step gave other bits than "
                         "each in a step of its own, so a guess could change a text", rows)
             return None
-        cost = drafting.StepCost()
-        cost.add(1, statistics.median(one_row))
-        cost.add(rows, statistics.median(all_rows))
+        costs = drafting.StepCosts()
+        costs[1].add(1, statistics.median(one_row))
+        costs[1].add(rows, statistics.median(all_rows))
         log.info("speculative decoding: up to %d guessed tokens a step, checked in rows that give a lone row's bits "
                  "(a step of 1 row %.1f ms, of %d rows %.1f ms here)", self.speculative_tokens,
-                 1000 * cost(1), rows, 1000 * cost(rows))
-        return cost
+                 1000 * costs[1](1), rows, 1000 * costs[1](rows))
+        return costs
 
     def _prove_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> int:
         """EXACT_RESUME if the warm-up prompt, run again in chunks of that many tokens or more that start off

@@ -70,7 +70,7 @@ class Stepping:
             started = time.perf_counter()
             rc = llama_cpp.llama_decode(self.ctx, self.batch)
             if self.step_cost is not None:
-                self.step_cost.add(self.batch.n_tokens, time.perf_counter() - started)
+                self.step_cost[len(rows)].add(self.batch.n_tokens, time.perf_counter() - started)
             if pad >= 0:
                 llama_cpp.llama_memory_seq_rm(self.memory, pad, -1, -1)
                 self.counters["padded_steps"] += 1
@@ -184,7 +184,12 @@ class Stepping:
             candidates.append((seq.acceptance.rate, len(guess)))
         if self.spec.guess_always:
             return offers
-        taken = drafting.plan(len(decoding), candidates, self.step_cost)
+        taken = drafting.plan(len(decoding), candidates, self.step_cost[len(decoding)])
+        for seq, guess, n in zip(decoding, offers, taken):
+            if n:
+                seq.acceptance.watching = []  # counted as checked instead
+            else:
+                seq.acceptance.watch(guess)
         return [guess[:n] for guess, n in zip(offers, taken)]
 
     def _check(self, seq: Sequence, i: int, guess: list[int]) -> list:
@@ -200,6 +205,8 @@ class Stepping:
             except GrammarDeadEnd:
                 return self._dead_end(seq)
             sampled.append((token, lp))
+            if not guess:
+                seq.acceptance.token(token)
             piece, finish = seq.out.token(token)
             text += piece
             if finish is not None:
