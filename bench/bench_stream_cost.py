@@ -1,0 +1,194 @@
+"""What streaming costs syshaxd itself at concurrency 8: streamed against unstreamed tok/s of one daemon, and the
+daemon's own CPU time per output token (issue 38).
+
+bench_serving_cost.py's load (8 unique 128-token prompts decoding 256 tokens each at once, 16 requests a round) on
+one syshaxd, streamed and not streamed alternating within each round (the first alternating from round to round),
+so that both see the same drift of a shared machine. Per run: output tok/s, ITL p50 (streamed), the CPU time the
+daemon's own process spent per output token (its workers not counted; of it, the kernel's part) and the client's:
+on 2 cores each of those milliseconds is taken from the engine's two threads. The ratio streamed / unstreamed is the
+figure to watch (1.00: a stream costs the daemon nothing a JSON answer does not); the CPU per token is the steadier
+one where another load shares the machine, as tok/s follows that load.
+
+--profile PATH runs the daemon under cProfile during the rounds (timed by its CPU clock), writes the stats to PATH
+(pstats reads them) and prints the functions that took most of its CPU, per output token. The profiler's own cost
+makes such a run's tok/s meaningless, not its ranking of where the daemon's time goes. Only the streamed runs are
+profiled.
+
+    .venv/bin/python bench/bench_stream_cost.py [--rounds 3] [--profile /tmp/daemon-profile.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "plugins" / "llamacpp")]
+
+import aiohttp  # noqa: E402
+import psutil  # noqa: E402
+
+import bench_peers  # noqa: E402
+from bench_serving_cost import OUT, PROMPT, SLOTS, unstreamed  # noqa: E402
+from syshaxd.bench.client import StreamingClient, run_level  # noqa: E402
+from syshaxd.bench.daemon import daemon_command, start_daemon  # noqa: E402
+from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
+from syshaxd.bench.report import level_summary, write_json  # noqa: E402
+
+RESULTS = HERE / "results" / "bench_stream_cost.json"
+
+
+def run_profiled(path: str, argv: list[str]) -> int:
+    """syshaxd's main(argv) under cProfile between SIGUSR1 and SIGUSR2, timed by the event loop's own CPU clock (a
+    wall clock charges a syscall the time the kernel gave the client and the engine meanwhile); the stats go to
+    path when main() returns (SIGTERM drains, then returns)."""
+    import cProfile
+
+    from syshaxd.daemon import main as daemon_main
+
+    profile = cProfile.Profile(time.thread_time)
+    signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
+    signal.signal(signal.SIGUSR2, lambda *_: profile.disable())
+    try:
+        return daemon_main(argv)
+    finally:
+        profile.disable()
+        profile.dump_stats(path)
+
+
+def print_profile(path: str, tokens: int, rows: int = 45) -> None:
+    """The functions that took most of the daemon's CPU (their own time), in microseconds per output token; a
+    coroutine's calls count each time it resumed."""
+    import pstats
+
+    stats = pstats.Stats(path).stats  # type: ignore[attr-defined]
+    own = sorted(((tt, calls, key) for key, (_, calls, tt, _, _) in stats.items()), reverse=True)
+    total = sum(tt for tt, _, _ in own)
+    print(f"\nthe daemon's CPU under cProfile: {1e6 * total / tokens:.1f} us per output token; the top functions:")
+    print("| us/token | calls/token | function |")
+    print("|---:|---:|---|")
+    for tt, calls, (file, line, name) in own[:rows]:
+        print(f"| {1e6 * tt / tokens:.2f} | {calls / tokens:.2f} | {Path(file).name}:{line}({name}) |")
+
+
+def _cpu_s(process: psutil.Process) -> tuple[float, float]:
+    """CPU seconds (user, system) the process itself has spent, its children not counted."""
+    t = process.cpu_times()
+    return t.user, t.system
+
+
+async def start(args, log_dir: Path) -> bench_peers.Server:
+    """syshaxd as bench_peers.py starts it, under cProfile with --profile."""
+    command = daemon_command()
+    if args.profile:
+        command = [sys.executable, str(Path(__file__).resolve()), "--profiled-daemon",
+                   str(Path(args.profile).resolve())]
+    config = log_dir / "syshaxd.toml"
+    config.write_text(
+        f"model = {json.dumps(str(args.model))}\n"
+        f"model_dir = {json.dumps(str(args.model.parent))}\n"
+        'quantize = ""\n'
+        f"threads = {args.threads}\n"
+        f"cpu_max_batch_size = {SLOTS}\n"
+        f"n_ctx = {args.n_ctx}\n"
+        'repack = "auto"\n'
+        f"admin_socket = {json.dumps(str(log_dir / 'admin.sock'))}\n"
+        'log_level = "info"\n'
+    )
+    daemon = await start_daemon("cpu", command=command, config=str(config), startup_timeout_s=300,
+                                log_dir=str(log_dir))
+    return bench_peers.Server(bench_peers.OURS, daemon.url, daemon.process, {"pid": daemon.pid, "log": daemon.log_path})
+
+
+async def measure(args, builder: PromptBuilder) -> dict:
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_stream_cost-"))
+    server = await start(args, log_dir)
+    daemon = psutil.Process(server.process.pid)
+    figures: dict = {"streamed": [], "unstreamed": [], "itl_s": []}
+    for key in ("cpu_ms_per_token", "system_cpu_ms_per_token", "client_cpu_ms_per_token"):
+        figures[key] = {"streamed": [], "unstreamed": []}
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
+            await bench_peers.warm_up(server, session, [builder.build(32, 1), builder.build(32, 2)])
+            model = server.info["model"]
+            for r in range(args.rounds):
+                kinds = ["streamed", "unstreamed"] if r % 2 == 0 else ["unstreamed", "streamed"]
+                for kind in kinds:
+                    prompts = [builder.build(PROMPT, 10_000 * (r + 1) + (500 if kind == "unstreamed" else 0) + k)
+                               for k in range(2 * SLOTS)]
+                    cpu, client = _cpu_s(daemon), time.process_time()
+                    if kind == "streamed":
+                        if args.profile:
+                            server.process.send_signal(signal.SIGUSR1)  # run_profiled: the streamed runs alone
+                        run = await run_level(StreamingClient(server.url, model, OUT), session, prompts, SLOTS,
+                                              output_len=OUT)
+                        summary = level_summary(run, OUT, None)
+                        tok_s, tokens = summary["output_throughput_tok_s"], summary["output_tokens"]
+                        figures["itl_s"].append(summary["itl_s"]["median"])
+                        if args.profile:
+                            server.process.send_signal(signal.SIGUSR2)
+                    else:
+                        tok_s = await unstreamed(session, server.url, model, prompts, SLOTS)
+                        tokens = len(prompts) * OUT
+                    figures[kind].append(tok_s)
+                    (user, system), (user0, system0) = _cpu_s(daemon), cpu
+                    figures["cpu_ms_per_token"][kind].append(1000 * (user - user0 + system - system0) / tokens)
+                    figures["system_cpu_ms_per_token"][kind].append(1000 * (system - system0) / tokens)
+                    figures["client_cpu_ms_per_token"][kind].append(1000 * (time.process_time() - client) / tokens)
+                print(f"  round {r + 1}: {figures['streamed'][-1]:.1f} tok/s streamed "
+                      f"(ITL p50 {1000 * figures['itl_s'][-1]:.2f} ms, daemon "
+                      f"{figures['cpu_ms_per_token']['streamed'][-1]:.3f} ms CPU/token), "
+                      f"{figures['unstreamed'][-1]:.1f} not ({figures['cpu_ms_per_token']['unstreamed'][-1]:.3f} "
+                      "ms CPU/token)", flush=True)
+    finally:
+        await server.stop()
+    return figures
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--profiled-daemon"]:  # --profile's daemon: the rest is syshaxd's own argv
+        return run_profiled(sys.argv[2], sys.argv[3:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", metavar="PATH", help="run the daemon under cProfile, its stats written to PATH")
+    p.add_argument("--json", default=str(RESULTS), help=f"where the figures go (default {RESULTS})")
+    args = p.parse_args()
+    args.model = bench_peers.default_tokenizer_path()
+    args.n_ctx = 2048
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    builder = PromptBuilder(GGUFTokenizer(args.model))
+    started = time.time()
+    f = asyncio.run(measure(args, builder))
+    ratios = [s / u for s, u in zip(f["streamed"], f["unstreamed"])]
+    cpu = f["cpu_ms_per_token"]
+    print(f"\nsyshaxd alone, {SLOTS} unique {PROMPT}-token prompts at once, {OUT} tokens each, {args.threads} threads; "
+          f"medians over {args.rounds} rounds:\n")
+    client = f["client_cpu_ms_per_token"]
+    system = f["system_cpu_ms_per_token"]
+    print("| | tok/s | ITL p50 ms | daemon CPU ms per token | of it in the kernel | client CPU ms per token |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| streamed | {statistics.median(f['streamed']):.1f} | {1000 * statistics.median(f['itl_s']):.2f} | "
+          f"{statistics.median(cpu['streamed']):.3f} | {statistics.median(system['streamed']):.3f} | "
+          f"{statistics.median(client['streamed']):.3f} |")
+    print(f"| not streamed | {statistics.median(f['unstreamed']):.1f} | | {statistics.median(cpu['unstreamed']):.3f} | "
+          f"{statistics.median(system['unstreamed']):.3f} | {statistics.median(client['unstreamed']):.3f} |")
+    print(f"\nstreamed / not streamed: {statistics.median(ratios):.3f}x (rounds: "
+          f"{', '.join(f'{x:.3f}' for x in ratios)})")
+    if args.profile:
+        print_profile(args.profile, 2 * SLOTS * OUT * args.rounds)
+    write_json({"schema": "syshax-bench-stream-cost/1", "started": started, "rounds": args.rounds,
+                "threads": args.threads, "profiled": bool(args.profile), "figures": f, "ratios": ratios}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
