@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -85,9 +86,13 @@ class Metrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests, by finished_reason.",
                                        m + ["finished_reason"], registry=r)
-        for family in (self.ttft, self.tpot, self.itl, self.e2e, self.request_prompt_tokens,
-                       self.request_generation_tokens, self.prompt_tokens, self.generation_tokens):
-            family.labels(model_name)  # series at zero from the start, as dashboards expect
+        # the one model's series, at zero from the start as dashboards expect, and looked up once: a stream observes
+        # three of them per token, and .labels() takes a lock and builds its key each time
+        self.served = ServedSeries(
+            self.ttft.labels(model_name), self.tpot.labels(model_name), self.itl.labels(model_name),
+            self.e2e.labels(model_name), self.request_prompt_tokens.labels(model_name),
+            self.request_generation_tokens.labels(model_name), self.prompt_tokens.labels(model_name),
+            self.generation_tokens.labels(model_name))
         r.register(_EngineCollector(model_name, status, service or (lambda: {})))
         self.recent = Recent()  # the last minutes, for the web page (/v1/syshax/status "recent")
 
@@ -104,11 +109,26 @@ class Metrics:
         return encode(self.registry), content_type
 
 
+@dataclass(frozen=True)
+class ServedSeries:
+    """The served model's series of the per-request metrics (model_name is its label)."""
+
+    ttft: Histogram
+    tpot: Histogram
+    itl: Histogram
+    e2e: Histogram
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+
+
 class RequestTimer:
     """One request's timings: accepted (prompt tokens), tokens as they arrive, finished."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._m = metrics
+        self._s = metrics.served
         self._label = metrics.model_name
         self.arrival = time.monotonic()
         self.prompt_tokens = 0
@@ -118,36 +138,37 @@ class RequestTimer:
 
     def accepted(self, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
-        self._m.prompt_tokens.labels(self._label).inc(prompt_tokens)
+        self._s.prompt_tokens.inc(prompt_tokens)
 
     def tokens(self, n: int) -> None:
         """n tokens arrived together (one event); their gap is shared out among them."""
         if n <= 0:
             return
         now = time.monotonic()
+        s = self._s
         if self._last is None:
-            self._m.ttft.labels(self._label).observe(now - self.arrival)
+            s.ttft.observe(now - self.arrival)
             self._m.recent.first_token(now - self.arrival)
             gaps, gap = n - 1, 0.0
         else:
             gaps, gap = n, (now - self._last) / n
         for _ in range(gaps):
-            self._m.tpot.labels(self._label).observe(gap)
-            self._m.itl.labels(self._label).observe(gap)
+            s.tpot.observe(gap)
+            s.itl.observe(gap)
         self._m.recent.tokens(n, gaps, gap)
         self._last = now
         self.generated += n
-        self._m.generation_tokens.labels(self._label).inc(n)
+        s.generation_tokens.inc(n)
 
     def finished(self, reason: str) -> None:
         if self._done:
             return
         self._done = True
-        label = self._label
-        self._m.e2e.labels(label).observe(time.monotonic() - self.arrival)
-        self._m.request_prompt_tokens.labels(label).observe(self.prompt_tokens)
-        self._m.request_generation_tokens.labels(label).observe(self.generated)
-        self._m.request_success.labels(label, reason).inc()
+        s = self._s
+        s.e2e.observe(time.monotonic() - self.arrival)
+        s.request_prompt_tokens.observe(self.prompt_tokens)
+        s.request_generation_tokens.observe(self.generated)
+        self._m.request_success.labels(self._label, reason).inc()
         self._m.recent.finished()
 
 
