@@ -53,9 +53,17 @@ class Framing:
 OPENAI = Framing(data, lambda exc, sent: exc.body(), DONE)
 
 
-async def write_within(resp: web.StreamResponse, chunk: bytes, timeout: float) -> None:
-    """resp.write(chunk), given up with TimeoutError after `timeout` seconds (a client that stops reading). Unlike
-    asyncio.wait_for it makes no task per write: a stream writes once per token."""
+async def write_within(request: web.Request, resp: web.StreamResponse, chunk: bytes, timeout: float) -> None:
+    """resp.write(chunk), given up with TimeoutError after `timeout` seconds (a client that stops reading).
+
+    A stream writes once per token, so the usual write arms no timer: aiohttp's write waits only while the
+    transport is paused, and one that is not paused and takes the chunk within its high-water mark does not pause
+    for it. A client that stops reading fills the buffer to the mark, and its writes are timed from then on."""
+    transport = request.transport
+    if (transport is not None and not getattr(request.protocol, "writing_paused", True)
+            and transport.get_write_buffer_size() + len(chunk) <= transport.get_write_buffer_limits()[1]):
+        await resp.write(chunk)
+        return
     async with asyncio.timeout(timeout):
         await resp.write(chunk)
 
@@ -92,10 +100,10 @@ async def stream(request: web.Request, route: Callable[[], str], request_id: str
     await resp.prepare(request)
     timeout = request.app[STATE].config.client_timeout
     try:
-        await write_within(resp, first, timeout)
+        await write_within(request, resp, first, timeout)
         async for chunk in chunks:
             # a write waits while the client's socket buffers are full: a client that stops reading is let go
-            await write_within(resp, chunk, timeout)
+            await write_within(request, resp, chunk, timeout)
         await resp.write_eof()
     except ClientGone:
         log.info("%s: client left mid-stream", request_id)
