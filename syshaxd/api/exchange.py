@@ -5,14 +5,17 @@ here; chat_shapes.py and completion_shapes.py give each its own bodies, chunks a
 from __future__ import annotations
 
 import time
+from json.encoder import encode_basestring
 
 from syshaxd import __version__
 from syshaxd.api.outputs import Step
+from syshaxd.api.sse import json_bytes
 from syshaxd.api.validate import ParsedRequest
 from syshaxd.engine.prompts import Pieces
 from syshaxd.sdk.types import Accepted, Delta
 
 SYSTEM_FINGERPRINT = f"syshax-{__version__}"
+_TEXT = "\x00text\x00"  # a text chunk's text while its template is made (no id or model name holds a NUL)
 
 
 class Choice:
@@ -50,6 +53,7 @@ class Exchange:
         self.reading = parsed.thinking is not None and parsed.thinking.split
         self.choices = [Choice(i) for i in range(len(parsed.generates))]
         self.tools = parsed.tools  # chat with tools: the output is read back into tool calls
+        self._around_text: dict[int, tuple[bytes, bytes]] = {}  # per choice: a text chunk's JSON before and after
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -77,6 +81,16 @@ class Exchange:
     def opening_chunks(self) -> list[dict]:
         """What a stream sends before the first token."""
         return []
+
+    def text_chunk(self, index: int, text: str) -> bytes:
+        """chunk(index, text, None) as JSON, byte for byte json_bytes' own, with only the text encoded per chunk: a
+        stream sends one per token, and the rest of it (id, model, choice) is the same every time."""
+        around = self._around_text.get(index)
+        if around is None:
+            whole = json_bytes(self.chunk(index, _TEXT, None))
+            before, _, after = whole.partition(json_bytes(_TEXT))
+            around = self._around_text[index] = (before, after)
+        return around[0] + encode_basestring(text).encode() + around[1]
 
     def streamed_logprobs(self, lp: dict | None) -> dict | None:
         """A Delta's logprobs as its chunk carries them (None: the chunk carries none)."""

@@ -70,7 +70,7 @@ class _OpenAI:
         return gen.json(ex.body(ex.usage(gen.accepted), gen.route))
 
 
-async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict]:
+async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict | bytes]:
     """The stream's chunks: each choice's thinking, text and logprobs as they come, its calls and finish reason
     when it ends, and the usage after the last."""
     async with aclosing(gen.steps(ex.show)) as steps:
@@ -84,8 +84,10 @@ async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict]:
             if step.thought:  # a reasoning model's thinking goes first, apart
                 yield ex.thought_chunk(step.index, step.thought, logprobs=lp)
                 lp = None
-            if step.text or lp is not None:
+            if lp is not None:
                 yield ex.chunk(step.index, step.text, None, logprobs=lp)
+            elif step.text:
+                yield ex.text_chunk(step.index, step.text)
             if step.finish is None:
                 continue
             ex.ended(step)

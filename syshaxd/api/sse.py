@@ -14,6 +14,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from aiohttp import web
 
@@ -27,30 +28,38 @@ class ClientGone(Exception):
     """The client closed the connection while we waited; nobody is left to answer."""
 
 
-def data(obj: dict) -> bytes:
-    """One `data:` event (chat's and completions' chunks)."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+def json_bytes(obj) -> bytes:
+    """obj as every event writes it: JSON, UTF-8 unescaped."""
+    return json.dumps(obj, ensure_ascii=False).encode()
+
+
+def data(obj: dict | bytes) -> bytes:
+    """One `data:` event (chat's and completions' chunks): a chunk, or one already JSON (Exchange.text_chunk)."""
+    return b"data: " + (obj if isinstance(obj, bytes) else json_bytes(obj)) + b"\n\n"
 
 
 def typed(event: dict) -> bytes:
     """One typed event: `event: <type>` and the event as data (the Responses and Messages APIs)."""
-    return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+    return f"event: {event['type']}\ndata: ".encode() + json_bytes(event) + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"
 
 
+E = TypeVar("E")  # an endpoint's events: dicts, and for chat and completions chunks already JSON (bytes) too
+
+
 @dataclass(frozen=True)
-class Framing:
+class Framing(Generic[E]):
     """How an endpoint's stream is written: each event's bytes, the event a failure after the first one becomes
     (given the error and the events sent), and the bytes that end a stream that ran to its end or failed."""
 
-    frame: Callable[[dict], bytes]
-    failed: Callable[[APIError, int], dict]
+    frame: Callable[[E], bytes]
+    failed: Callable[[APIError, int], E]
     end: bytes = b""
 
 
-OPENAI = Framing(data, lambda exc, sent: exc.body(), DONE)
+OPENAI: Framing[dict | bytes] = Framing(data, lambda exc, sent: exc.body(), DONE)
 
 
 async def write_within(request: web.Request, resp: web.StreamResponse, chunk: bytes, timeout: float) -> None:
@@ -68,7 +77,7 @@ async def write_within(request: web.Request, resp: web.StreamResponse, chunk: by
         await resp.write(chunk)
 
 
-async def _framed(events: AsyncIterator[dict], framing: Framing) -> AsyncGenerator[bytes, None]:
+async def _framed(events: AsyncIterator[E], framing: Framing[E]) -> AsyncGenerator[bytes, None]:
     """The events as bytes. A failure before the first event is the caller's HTTP error; after it, the stream
     ends with framing.failed(error, events sent) and the end."""
     sent = 0
@@ -84,8 +93,8 @@ async def _framed(events: AsyncIterator[dict], framing: Framing) -> AsyncGenerat
         yield framing.end
 
 
-async def stream(request: web.Request, route: Callable[[], str], request_id: str, events: AsyncIterator[dict],
-                 framing: Framing) -> web.StreamResponse:
+async def stream(request: web.Request, route: Callable[[], str], request_id: str, events: AsyncIterator[E],
+                 framing: Framing[E]) -> web.StreamResponse:
     """The events as server-sent events. The headers (route(): where the request runs) wait for the first event
     (an error before it is a proper HTTP error); a client that leaves or stops reading for client_timeout ends the
     stream."""

@@ -1,0 +1,35 @@
+"""A streamed text chunk is written from a template made once per choice (api/exchange.py, Exchange.text_chunk):
+its bytes must be, for every text, the very bytes json.dumps writes of the chunk's dict, in chat and in
+completions, for every choice of a request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from syshaxd.api.chat_shapes import ChatExchange
+from syshaxd.api.completion_shapes import CompletionExchange
+from syshaxd.api.sse import data, json_bytes
+from syshaxd.api.validate import parse_chat, parse_completion
+
+TEXTS = ["", " Paris", "a \"quoted\" word", "back\\slash", "line\nbreak\ttab\r", "\x00 and \x1f", "café", "日本語",
+         "🙂 emoji", "\u2028\u2029", "\x00text\x00", "}]}, {\"index\": 1"]
+
+
+def exchanges():
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 3},
+                      "m", 16)
+    completion = parse_completion({"model": "m", "prompt": ["one", "two"], "stream": True, "n": 2}, "m", 16)
+    return [ChatExchange(chat, "m \"model\" é", None, [], None),
+            CompletionExchange(completion, "m", None, [], None)]
+
+
+@pytest.mark.parametrize("ex", exchanges(), ids=["chat", "completions"])
+def test_a_text_chunk_is_byte_for_byte_the_chunk_json_dumps_writes(ex):
+    for index in range(len(ex.choices)):
+        for text in TEXTS:
+            assert ex.text_chunk(index, text) == json_bytes(ex.chunk(index, text, None))
+            framed = data(ex.text_chunk(index, text))
+            assert framed == data(ex.chunk(index, text, None))
+            assert json.loads(framed[len(b"data: "):])["choices"][0]["index"] == index
