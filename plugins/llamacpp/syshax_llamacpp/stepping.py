@@ -183,8 +183,11 @@ class Stepping:
             offers.append(guess)
             candidates.append((seq.acceptance.rate, len(guess)))
         if self.spec.guess_always:
-            return offers
-        taken = drafting.plan(len(decoding), candidates, self.step_cost[len(decoding)])
+            taken = [len(guess) for guess in offers]
+        else:
+            taken = drafting.plan(len(decoding), candidates, self.step_cost[len(decoding)])
+        while len(decoding) + sum(taken) > self.n_batch:  # the batch's room (a guess beside others: never timed)
+            taken[taken.index(max(taken))] -= 1
         for seq, guess, n in zip(decoding, offers, taken):
             if n:
                 seq.acceptance.watching = []  # counted as checked instead
