@@ -13,6 +13,9 @@ The guesses themselves and the choice of those that pay are checked on their own
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -146,12 +149,12 @@ def test_guesses_are_taken_only_where_they_pay():
         cheap.add(rows, seconds)
     for rows, seconds in ((1, 0.010), (9, 0.045)):  # compute-bound: a row costs almost a step
         dear.add(rows, seconds)
-    assert drafting.plan(1, [(0.9, 8)], cheap) == [8]
-    assert drafting.plan(1, [(0.3, 8)], cheap)[0] >= 1  # even a poor guess: its first token is nearly free
-    assert drafting.plan(1, [(0.3, 8)], dear) == [0]
-    assert 1 <= drafting.plan(1, [(0.95, 8)], dear)[0]  # a copy pays even there
-    assert drafting.plan(2, [(0.95, 4), (0.1, 4)], cheap)[1] < drafting.plan(2, [(0.95, 4), (0.1, 4)], cheap)[0]
-    assert drafting.plan(1, [(0.9, 8)], drafting.StepCost()) == [0]  # no step timed yet: nothing to go on
+    assert drafting.guess_length(0.9, 8, cheap) == 8
+    assert drafting.guess_length(0.3, 8, cheap) >= 1  # even a poor guess: its first token is nearly free
+    assert drafting.guess_length(0.3, 8, dear) == 0
+    assert 1 <= drafting.guess_length(0.95, 8, dear)  # a copy pays even there
+    assert drafting.guess_length(0.1, 4, cheap) < drafting.guess_length(0.95, 4, cheap)  # the likelier, the longer
+    assert drafting.guess_length(0.9, 8, drafting.StepCost()) == 0  # no step timed yet: nothing to go on
 
 
 def test_a_guess_not_checked_is_still_counted_as_the_tokens_come():
@@ -169,10 +172,36 @@ def test_a_guess_not_checked_is_still_counted_as_the_tokens_come():
     assert acceptance.rate < high and not acceptance.watching
 
 
-def test_a_guessed_row_beside_others_is_not_taken_before_such_a_step_was_timed():
-    costs = drafting.StepCosts()
-    costs[1].add(1, 0.010)
-    costs[1].add(9, 0.012)
-    costs[4].add(4, 0.020)  # four sequences, no guess yet: nothing says what a guessed row costs beside them
-    assert drafting.plan(1, [(0.9, 8)], costs[1]) == [8]
-    assert drafting.plan(4, [(0.99, 8)] * 4, costs[4]) == [0, 0, 0, 0]
+LONE_OR_NOT = """
+import json, sys
+from syshax_llamacpp.engine import LlamaCppEngine
+from syshaxd.sdk.types import Delta, EngineSpec, GenerateRequest, SamplingParams
+engine = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_path=sys.argv[1], model_name="m",
+                                   n_ctx=1024, max_batch_size=4, threads=2, tiled_attention=True,
+                                   speculative_tokens=8))
+engine.warm_up()
+for i, messages in enumerate(json.loads(sys.argv[2])):
+    engine.submit(GenerateRequest(request_id=str(i), max_tokens=96, messages=tuple(messages), ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0)))
+steps = {"alone": 0, "together": 0, "guessed_together": 0, "guessed_alone": 0}
+while engine.active or engine.waiting:
+    decoding = sum(1 for s in engine.active.values() if s.next_token is not None)
+    before = engine.counters["guessed_tokens"]
+    engine.step()
+    kind = "alone" if decoding == 1 else "together" if decoding > 1 else None
+    if kind:
+        steps[kind] += 1
+        steps["guessed_" + kind] += engine.counters["guessed_tokens"] - before
+print(json.dumps(steps | {"speculating": engine.step_cost is not None}))
+"""
+
+
+def test_a_guess_is_checked_only_for_a_sequence_decoding_alone(default_model):
+    """Beside other sequences a guessed row would split llama.cpp's step: the engine guesses for a lone sequence
+    only (two copy-heavy requests, the second's prompt running while the first decodes, then both decoding)."""
+    run = subprocess.run([sys.executable, "-c", LONE_OR_NOT, str(default_model), json.dumps(COPIES[:2])],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    steps = json.loads(run.stdout.splitlines()[-1])
+    assert steps["speculating"] and steps["together"] >= 20 and steps["alone"] >= 1, steps
+    assert steps["guessed_together"] == 0, steps

@@ -99,8 +99,9 @@ class Acceptance:
 
 
 class StepCost:
-    """A decode step's time by its rows, learnt from the steps that run (a moving average per row count);
-    row counts not seen yet are read off a line through their nearest seen neighbours."""
+    """A lone sequence's decode step time by its rows, learnt from the steps that run (a moving average per row
+    count; the warm-up times 1 row and 1 + speculative_tokens, so every count between is read off a line through
+    its nearest timed neighbours until it is timed itself)."""
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
@@ -110,57 +111,28 @@ class StepCost:
         self.seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def __call__(self, rows: int) -> float | None:
-        """The expected time of a step of `rows` rows; None before any step ran."""
+        """The expected time of a step of `rows` rows; None outside the row counts timed."""
         if rows in self.seconds:
             return self.seconds[rows]
-        if not self.seconds:
-            return None
         below = max((r for r in self.seconds if r < rows), default=None)
         above = min((r for r in self.seconds if r > rows), default=None)
-        if below is None:  # fewer rows than any seen: no cheaper than a row less costs... take the least seen
-            return self.seconds[above] * rows / above
-        if above is None:  # more rows than any seen: each row beyond costs what a row costs on average so far
-            first = min(self.seconds)
-            per_row = ((self.seconds[below] - self.seconds[first]) / (below - first) if below > first
-                       else self.seconds[below] / below)
-            return self.seconds[below] + per_row * (rows - below)
+        if below is None or above is None:
+            return None
         t0, t1 = self.seconds[below], self.seconds[above]
         return t0 + (t1 - t0) * (rows - below) / (above - below)
 
 
-class StepCosts:
-    """A StepCost per number of sequences decoding together. llama.cpp takes a step's rows in ubatches of equally
-    many rows of every sequence, so a guess beside sequences that guess less splits the step, and a row costs
-    other times alone than beside others (measured: guesses that paid 1.3x for a lone sequence lost 3 to 7 % at
-    4 sequences on 2 cores). Where only steps without guesses were timed for a number of sequences, a guessed row
-    is taken to cost what a sequence's row costs there, so none is taken: the warm-up times a lone sequence's."""
-
-    def __init__(self) -> None:
-        self.by_sequences: dict[int, StepCost] = {}
-
-    def __getitem__(self, sequences: int) -> StepCost:
-        return self.by_sequences.setdefault(sequences, StepCost())
-
-
-def plan(rows: int, candidates: list[tuple[float, int]], cost: StepCost) -> list[int]:
-    """How many guessed tokens each sequence takes this step: those that raise the expected tokens per second.
-
-    rows: the step's rows without guesses (one per decoding sequence). candidates: per sequence, its acceptance
-    rate and how many tokens it could guess. A sequence's j-th guessed token returns rate**j tokens on average (it
-    is kept only if every one before it was); tokens are taken best first while the step's expected tokens per
-    second grows -- each taken token is a row, whose cost StepCost says."""
-    base = cost(rows)
-    taken = [0] * len(candidates)
+def guess_length(rate: float, most: int, cost: StepCost) -> int:
+    """How many of a lone sequence's `most` guessed tokens to check this step: the count that gives the most
+    expected tokens per second. The j-th guessed token returns rate**j tokens on average (it is kept only if every
+    one before it was) and costs a row, whose time StepCost says; 0 where no guess pays or nothing was timed."""
+    base = cost(1)
     if base is None:
-        return taken
-    offers = sorted(((rate ** j, s) for s, (rate, most) in enumerate(candidates) for j in range(1, most + 1)),
-                    reverse=True)
-    tokens, best, best_n = float(rows), rows / base, 0
-    for n, (value, _) in enumerate(offers, 1):
-        tokens += value
-        seconds = cost(rows + n)
+        return 0
+    tokens, best, best_n = 1.0, 1 / base, 0
+    for n in range(1, most + 1):
+        tokens += rate ** n
+        seconds = cost(1 + n)
         if seconds is not None and tokens / seconds > best:
             best, best_n = tokens / seconds, n
-    for _, s in offers[:best_n]:
-        taken[s] += 1
-    return taken
+    return best_n

@@ -86,15 +86,15 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self.max_seqs = spec.max_batch_size
         self.chunk = spec.prefill_chunk_size
         # the batch context decodes one token per sequence, or a lone sequence's and its guessed next ones
-        # (speculative decoding: drafting.StepCosts says why only a lone one's); no more room than that, which would
-        # cost every step (measured: 4 sequences decoding 3 to 14 % slower with room for 8 x 9 rows)
+        # (speculative decoding: stepping._guesses says why only a lone one's); no more room than that, which costs
+        # every step (bench/bench_verify_rows.py --room)
         self.speculative_tokens = spec.speculative_tokens if spec.role != "prefill" else 0
         self.n_batch = max(self.max_seqs, 1 + self.speculative_tokens)
         if spec.guess_always:  # the tests' every guess of every sequence, checked
             self.n_batch = self.max_seqs * (1 + self.speculative_tokens)
-        # a decode step's time by its rows, learnt as steps run: whether a guess pays (drafting.py); None while
-        # speculation is off (set at the warm-up, once it proved that rows give a lone row's bits)
-        self.step_cost: drafting.StepCosts | None = None
+        # a lone sequence's decode step time by its rows, learnt as steps run: whether a guess pays (drafting.py);
+        # None while speculation is off (set at the warm-up, once it proved that rows give a lone row's bits)
+        self.step_cost: drafting.StepCost | None = None
         self.seq_ctx = min(spec.n_ctx, self.n_ctx_train)
         cparams = self.batch_params(self.n_batch)
         if on_graph is not None:

@@ -193,12 +193,13 @@ class WarmUpProofs:
                         "ms a step, so that its text is the one it gets beside others", SPLIT_KV_FROM)
         return same
 
-    def _proves_guessed_rows(self, tokens: list[int], n: int) -> drafting.StepCosts | None:
+    def _proves_guessed_rows(self, tokens: list[int], n: int) -> drafting.StepCost | None:
         """Speculative decoding's proof and first costs: whether a sequence's 1 + speculative_tokens rows in one
         decode step of the batch context get the very logits each gets in a step of its own (stream 0, after a
-        prompt of the warm-up's tokens), and what the two kinds of step cost (the medians of 3): a guess is then
-        token-exact here, and drafting.plan has a first line of costs. None (speculation off) where the bits
-        differ. Leaves the batch context's streams empty after the prompt's cells."""
+        prompt of the warm-up's tokens), and what the two kinds of step cost (one row: the median of its
+        1 + speculative_tokens steps): a guess is then token-exact here, and drafting.guess_length has a first line
+        of costs. None (speculation off) where the bits differ. Leaves the batch context's streams empty after the
+        prompt's cells."""
         rows = 1 + self.speculative_tokens
         prompt = min(n, self.seq_ctx - rows)
         if prompt < 1:
@@ -221,30 +222,27 @@ class WarmUpProofs:
         def logits(i: int) -> np.ndarray:
             return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, i), (self.n_vocab,)).copy()
 
-        alone, together, one_row, all_rows = [], [], [], []
-        for attempt in range(3):
-            llama_cpp.llama_memory_seq_rm(self.memory, 0, prompt, -1)
-            for j in range(rows):
-                one_row.append(decode(j, 1))
-                if attempt == 0:
-                    alone.append(logits(0))
-            llama_cpp.llama_memory_seq_rm(self.memory, 0, prompt, -1)
-            all_rows.append(decode(0, rows))
-            if attempt == 0:
-                together = [logits(j) for j in range(rows)]
+        llama_cpp.llama_memory_seq_rm(self.memory, 0, prompt, -1)
+        one_row, alone = [], []
+        for j in range(rows):
+            one_row.append(decode(j, 1))
+            alone.append(logits(0))
+        llama_cpp.llama_memory_seq_rm(self.memory, 0, prompt, -1)
+        all_rows = decode(0, rows)
+        together = [logits(j) for j in range(rows)]
         llama_cpp.llama_memory_seq_rm(self.memory, 0, prompt, -1)
         same = all(np.array_equal(a, t) for a, t in zip(alone, together))
         if faults.fails_proof(self.spec.fault, "guesses") or not same:
             log.warning("speculative decoding off: %d rows of a sequence in one decode step gave other bits than "
                         "each in a step of its own, so a guess could change a text", rows)
             return None
-        costs = drafting.StepCosts()
-        costs[1].add(1, statistics.median(one_row))
-        costs[1].add(rows, statistics.median(all_rows))
+        cost = drafting.StepCost()  # steps as serving times them correct these first two points
+        cost.add(1, statistics.median(one_row))
+        cost.add(rows, all_rows)
         log.info("speculative decoding: up to %d guessed tokens a step, checked in rows that give a lone row's bits "
                  "(a step of 1 row %.1f ms, of %d rows %.1f ms here)", self.speculative_tokens,
-                 1000 * costs[1](1), rows, 1000 * costs[1](rows))
-        return costs
+                 1000 * cost.seconds[1], rows, 1000 * cost.seconds[rows])
+        return cost
 
     def _prove_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> int:
         """EXACT_RESUME if the warm-up prompt, run again in chunks of that many tokens or more that start off

@@ -69,8 +69,8 @@ class Stepping:
         if rows:
             started = time.perf_counter()
             rc = llama_cpp.llama_decode(self.ctx, self.batch)
-            if self.step_cost is not None:
-                self.step_cost[len(rows)].add(self.batch.n_tokens, time.perf_counter() - started)
+            if self.step_cost is not None and len(rows) == 1:  # a lone sequence's step: what a guess costs
+                self.step_cost.add(self.batch.n_tokens, time.perf_counter() - started)
             if pad >= 0:
                 llama_cpp.llama_memory_seq_rm(self.memory, pad, -1, -1)
                 self.counters["padded_steps"] += 1
@@ -162,16 +162,18 @@ class Stepping:
         return [*cached, *self._emit(seq, token, lp)]
 
     def _guesses(self, decoding: list[Sequence]) -> list[list[int]]:
-        """Each decoding sequence's guessed next tokens (drafting.py), as many as are expected to pay this step;
-        none where speculation is off (speculative_tokens = 0, or a build whose rows may not give a lone row's
-        bits) or the request has a grammar."""
-        if self.step_cost is None or not decoding:
-            return [[] for _ in decoding]
-        offers, candidates = [], []
+        """The decoding sequences' guessed next tokens (drafting.py): a lone sequence's, as many as are expected to
+        pay this step; none where speculation is off (speculative_tokens = 0, or a build whose rows may not give a
+        lone row's bits) or the request has a grammar. Beside other sequences none: llama.cpp takes a step's rows
+        in ubatches of equally many rows of every sequence, so a guess splits the step (the tests' SYSHAX_GUESS=
+        always checks every guess of every sequence all the same; bench_speculation.py --always says the cost)."""
+        none: list[list[int]] = [[] for _ in decoding]
+        if self.step_cost is None or not decoding or (len(decoding) > 1 and not self.spec.guess_always):
+            return none
+        guesses = []
         for seq in decoding:
             if seq.request.grammar:
-                offers.append([])
-                candidates.append((0.0, 0))
+                guesses.append([])
                 continue
             if seq.lookup is None:
                 seq.lookup = drafting.PromptLookup(seq.prompt + seq.fed)
@@ -180,20 +182,14 @@ class Stepping:
             room = min(self.speculative_tokens, seq.max_tokens - seq.out.n_generated - 1,
                        self.n_ctx - seq.n_past - 2)
             guess = seq.lookup.guess(room)
-            offers.append(guess)
-            candidates.append((seq.acceptance.rate, len(guess)))
-        if self.spec.guess_always:
-            taken = [len(guess) for guess in offers]
-        else:
-            taken = drafting.plan(len(decoding), candidates, self.step_cost[len(decoding)])
-        while len(decoding) + sum(taken) > self.n_batch:  # the batch's room (a guess beside others: never timed)
-            taken[taken.index(max(taken))] -= 1
-        for seq, guess, n in zip(decoding, offers, taken):
+            n = len(guess) if self.spec.guess_always else drafting.guess_length(seq.acceptance.rate, len(guess),
+                                                                                   self.step_cost)
             if n:
                 seq.acceptance.watching = []  # counted as checked instead
             else:
                 seq.acceptance.watch(guess)
-        return [guess[:n] for guess, n in zip(offers, taken)]
+            guesses.append(guess[:n])
+        return guesses
 
     def _check(self, seq: Sequence, i: int, guess: list[int]) -> list:
         """Sample seq's tokens from its rows, from batch row i on: the first row's token, then, while the token
