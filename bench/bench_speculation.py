@@ -7,8 +7,7 @@ drifts, and side by side in time both see the same drift). The loads, each at co
 default) with greedy requests whose outputs end where the model ends them (max 256 tokens):
 
 * copy: requests that copy from their prompt -- repeat a text, quote sentences of it, fix a bug and give the whole
-  code, summarise quoting it, continue a list that repeats (the texts are built from a few paragraphs and code
-  files here, several rounds each with other pieces);
+  code, summarise quoting it (syshaxd/bench/copying.py: a few paragraphs and code files, other pieces each round);
 * chat: tests/greedy.py's kind of open questions, nothing to copy but what the answer repeats of itself;
 * unique: bench prompts of random words (syshaxd/bench/prompts.py), 128 tokens in, 256 forced out (ignore_eos).
 
@@ -19,13 +18,16 @@ worth turning on by default where it wins and loses no more than noise elsewhere
     .venv/bin/python bench/bench_speculation.py                  # c=1, 2 rounds: about 6 minutes on 2 quiet cores
     .venv/bin/python bench/bench_speculation.py --concurrency 4 --rounds 1
     .venv/bin/python bench/bench_speculation.py --tokens 4       # guess at most 4 tokens a step
+    .venv/bin/python bench/bench_speculation.py --concurrency 4 --always   # what guesses cost beside others
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import json
+import os
 import signal
 import statistics
 import sys
@@ -38,33 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from syshaxd.bench.copying import copy_chats  # noqa: E402
+from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
 from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 
-PARAGRAPHS = [
-    "The lighthouse stood on the northern cliff for two hundred years. Its keeper, an old sailor named Tom, climbed "
-    "the ninety-nine steps every evening to light the lamp. Ships passing in the night saw its beam and steered clear "
-    "of the rocks below. One winter a storm broke the great lens, and Tom had to keep a fire burning on the gallery "
-    "until the new lens arrived from the city in spring.",
-    "Bread needs only four things: flour, water, salt and yeast. Mix them into a dough, knead it for ten minutes "
-    "until it is smooth, and leave it covered in a warm place for an hour. When it has doubled in size, shape it into "
-    "a loaf, let it rise again, and bake it in a hot oven for thirty-five minutes until the crust is brown.",
-    "The committee met on Tuesday to discuss the new library. The architect presented three designs: a glass tower, "
-    "a low brick building around a garden, and a wooden hall with a reading room under the roof. After a long debate "
-    "the committee chose the brick building, because it was the cheapest to heat and the easiest to extend later.",
-    "Photosynthesis takes place in the chloroplasts of plant cells. Light energy splits water into oxygen, protons "
-    "and electrons; the electrons pass along a chain of proteins that pumps protons across a membrane, and the "
-    "resulting gradient drives the synthesis of ATP, which the Calvin cycle then uses to fix carbon dioxide.",
-]
-CODES = [
-    "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(x)\n\n"
-    "def variance(xs):\n    m = mean(xs)\n    return sum((x - m) ** 2 for x in xs) / len(xs)\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
-    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop(0)\n\n"
-    "    def is_empty(self):\n        return len(self.items) == 0\n",
-    "def fizzbuzz(n):\n    for i in range(1, n):\n        if i % 15 == 0:\n            print('FizzBuzz')\n"
-    "        elif i % 3 == 0:\n            print('Fizz')\n        elif i % 5 == 0:\n            print('Buzz')\n"
-    "        else:\n            print(i)\n",
-]
 QUESTIONS = [
     "Explain how a steam engine works, step by step.",
     "Write a short story about a lighthouse.",
@@ -75,23 +54,6 @@ QUESTIONS = [
     "Give me a recipe for a simple vegetable soup.",
     "What is the difference between weather and climate?",
 ]
-
-
-def copy_requests(round_index: int) -> list[list[dict]]:
-    """Requests whose answers copy from their prompt, other pieces each round."""
-    p = [PARAGRAPHS[(round_index + k) % len(PARAGRAPHS)] for k in range(4)]
-    c = [CODES[(round_index + k) % len(CODES)] for k in range(3)]
-    asks = [
-        f"Repeat the following text exactly, word for word:\n\n{p[0]}",
-        f"Here is a story:\n\n{p[1]}\n\nQuote its first three sentences.",
-        f"Fix the bug in this code and give the whole corrected code:\n\n{c[0]}",
-        f"Summarise this text in two sentences, quoting it where you can:\n\n{p[2]}",
-        f"Add a docstring to every function of this code and give the whole code back:\n\n{c[1]}",
-        f"Translate this text into simpler English, keeping its sentences in order:\n\n{p[3]}",
-        f"Rename the variable i to number in this code and give the whole code:\n\n{c[2]}",
-        f"Copy this text, then add one sentence at its end:\n\n{p[0]}",
-    ]
-    return [[{"role": "user", "content": a}] for a in asks]
 
 
 def chat_requests(round_index: int) -> list[list[dict]]:
@@ -137,17 +99,18 @@ def guess_counts(base: str) -> tuple[int, int]:
     return sum(s.get("guessed_tokens", 0) for s in stats), sum(s.get("kept_guesses", 0) for s in stats)
 
 
-def start(tokens: int, threads: int, log_dir: Path):
-    from syshaxd.bench.daemon import daemon_command, start_daemon  # noqa: PLC0415
-
+def start(tokens: int, threads: int, log_dir: Path, always: bool = False):
+    """A cpu-mode daemon with speculative_tokens = tokens; always: every guess checked (SYSHAX_GUESS=always)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     config = log_dir / f"syshaxd-{tokens}.toml"
     config.write_text(f"threads = {threads}\ncpu_max_batch_size = 8\nn_ctx = 4096\nspeculative_tokens = {tokens}\n"
                       f"admin_socket = {json.dumps(str(log_dir / f'admin-{tokens}.sock'))}\nlog_level = \"info\"\n")
-    import asyncio  # noqa: PLC0415
-
-    return asyncio.run(start_daemon("cpu", command=daemon_command(), config=str(config), startup_timeout_s=300,
-                                    log_dir=str(log_dir / f"spec-{tokens}")))
+    os.environ["SYSHAX_GUESS"] = "always" if always else ""  # the daemon's environment is this process's
+    try:
+        return asyncio.run(start_daemon("cpu", command=daemon_command(), config=str(config), startup_timeout_s=300,
+                                        log_dir=str(log_dir / f"spec-{tokens}")))
+    finally:
+        del os.environ["SYSHAX_GUESS"]
 
 
 def main() -> int:
@@ -157,14 +120,16 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="every load this many times on each (default: 2)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--load", action="append", choices=("copy", "chat", "unique"), help="only these loads")
+    p.add_argument("--always", action="store_true", help="the guessing daemon checks every guess of every sequence, "
+                   "paying or not (SYSHAX_GUESS=always): what guesses cost beside other sequences")
     p.add_argument("--json", type=Path, default=REPO / "bench/results/bench_speculation.json")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops both daemons
     loads = args.load or ["copy", "chat", "unique"]
     builder = PromptBuilder(GGUFTokenizer(default_tokenizer_path()))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-spec-"))
-    daemons = {"guessing": start(args.tokens, args.threads, log_dir / "g"), "plain": start(0, args.threads,
-                                                                                           log_dir / "p")}
+    daemons = {"guessing": start(args.tokens, args.threads, log_dir / "g", args.always),
+               "plain": start(0, args.threads, log_dir / "p")}
     results: dict[str, list[dict]] = {ld: [] for ld in loads}
     try:
         for name in daemons:  # a first request each, so neither pays its first graphs in a load
@@ -175,7 +140,7 @@ def main() -> int:
                     bodies = [{"prompt": builder.build(128, 1000 * r + k).text, "max_tokens": 256, "temperature": 0,
                                "ignore_eos": True} for k in range(4)]
                 else:
-                    chats = copy_requests(r) if ld == "copy" else chat_requests(r)
+                    chats = copy_chats(r) if ld == "copy" else chat_requests(r)
                     bodies = [{"messages": m, "max_tokens": 256, "temperature": 0} for m in chats]
                 order = ["guessing", "plain"] if (r + li) % 2 == 0 else ["plain", "guessing"]
                 got = {}
@@ -194,13 +159,11 @@ def main() -> int:
                       f"{row['ratio']:.2f}x; kept {g['kept']} of {g['guessed']} guessed; texts "
                       f"{'the same' if row['same_texts'] else 'DIFFER'}", flush=True)
     finally:
-        import asyncio  # noqa: PLC0415
-
-        from syshaxd.bench.daemon import stop_daemon  # noqa: PLC0415
-
         for d in daemons.values():
             asyncio.run(stop_daemon(d.process))
-    print(f"\nc={args.concurrency}, speculative_tokens={args.tokens}, {args.rounds} rounds (median of the rounds):\n")
+    checked = ", every guess checked" if args.always else ""
+    print(f"\nc={args.concurrency}, speculative_tokens={args.tokens}{checked}, {args.rounds} rounds (median of the "
+          "rounds):\n")
     print("| load | guessing tok/s | plain tok/s | ratio | rounds' ratios | guesses kept | texts |")
     print("|---|---:|---:|---:|---|---:|---|")
     for ld, rows in results.items():

@@ -17,7 +17,7 @@ rows), but the call cost about as much as its rows one by one: 1.7x one row's ti
 4.2x for 8. So n-gram speculation can be token-exact here, and it pays only where most guesses are right (over
 70 % of them at k = 1); it is not built (issue 20's closing note).
 
-    .venv/bin/python bench/bench_verify_rows.py [--prompt 200] [--tokens 24]
+    .venv/bin/python bench/bench_verify_rows.py [--prompt 200] [--tokens 24] [--model GGUF] [--room]
 """
 
 from __future__ import annotations
@@ -47,9 +47,15 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=200, help="prompt tokens (default: 200)")
     p.add_argument("--tokens", type=int, default=24, help="greedy tokens decoded one at a time (default: 24)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", type=Path, help="a q4_0 GGUF (default: the prepared default model; bench_real_shape.py "
+                   "makes one of a 1.5B shape under models/bench/)")
+    p.add_argument("--room", action="store_true", help="also: a step of 4 and of 8 sequences in the engine's batch "
+                   "context against a twin with room for 9 rows of each (what room for every sequence's guesses costs)")
     args = p.parse_args()
-    engine = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_path=str(default_tokenizer_path()),
-                                       model_name="m", n_ctx=2048, max_batch_size=8, threads=args.threads))
+    # every query row tiled, as the daemon's workers run (tiled_attention = true)
+    engine = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_name="m", n_ctx=2048,
+                                       model_path=str(args.model or default_tokenizer_path()), max_batch_size=8,
+                                       threads=args.threads, tiled_attention=True))
     engine.warm_up()
     n_vocab = engine.n_vocab
     # the batch context's twin with room for a whole guess in one call
@@ -107,10 +113,49 @@ def main() -> int:
         kept = all(int(np.argmax(g)) == tokens[j + 1] for j, g in enumerate(got))
         cost = statistics.median(times) / statistics.median(one_row)
         print(f"| {k} | {same} of {k + 1} | {diff:.3g} | {'yes' if kept else 'no'} | {cost:.2f}x |")
+    if args.room:
+        room(engine, prompt, cparams)
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     engine.close()
     return 0
+
+
+def room(engine: LlamaCppEngine, prompt: list[int], cparams) -> None:
+    """The median time of a decode step of 4 and of 8 sequences (one row each, after the prompt), in the engine's
+    batch context (room for its 8 sequences' rows) and in a twin with room for 9 rows of each, alternating."""
+    rooms = {f"engine's ({engine.n_batch} rows)": (engine.ctx, engine.memory, engine.batch, engine.n_batch)}
+    twin = engine.batch_params(engine.max_seqs * 9)
+    twin_ctx = llama_cpp.llama_init_from_model(engine.model, twin)
+    rooms[f"twin ({twin.n_batch} rows)"] = (twin_ctx, llama_cpp.llama_get_memory(twin_ctx),
+                                            llama_cpp.llama_batch_init(twin.n_batch, 0, 1), twin.n_batch)
+    n = len(prompt)
+    for ctx, memory, batch, chunk in rooms.values():  # the prompt's KV in every stream
+        for s in range(engine.max_seqs):
+            for start in range(0, n, chunk):
+                batch.n_tokens = 0
+                for pos in range(start, min(start + chunk, n)):
+                    engine._add(batch, prompt[pos], pos, s, False)
+                assert llama_cpp.llama_decode(ctx, batch) == 0
+    print("\n| sequences | " + " | ".join(f"step, {name}" for name in rooms) + " | ratio |")
+    print("|---:|" + "---:|" * (len(rooms) + 1))
+    for seqs in (4, 8):
+        times: dict[str, list[float]] = {name: [] for name in rooms}
+        for _ in range(40):
+            for name, (ctx, memory, batch, _) in rooms.items():
+                batch.n_tokens = 0
+                for s in range(seqs):
+                    engine._add(batch, prompt[s], n, s, True)
+                started = time.perf_counter()
+                assert llama_cpp.llama_decode(ctx, batch) == 0
+                times[name].append(time.perf_counter() - started)
+                for s in range(seqs):
+                    llama_cpp.llama_memory_seq_rm(memory, s, n, -1)
+        medians = [statistics.median(t) for t in times.values()]
+        print(f"| {seqs} | " + " | ".join(f"{1000 * m:.2f} ms" for m in medians) + f" | {medians[1] / medians[0]:.2f}x |")
+    ctx, _, batch, _ = rooms[f"twin ({twin.n_batch} rows)"]
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
 
 
 if __name__ == "__main__":

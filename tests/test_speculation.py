@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from conftest import MODEL_NAME, start_daemon
+from syshaxd.bench.copying import copy_chats
 from greedy import CHATS, answer_all, assert_same, client_of, worker
 
 from syshax_llamacpp import drafting
@@ -28,18 +29,7 @@ pytestmark = pytest.mark.slow
 
 BASE = {"model_name": MODEL_NAME, "n_ctx": 2048}
 
-STORY = ("The lighthouse stood on the northern cliff for two hundred years. Its keeper, an old sailor named Tom, "
-         "climbed the ninety-nine steps every evening to light the lamp. Ships passing in the night saw its beam and "
-         "steered clear of the rocks below. One winter a storm broke the great lens, and Tom had to keep a fire "
-         "burning on the gallery until the new lens arrived from the city in spring.")
-CODE = ("def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(x)\n\n"
-        "def variance(xs):\n    m = mean(xs)\n    return sum((x - m) ** 2 for x in xs) / len(xs)\n")
-COPIES = [
-    [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{STORY}"}],
-    [{"role": "user", "content": f"Here is a story:\n\n{STORY}\n\nQuote its first three sentences."}],
-    [{"role": "user", "content": f"Fix the bug in this code and give the whole corrected code:\n\n{CODE}"}],
-    [{"role": "user", "content": f"Summarise this story in two sentences, quoting it where you can:\n\n{STORY}"}],
-]
+COPIES = copy_chats()[:4]  # repeat a text, quote one, fix code and give it whole, summarise quoting
 
 
 @pytest.fixture(scope="module")

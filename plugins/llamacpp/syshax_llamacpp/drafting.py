@@ -1,4 +1,4 @@
-"""Speculative decoding's guesses and whether they pay: prompt lookup, and a step's cost by its rows.
+"""Speculative decoding's guesses and whether they pay: prompt lookup, and a lone sequence's step cost by its rows.
 
 A decoding sequence's next tokens are often in its own context already: a summary quotes its source, an edit
 repeats the code around it, an answer names the question's words. PromptLookup guesses them (llama-server's
@@ -7,13 +7,13 @@ sequence's last few tokens. The step then checks the guess in the same llama_dec
 guessed token, each sampled in order with the sequence's own sampler chain, and kept while the sampled token is
 the guessed one. The sampler draws each token from the very distribution, with the very random numbers, it would
 have without the guess, so a request's text is the one it gets without speculation (greedy or seeded), where the
-rows give a token the bits a lone decode row gives it (the warm-up's exact_decode).
+rows give a token the bits a lone decode row gives it (the warm-up proves it: proofs._proves_guessed_rows).
 
-A guessed row costs a step's time whether it is kept or not, and on a CPU that cost depends on the model and the
-machine: on 2 cores with a 135M model a second row costs 0.7 of a step (compute-bound), at 7B on a server almost
-nothing (memory-bound). So the guesses a step takes are chosen by what they are expected to return against what
-the rows are measured to cost here (Speculation.plan): a step's time for every row count, learnt as steps run,
-and each sequence's share of guessed tokens kept so far.
+A guessed row costs time whether it is kept or not, and that cost depends on the model and the machine (2 cores,
+bench/bench_verify_rows.py: a second row costs 0.7 of a step with the 135M model, compute-bound, less with
+weights that dominate). So a lone sequence takes as many guessed tokens as are expected to pay (guess_length):
+what they return, by its share of guesses kept so far (Acceptance), against what its steps are measured to cost
+by their rows (StepCost).
 """
 
 from __future__ import annotations

@@ -86,8 +86,9 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self.max_seqs = spec.max_batch_size
         self.chunk = spec.prefill_chunk_size
         # the batch context decodes one token per sequence, or a lone sequence's and its guessed next ones
-        # (speculative decoding: stepping._guesses says why only a lone one's); no more room than that, which costs
-        # every step (bench/bench_verify_rows.py --room)
+        # (speculative decoding: stepping._guesses says why only a lone one's); no more room than that: llama.cpp
+        # reserves its compute buffer for the room (the default model: 1.6 MiB for 8 rows, 12.8 MiB for 64), though
+        # a step takes no longer in a roomier context (bench/bench_verify_rows.py --room)
         self.speculative_tokens = spec.speculative_tokens if spec.role != "prefill" else 0
         self.n_batch = max(self.max_seqs, 1 + self.speculative_tokens)
         if spec.guess_always:  # the tests' every guess of every sequence, checked
