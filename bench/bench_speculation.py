@@ -19,6 +19,7 @@ worth turning on by default where it wins and loses no more than noise elsewhere
     .venv/bin/python bench/bench_speculation.py --concurrency 4 --rounds 1
     .venv/bin/python bench/bench_speculation.py --tokens 4       # guess at most 4 tokens a step
     .venv/bin/python bench/bench_speculation.py --concurrency 4 --always   # what guesses cost beside others
+    .venv/bin/python bench/bench_speculation.py --tokens 0       # two daemons alike: this machine's noise
 """
 
 from __future__ import annotations

@@ -15,7 +15,11 @@ Found on 2026-12-04 (AMD EPYC with AVX-512, SmolLM2-135M q4_0, repacking on, thi
 row of a guess up to 39 tokens got the one-row bits (exact; bench_chunk_invariance.py puts the kernels' edge at 64
 rows), but the call cost about as much as its rows one by one: 1.7x one row's time for 2 rows, 2.6x for 4,
 4.2x for 8. So n-gram speculation can be token-exact here, and it pays only where most guesses are right (over
-70 % of them at k = 1); it is not built (issue 20's closing note).
+70 % of them at k = 1); it was not built then (issue 20's closing note), and is now (issue 38, drafting.py).
+
+On 2026-12-05, every row tiled as the daemon runs it: 1.84x for 2 rows, 2.5x for 3, 3.1 to 3.3x for 8 with the
+default model; with bench_real_shape.py's 1.5B-shape model (--model; 29 ms a row) 1.84x, 2.80x and 4.01x, the
+same on 2 cores. --room: a step of 4 or 8 sequences takes as long with room for 9 rows of each (0.99x, 1.00x).
 
     .venv/bin/python bench/bench_verify_rows.py [--prompt 200] [--tokens 24] [--model GGUF] [--room]
 """
