@@ -133,7 +133,7 @@ def _remote_nodes(cfg: Config, ring: KVRing | None, ledger: KVLedger, model_path
     transfer = FrontTransfer(ring, cfg.node_transfer_protocol, cfg.node_transfer_device)
     spec = EngineSpec(backend=cfg.cpu_engine, role=Role.GENERATE, model_path=str(model_path), model_name=model_name,
                       n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, ring=ring.path.name if ring else "",
-                      tiled_attention=cfg.tiled_attention, speculative_tokens=cfg.speculative_tokens)
+                      tiled_attention=cfg.tiled_attention)
     return [RemoteNode(address, secret, spec, ledger, fingerprint, transfer, cfg.node_link_timeout, ssl=tls)
             for address in cfg.remote_nodes]
 

@@ -26,7 +26,6 @@ def print_status(st: dict) -> None:
     from syshaxd.engine.status import SchedulerStatus
     from syshaxd.sdk.placement import format_cpulist
 
-
     sched = SchedulerStatus.from_json(st)  # a key the daemon renamed fails here, not as a silent blank
     state = "draining" if st["draining"] else ("ready" if sched.ready else "not ready")
     print(f"syshaxd {st['version']}  pid {st['pid']}  up {duration(st['uptime_s'])}  mode {sched.mode}  {state}")

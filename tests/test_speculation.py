@@ -83,6 +83,21 @@ def sampled(daemon, messages, seed: int, extra: dict) -> tuple[str, list]:
     return out.choices[0].message.content, lps
 
 
+def test_a_step_of_several_tokens_streams_as_one_chunk_with_every_token_counted(guessing):
+    """The real path of a multi-token Delta (tests/test_multi_token_delta.py feeds one by hand): streamed chunks carry
+    several tokens' text and logprob entries, and usage counts every token once."""
+    chunks = list(client_of(guessing).chat.completions.create(
+        model=MODEL_NAME, messages=COPIES[0], max_tokens=96, temperature=0, stream=True, logprobs=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    entries = [len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert sum(entries) == chunks[-1].usage.completion_tokens == 96
+    assert max(entries) > 1, entries  # guesses kept: a step gave several tokens
+    whole = client_of(guessing).chat.completions.create(model=MODEL_NAME, messages=COPIES[0], max_tokens=96,
+                                                        temperature=0, extra_body={"ignore_eos": True})
+    assert text == whole.choices[0].message.content
+
+
 PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.3}
 
 
