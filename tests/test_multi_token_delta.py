@@ -15,6 +15,7 @@ from syshaxd.api.chat_shapes import ChatExchange
 from syshaxd.api.completion_shapes import CompletionExchange
 from syshaxd.api.fanout import Fanout
 from syshaxd.api.outputs import steps
+from syshaxd.api.reasoning import ThinkingReader
 from syshaxd.api.sse import data
 from syshaxd.api.validate import parse_chat, parse_completion
 from syshaxd.metrics import Metrics
@@ -104,3 +105,21 @@ def test_chat_counts_and_shows_every_token_of_a_multi_token_delta(logprobs):
     if logprobs:
         assert [e["token"] for e in choice["logprobs"]["content"]] == [" Paris", " is", " big", ".", " Yes", "!"]
         assert [len(c["choices"][0]["logprobs"]["content"]) for c in chunks] == [2, 3, 1]
+
+
+def test_a_multi_token_delta_that_ends_the_thinking_counts_only_the_thinking_tokens_as_reasoning():
+    """A decode step that kept guesses may give the end of the thinking and the answer's first tokens in one Delta:
+    reasoning_tokens counts the tokens up to and with the one that closed the thinking, as one token per Delta
+    counts them."""
+    pieces = ["<think>", "a", " b", "</think>", " c", " d"]
+    reader = ThinkingReader(False)
+    assert reader.feed("".join(pieces), 6, False, pieces) == ("a b", "c d")
+    assert reader.tokens == 4
+    one_by_one = ThinkingReader(False)
+    parts = [one_by_one.feed(p, 1, False) for p in pieces]
+    assert ("".join(t for t, _ in parts), "".join(a for _, a in parts)) == ("a b", "c d")
+    assert one_by_one.tokens == 4
+    # pieces that do not make up the text (a character split between two tokens): the event counts whole
+    whole = ThinkingReader(False)
+    assert whole.feed("<think>é</think> c", 3, False, ["<think>", "\ufffd", "\ufffd</think> c"]) == ("é", "c")
+    assert whole.tokens == 3

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from syshaxd.api.errors import APIError
 from syshaxd.api.fanout import Fanout
+from syshaxd.api.keys import VOCAB
 from syshaxd.api.reasoning import ThinkingReader
 from syshaxd.api.sse import ClientGone
 from syshaxd.api.tools import ToolCall, ToolStream
@@ -154,7 +155,12 @@ async def steps(request: web.Request, parsed: ParsedRequest, fan: Fanout, accept
         text, logprobs = show(index, event) if show is not None else (event.text, None)
         thought = ""
         if ch.reader is not None:
-            thought, text = ch.reader.feed(text, event.n_tokens, event.finish_reason is not None)
+            pieces = None
+            if event.n_tokens > 1 and ch.reader.split.thinking:  # each token's text, to count the thinking's
+                # as the engine's text has them (sdk/output.py): an end-of-generation token shows none
+                vocab = request.app[VOCAB].pieces.vocab
+                pieces = [vocab.piece_bytes(t).decode("utf-8", errors="replace") for t in event.tokens]
+            thought, text = ch.reader.feed(text, event.n_tokens, event.finish_reason is not None, pieces)
         if ch.held is not None:
             text = ch.held.feed(text)
         finish = None

@@ -214,8 +214,18 @@ class ThinkingReader:
         self.split = ThinkSplit(opened)
         self.tokens = 0
 
-    def feed(self, text: str, n_tokens: int, finished: bool) -> tuple[str, str]:
-        """(thinking, answer) an event's text adds; `finished`: the output ends with it."""
+    def feed(self, text: str, n_tokens: int, finished: bool, pieces: list[str] | None = None) -> tuple[str, str]:
+        """(thinking, answer) an event's text adds; `finished`: the output ends with it. `pieces`: the text token by
+        token, where an event holds several (a decode step that kept guessed tokens): then the tokens that went into
+        the thinking are counted one by one, not the event's all (fed in any pieces, the split gives the same
+        texts). Where the pieces do not make up the text (a character split between tokens), the event counts
+        whole, as one token's event does."""
+        if pieces is not None and n_tokens > 1 and self.split.thinking and "".join(pieces) == text:
+            parts = [self._feed(piece, 1, finished and i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+            return "".join(t for t, _ in parts), "".join(a for _, a in parts)
+        return self._feed(text, n_tokens, finished)
+
+    def _feed(self, text: str, n_tokens: int, finished: bool) -> tuple[str, str]:
         thinking = self.split.thinking
         thought, answer = self.split.feed(text)
         if finished:
