@@ -112,6 +112,9 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self.prefill_memory = llama_cpp.llama_get_memory(self.prefill_ctx)
         self.prefill_batch = llama_cpp.llama_batch_init(self.chunk, 0, 1)
         self._state = StateBuffer()
+        # (sequence, last logits) of the prompt whose blocks are to be written at the next step (stepping.py); the
+        # prompt context holds its KV until then
+        self._unkept = None
         self.n_ctx = self.seq_ctx  # the most tokens one sequence may hold (prompt + completion)
         self.memory = llama_cpp.llama_get_memory(self.ctx) if self.decodes else None
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
@@ -315,6 +318,9 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
     def _release(self, seq: Sequence) -> None:
         """Remove the sequence from the KV cache and give its slot back."""
         self.active.pop(seq.request.request_id, None)
+        if self._unkept is not None and self._unkept[0] is seq:  # cancelled before its blocks were written:
+            self._unkept = None  # the daemon lets their slots go with the request
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         if seq.pending and seq.n_past > 0:
             # cut off halfway through its prompt: the prefill context still holds that part
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
