@@ -78,6 +78,8 @@ class Config:
     repack: str = "auto"  # llama.cpp's repacked weight kernels (llama-server's --repack): auto, on, off
     # speculative decoding: the most tokens of a request's own context a decode step guesses and checks; 0: off
     speculative_tokens: int = 8
+    # a GGUF of a smaller model of the same vocabulary whose tokens are the guesses; "": the request's own context
+    draft_model: str = ""
 
     # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring
     prefill_cpu_affinity: str = ""  # the prefill worker's CPUs ("0-3;4-7": one GPU engine each); "": a quarter of
@@ -250,6 +252,10 @@ def _validate(cfg: Config) -> None:
     if not 0 <= cfg.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(f"speculative_tokens: must be 0 (off) to {MAX_SPECULATIVE_TOKENS} (the most tokens a "
                           f"decode step guesses); got {cfg.speculative_tokens!r}")
+    if cfg.draft_model and cfg.speculative_tokens == 0:
+        raise ConfigError(f"draft_model: {cfg.draft_model!r} guesses tokens for speculative decoding, which "
+                          "speculative_tokens = 0 turns off; set speculative_tokens (1 to "
+                          f"{MAX_SPECULATIVE_TOKENS}) or leave draft_model empty")
     if cfg.log_level not in LOG_LEVELS:
         raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}; got {cfg.log_level!r}")
     if not 0 <= cfg.port <= 65535:

@@ -50,8 +50,9 @@ def print_status(st: dict) -> None:
                   + (f"; attention {w.attention}" if w.attention else "")
                   + ("; decode steps proved exact" if w.exact_decode else "")
                   + ("; keeps generated tokens" if w.keeps_generated else "")
-                  + (f"; guesses up to {w.speculative_tokens} tokens a step ({s.kept_guesses} of "
-                     f"{s.guessed_tokens} guessed kept)" if w.speculative_tokens else ""))
+                  + (f"; guesses up to {w.speculative_tokens} tokens a step"
+                     + (f" from {w.draft_model}" if w.draft_model else "")
+                     + f" ({s.kept_guesses} of {s.guessed_tokens} guessed kept)" if w.speculative_tokens else ""))
         if w.error:
             print(f"{'':<10} error: {w.error}")
     routing = sched.prefix_routing

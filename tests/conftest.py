@@ -176,3 +176,22 @@ def client(daemon):
     import openai
 
     return openai.OpenAI(base_url=daemon.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+# llama.cpp's LLAMA_FTYPE_* of the types made here
+_FTYPES = {"F16": 1, "Q4_K_M": 15, "Q8_0": 7}
+
+
+def model_in(file_type: str) -> Path:
+    """SmolLM2-135M as a `file_type` GGUF, made once from the embedded Q4_1 by llama.cpp's quantizer."""
+    import llama_cpp
+
+    target = MODEL_DIR / f"SmolLM2-135M-Instruct.test-{file_type}.gguf"
+    if not target.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = _FTYPES[file_type], True, 2
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        assert llama_cpp.llama_model_quantize(str(MODEL_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf").encode(),
+                                              str(tmp).encode(), params) == 0
+        os.replace(tmp, target)
+    return target

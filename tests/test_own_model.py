@@ -7,12 +7,11 @@ in models/). Each served file gives, in hetero mode, cpu mode's tokens on the lo
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from conftest import MODEL_DIR, MODEL_NAME, start_daemon
+from conftest import MODEL_DIR, MODEL_NAME, model_in, start_daemon
 from greedy import answer_all, assert_same
 
 from syshaxd.sdk.gguf.quantize import load_plan, quantized_path
@@ -20,25 +19,6 @@ from syshaxd.sdk.gguf.quantize import load_plan, quantized_path
 pytestmark = pytest.mark.slow
 
 BASE = {"model_name": MODEL_NAME, "n_ctx": 1024}
-# llama.cpp's LLAMA_FTYPE_* of the types made here
-_FTYPES = {"F16": 1, "Q4_K_M": 15, "Q8_0": 7}
-
-
-def model_in(file_type: str) -> Path:
-    """SmolLM2-135M as a `file_type` GGUF, made once from the embedded Q4_1 by llama.cpp's quantizer."""
-    import llama_cpp
-
-    target = MODEL_DIR / f"SmolLM2-135M-Instruct.test-{file_type}.gguf"
-    if not target.exists():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.allow_requantize, params.nthread = _FTYPES[file_type], True, 2
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        assert llama_cpp.llama_model_quantize(str(MODEL_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf").encode(),
-                                              str(tmp).encode(), params) == 0
-        os.replace(tmp, target)
-    return target
-
-
 @pytest.mark.parametrize("file_type,qtype,kept", [
     ("Q4_K_M", "q4_0", True), ("Q8_0", "q4_0", True), ("Q4_K_M", "q8_0", True),
     ("F16", "q4_0", False), ("F16", "q8_0", False), ("F16", "", True)])

@@ -160,6 +160,12 @@ def test_guesses_are_taken_only_where_they_pay():
     assert 1 <= drafting.guess_length(0.95, 8, dear)  # a copy pays even there
     assert drafting.guess_length(0.1, 4, cheap) < drafting.guess_length(0.95, 4, cheap)  # the likelier, the longer
     assert drafting.guess_length(0.9, 8, drafting.StepCost()) == 0  # no step timed yet: nothing to go on
+    # a draft model's own step counts too: a draft as dear as the model's step never pays, a cheap one does
+    assert drafting.guess_length(0.9, 8, cheap, draft_seconds=0.010) == 0
+    assert drafting.guess_length(0.9, 8, cheap, draft_seconds=0.0005) == 8
+    # the lookup's guess and the draft's are weighed by the tokens a second each is expected to give
+    lookup, draft = drafting.best_guess(0.3, 3, cheap), drafting.best_guess(0.9, 8, cheap, 0.0005)
+    assert draft[1] > lookup[1] > 1 / 0.010
 
 
 def test_a_guess_not_checked_is_still_counted_as_the_tokens_come():

@@ -74,6 +74,22 @@ def _page_round(n: int) -> int:
     return -(-n // 4096) * 4096
 
 
+def _draft_model(cfg: Config) -> str:
+    """The draft model's GGUF (config draft_model), checked to be a file here, where a mistake can stop the start
+    with a message; its vocabulary is checked against the model's by the engines that load it."""
+    if not cfg.draft_model:
+        return ""
+    path = Path(cfg.draft_model).expanduser()
+    if not path.is_file():
+        raise PlanError(f"draft_model: {path} does not exist or is not a file; give a GGUF of a smaller model of the "
+                        "served model's family, or leave it empty (guesses then come from the request's own context)")
+    try:
+        read_gguf_header(path)
+    except (GGUFError, OSError) as exc:
+        raise PlanError(f"draft_model: {exc}; give a GGUF file (llama.cpp's model format)") from None
+    return str(path.resolve())
+
+
 def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixStorePlan | None:
     """prefix_cache_mb of slots, f16 KV as llama.cpp keeps it: a quarter in wide slots of prefill_chunk_size
     tokens with one token's logits, the rest in slots of one block of prefix_block_tokens."""
@@ -310,7 +326,7 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
         n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size, threads=1,
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
         handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env), tiled_attention=cfg.tiled_attention,
-        speculative_tokens=cfg.speculative_tokens,
+        speculative_tokens=cfg.speculative_tokens, draft_model=_draft_model(cfg),
         gpu=GpuSettings(cfg.gpu_memory_utilization, cfg.max_num_seqs, cfg.tensor_parallel_size, cfg.preemption_mode),
     )
     topology = read_host_topology()
@@ -372,7 +388,7 @@ def plan_node(cfg: Config, model_path: Path, model_name: str, env: dict, instanc
         model_name=model_name, n_ctx=cfg.n_ctx, max_batch_size=cfg.cpu_max_batch_size,
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
         handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env), tiled_attention=cfg.tiled_attention,
-        speculative_tokens=cfg.speculative_tokens)
+        speculative_tokens=cfg.speculative_tokens, draft_model=_draft_model(cfg))
     instance = instance or f"node-{os.getpid()}"
     try:
         placements = plan_cpu_workers(read_host_topology(), _overrides(cfg, env), role="decode")

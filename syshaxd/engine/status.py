@@ -39,6 +39,7 @@ class WorkerStatus:
     keeps_generated: bool = False
     # speculative decoding: the most tokens a decode step guesses (its warm-up proved a guess's rows exact); 0: off
     speculative_tokens: int = 0
+    draft_model: str = ""  # the draft model's file name, where its guesses come from one (config draft_model)
 
 
 @dataclass(frozen=True)

@@ -443,7 +443,8 @@ class WorkerHandle:
                             attention=str(self.info.get("attention", "")),
                             exact_decode=bool(self.info.get("exact_decode", False)),
                             keeps_generated=bool(self.info.get("keeps_generated", False)),
-                            speculative_tokens=int(self.info.get("speculative_tokens", 0)))
+                            speculative_tokens=int(self.info.get("speculative_tokens", 0)),
+                            draft_model=str(self.info.get("draft_model", "")))
 
 
 def _exit_words(code: int | None) -> str:

@@ -125,6 +125,9 @@ class EngineSpec:
     # speculative decoding (config speculative_tokens): the most tokens of a sequence's own context a decode step
     # guesses and checks beside its next one (the llama.cpp engine's drafting.py); 0: off
     speculative_tokens: int = 0
+    # a GGUF of a smaller model of the same vocabulary whose greedy tokens are a lone sequence's guesses (config
+    # draft_model; draft_model.py); "": prompt lookup's
+    draft_model: str = ""
     guess_always: bool = False  # every guess checked, paying or not (SYSHAX_GUESS=always, tests only)
 
 

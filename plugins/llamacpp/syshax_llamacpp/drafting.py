@@ -13,7 +13,8 @@ A guessed row costs time whether it is kept or not, and that cost depends on the
 row costs 0.8 of a step, with the 135M model and with a 1.5B shape alike: compute-bound; bench/bench_verify_rows.py
 --model). So a lone sequence takes as many guessed tokens as are expected to pay (guess_length):
 what they return, by its share of guesses kept so far (Acceptance), against what its steps are measured to cost
-by their rows (StepCost).
+by their rows (StepCost). A draft model (draft_model.py) is weighed the same way, its own step counted
+(best_guess), against the lookup's guess.
 """
 
 from __future__ import annotations
@@ -122,17 +123,26 @@ class StepCost:
         return t0 + (t1 - t0) * (rows - below) / (above - below)
 
 
-def guess_length(rate: float, most: int, cost: StepCost) -> int:
+def guess_length(rate: float, most: int, cost: StepCost, draft_seconds: float = 0.0) -> int:
     """How many of a lone sequence's `most` guessed tokens to check this step: the count that gives the most
-    expected tokens per second. The j-th guessed token returns rate**j tokens on average (it is kept only if every
-    one before it was) and costs a row, whose time StepCost says; 0 where no guess pays or nothing was timed."""
+    expected tokens per second (best_guess)."""
+    return best_guess(rate, most, cost, draft_seconds)[0]
+
+
+def best_guess(rate: float, most: int, cost: StepCost, draft_seconds: float = 0.0) -> tuple[int, float]:
+    """The count of a lone sequence's `most` guessed tokens to check this step that gives the most expected tokens
+    per second, and that rate. The j-th guessed token returns rate**j tokens on average (it is kept only if every
+    one before it was) and costs a row, whose time StepCost says, and, from a draft model, `draft_seconds` of the
+    draft's own step; 0 where no guess pays, and 0 tokens per second where nothing was timed."""
     base = cost(1)
     if base is None:
-        return 0
+        return 0, 0.0
     tokens, best, best_n = 1.0, 1 / base, 0
     for n in range(1, most + 1):
         tokens += rate ** n
         seconds = cost(1 + n)
+        if seconds is not None:
+            seconds += n * draft_seconds
         if seconds is not None and tokens / seconds > best:
             best, best_n = tokens / seconds, n
-    return best_n
+    return best_n, best

@@ -28,6 +28,7 @@ import llama_cpp
 from syshax_llamacpp import drafting, prefix
 from syshax_llamacpp.codec import StateBuffer
 from syshax_llamacpp.contexts import batch_params, load_model, prompt_params
+from syshax_llamacpp.draft_model import DraftModel
 from syshax_llamacpp.handoff import HandoffSide, KVPort
 from syshax_llamacpp.prefix_side import PrefixSide
 from syshax_llamacpp.proofs import WarmUpProofs
@@ -110,6 +111,11 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         if (self.decodes and self.ctx is None) or self.prefill_ctx is None:
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
         self.prefill_memory = llama_cpp.llama_get_memory(self.prefill_ctx)
+        # guesses from a draft model rather than the sequence's own context (config draft_model)
+        self.draft: DraftModel | None = None
+        if spec.draft_model and self.speculative_tokens and self.decodes:
+            self.draft = DraftModel(spec.draft_model, self.model, n_ctx=self.seq_ctx, chunk=self.chunk,
+                                    threads=spec.threads, use_extra_bufts=self.kernels.use_extra_bufts)
         self.prefill_batch = llama_cpp.llama_batch_init(self.chunk, 0, 1)
         self._state = StateBuffer()
         # (sequence, last logits) of the prompt whose blocks are to be written at the next step (stepping.py); the
@@ -189,6 +195,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             "keeps_generated": self.keeps_generated,
             "lone_padding": self.pad_lone,
             "speculative_tokens": self.speculative_tokens if self.step_cost is not None else 0,
+            "draft_model": self.draft.name if self.draft is not None and self.step_cost is not None else "",
         }
 
     def proofs(self) -> Proofs:
@@ -266,6 +273,9 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             self.port.close()
         if self.store is not None:
             self.store.close()
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = None
         for name in ("batch", "prefill_batch"):
             if getattr(self, name) is not None:
                 llama_cpp.llama_batch_free(getattr(self, name))

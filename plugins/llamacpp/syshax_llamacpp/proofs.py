@@ -95,6 +95,10 @@ class WarmUpProofs:
                 self.step_cost = self._proves_guessed_rows(tokens, n) if self.exact_decode else None
                 if not self.exact_decode:
                     log.info("speculative decoding off: this build's decode rows may not give a prompt chunk's bits")
+                if self.step_cost is not None and self.draft is not None:
+                    self.draft.guess(tokens, 4, self.n_vocab)  # its first costs
+                    log.info("draft model %s: a drafted token takes %.1f ms here", self.draft.name,
+                             1000 * (self.draft.seconds or 0.0))
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
             if self.decodes:

@@ -41,3 +41,6 @@ class Sequence:
     # many of its guessed tokens were kept
     lookup: PromptLookup | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
+    # ... of the draft model's guesses (config draft_model), and whether this step's guess is the draft's
+    drafts: Acceptance = field(default_factory=Acceptance)
+    drafted: bool = False

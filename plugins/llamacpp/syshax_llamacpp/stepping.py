@@ -184,33 +184,51 @@ class Stepping:
 
     def _guesses(self, decoding: list[Sequence]) -> list[list[int]]:
         """The decoding sequences' guessed next tokens (drafting.py): a lone sequence's, as many as are expected to
-        pay this step; none where speculation is off (speculative_tokens = 0, or a build whose rows may not give a
-        lone row's bits) or the request has a grammar. Beside other sequences none: llama.cpp takes a step's rows
-        in ubatches of equally many rows of every sequence, so a guess splits the step (the tests' SYSHAX_GUESS=
-        always checks every guess of every sequence all the same; bench_speculation.py --always says the cost)."""
+        pay this step, from its own context (prompt lookup) or from the draft model, whichever is expected to give
+        more tokens a second; none where speculation is off (speculative_tokens = 0, or a build whose rows may not
+        give a lone row's bits) or the request has a grammar. Beside other sequences none: llama.cpp takes a step's
+        rows in ubatches of equally many rows of every sequence, so a guess splits the step (the tests' SYSHAX_GUESS=
+        always checks every guess of every sequence all the same, the draft's where its lookup has none;
+        bench_speculation.py --always says the cost)."""
         none: list[list[int]] = [[] for _ in decoding]
         if self.step_cost is None or not decoding or (len(decoding) > 1 and not self.spec.guess_always):
             return none
         guesses = []
         for seq in decoding:
+            seq.drafted = False
             if seq.request.grammar:
                 guesses.append([])
                 continue
             if seq.lookup is None:
                 seq.lookup = drafting.PromptLookup(seq.prompt + seq.fed)
             seq.lookup.extend(seq.fed[len(seq.lookup.tokens) - len(seq.prompt):] + [seq.next_token])
-            # room: the request's tokens left after the one this row gives, and the sequence's KV cells
-            room = min(self.speculative_tokens, seq.max_tokens - seq.out.n_generated - 1,
-                       self.n_ctx - seq.n_past - 2)
-            guess = seq.lookup.guess(room)
-            n = len(guess) if self.spec.guess_always else drafting.guess_length(seq.acceptance.rate, len(guess),
-                                                                                   self.step_cost)
+            room = self._guess_room(seq)
+            looked = seq.lookup.guess(room)
+            draft = self.draft if len(decoding) == 1 else None  # its context holds one sequence
+            if self.spec.guess_always:
+                n, drafts = len(looked), (room if draft is not None and not looked else 0)
+            else:
+                n, rate = drafting.best_guess(seq.acceptance.rate, len(looked), self.step_cost)
+                drafts, drafted_rate = (drafting.best_guess(seq.drafts.rate, room, self.step_cost, draft.seconds or 0.0)
+                                        if draft is not None else (0, 0.0))
+                if drafts and drafted_rate > rate:
+                    n = 0
+                else:
+                    drafts = 0
             if n:
                 seq.acceptance.watching = []  # counted as checked instead
             else:
-                seq.acceptance.watch(guess)
-            guesses.append(guess[:n])
+                seq.acceptance.watch(looked)  # a lookup not checked (the draft's taken instead, or none paid)
+            if drafts:
+                seq.drafted = True
+                guesses.append(draft.guess(seq.prompt + seq.fed + [seq.next_token], drafts, self.n_vocab))
+            else:
+                guesses.append(looked[:n])
         return guesses
+
+    def _guess_room(self, seq: Sequence) -> int:
+        """The most tokens seq may guess: the request's tokens left after the one its row gives, and its KV cells."""
+        return min(self.speculative_tokens, seq.max_tokens - seq.out.n_generated - 1, self.n_ctx - seq.n_past - 2)
 
     def _check(self, seq: Sequence, i: int, guess: list[int]) -> list:
         """Sample seq's tokens from its rows, from batch row i on: the first row's token, then, while the token
@@ -225,7 +243,7 @@ class Stepping:
             except GrammarDeadEnd:
                 return self._dead_end(seq)
             sampled.append((token, lp))
-            if not guess:
+            if not guess or seq.drafted:  # a lookup watched as the tokens come
                 seq.acceptance.token(token)
             piece, finish = seq.out.token(token)
             text += piece
@@ -241,7 +259,9 @@ class Stepping:
             kept = 0  # the guessed tokens sampled as guessed, from the first on
             while kept < min(len(guess), len(sampled)) and sampled[kept][0] == guess[kept]:
                 kept += 1
-            seq.acceptance.add(len(guess), kept)
+            (seq.drafts if seq.drafted else seq.acceptance).add(len(guess), kept)
+            if seq.drafted:
+                self.draft.guessed, self.draft.kept = self.draft.guessed + len(guess), self.draft.kept + kept
             self.counters["guessed_tokens"] += len(guess)
             self.counters["kept_guesses"] += kept
             # the refused guesses' KV, past the sequence's tokens (before a finished one's generated blocks are kept)
