@@ -20,8 +20,11 @@ rows), but the call cost about as much as its rows one by one: 1.7x one row's ti
 On 2026-12-05, every row tiled as the daemon runs it: 1.84x for 2 rows, 2.5x for 3, 3.1 to 3.3x for 8 with the
 default model; with bench_real_shape.py's 1.5B-shape model (--model; 29 ms a row) 1.84x, 2.80x and 4.01x, the
 same on 2 cores. --room: a step of 4 or 8 sequences takes as long with room for 9 rows of each (0.99x, 1.00x).
+--every 8, the default model: 2 to 9 rows 1.67x, 2.11x, 2.42x, 3.12x, 3.46x, 3.85x, 3.15x, 3.88x -- no line: 8 rows
+(two groups of four in one pass of the patched gemm) cost less than 7, so the warm-up times every count
+(proofs._proves_guessed_rows; its log line prints them).
 
-    .venv/bin/python bench/bench_verify_rows.py [--prompt 200] [--tokens 24] [--model GGUF] [--room]
+    .venv/bin/python bench/bench_verify_rows.py [--prompt 200] [--tokens 24] [--model GGUF] [--room] [--every 8]
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", type=Path, help="a q4_0 GGUF (default: the prepared default model; bench_real_shape.py "
                    "makes one of a 1.5B shape under models/bench/)")
+    p.add_argument("--every", type=int, metavar="K", help="time every guess length from 1 to K (default: 1, 2, 3, "
+                   "4, 7, 15 and --tokens - 1): where the kernels change from one row at a time to four")
     p.add_argument("--room", action="store_true", help="also: a step of 4 and of 8 sequences in the engine's batch "
                    "context against a twin with room for 9 rows of each (what room for every sequence's guesses costs)")
     args = p.parse_args()
@@ -104,7 +109,7 @@ def main() -> int:
     print("| k | rows with the same bits | largest logit difference | greedy tokens unchanged | the call's time / one "
           "row's (median of 5) |")
     print("|---:|---:|---:|---|---:|")
-    for k in (1, 2, 3, 4, 7, 15, args.tokens - 1):
+    for k in range(1, args.every + 1) if args.every else (1, 2, 3, 4, 7, 15, args.tokens - 1):
         if k >= args.tokens:
             continue
         times = []

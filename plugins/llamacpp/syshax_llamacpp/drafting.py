@@ -101,8 +101,8 @@ class Acceptance:
 
 class StepCost:
     """A lone sequence's decode step time by its rows, learnt from the steps that run (a moving average per row
-    count; the warm-up times 1 row and 1 + speculative_tokens, so every count between is read off a line through
-    its nearest timed neighbours until it is timed itself)."""
+    count; the warm-up times every count from 1 row to 1 + speculative_tokens; a count not timed is read off a line
+    through its nearest timed neighbours)."""
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}

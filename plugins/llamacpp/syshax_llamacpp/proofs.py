@@ -200,10 +200,10 @@ class WarmUpProofs:
     def _proves_guessed_rows(self, tokens: list[int], n: int) -> drafting.StepCost | None:
         """Speculative decoding's proof and first costs: whether a sequence's 1 + speculative_tokens rows in one
         decode step of the batch context get the very logits each gets in a step of its own (stream 0, after a
-        prompt of the warm-up's tokens), and what the two kinds of step cost (one row: the median of its
-        1 + speculative_tokens steps): a guess is then token-exact here, and drafting.guess_length has a first line
-        of costs. None (speculation off) where the bits differ. Leaves the batch context's streams empty after the
-        prompt's cells."""
+        prompt of the warm-up's tokens), and what a step of each row count costs (one row: the median of its
+        1 + speculative_tokens steps): a guess is then token-exact here, and drafting.guess_length has first costs.
+        None (speculation off) where the bits differ. Leaves the batch context's streams empty after the prompt's
+        cells."""
         rows = 1 + self.speculative_tokens
         prompt = min(n, self.seq_ctx - rows)
         if prompt < 1:
@@ -240,12 +240,22 @@ class WarmUpProofs:
             log.warning("speculative decoding off: %d rows of a sequence in one decode step gave other bits than "
                         "each in a step of its own, so a guess could change a text", rows)
             return None
-        cost = drafting.StepCost()  # steps as serving times them correct these first two points
+        cost = drafting.StepCost()  # steps as serving times them correct these first points
         cost.add(1, statistics.median(one_row))
-        cost.add(rows, all_rows)
+        # every count, the shorter of two tries (what else runs only adds time): the kernels take rows one at a time
+        # or in groups of four, so a step's time is no line through its rows (bench_verify_rows.py --every 8 here: 8
+        # rows cost less than 7), and a line drawn from 1 and 9 rows took a 3-token guess for cheaper than it is and
+        # an 8-row step for dearer
+        for count in range(2, rows + 1):
+            tries = [all_rows] if count == rows else []
+            while len(tries) < 2:
+                tries.append(decode(0, count))
+                llama_cpp.llama_memory_seq_rm(self.memory, 0, prompt, -1)
+            cost.add(count, min(tries))
         log.info("speculative decoding: up to %d guessed tokens a step, checked in rows that give a lone row's bits "
-                 "(a step of 1 row %.1f ms, of %d rows %.1f ms here)", self.speculative_tokens,
-                 1000 * cost.seconds[1], rows, 1000 * cost.seconds[rows])
+                 "(a step of 1 row %.1f ms here; of 2 to %d rows, in steps of 1 row: %s)", self.speculative_tokens,
+                 1000 * cost.seconds[1], rows,
+                 " ".join(f"{cost.seconds[c] / cost.seconds[1]:.2f}" for c in range(2, rows + 1)))
         return cost
 
     def _prove_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> int:
