@@ -52,7 +52,9 @@ def print_status(st: dict) -> None:
                   + ("; keeps generated tokens" if w.keeps_generated else "")
                   + (f"; guesses up to {w.speculative_tokens} tokens a step"
                      + (f" from {w.draft_model}" if w.draft_model else "")
-                     + f" ({s.kept_guesses} of {s.guessed_tokens} guessed kept)" if w.speculative_tokens else ""))
+                     + f" ({s.kept_guesses} of {s.guessed_tokens} guessed kept"
+                     + (f"; {s.kept_drafts} of {s.drafted_tokens} drafted" if w.draft_model else "") + ")"
+                     if w.speculative_tokens else ""))
         if w.error:
             print(f"{'':<10} error: {w.error}")
     routing = sched.prefix_routing

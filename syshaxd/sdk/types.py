@@ -386,6 +386,8 @@ class EngineStats:
     padded_steps: int = 0  # decode steps in which a lone sequence had a padding row beside it (llama.cpp)
     guessed_tokens: int = 0  # speculative decoding: tokens guessed and checked in a decode step (llama.cpp)
     kept_guesses: int = 0  # ... of them, those the sampler chose too: each one a token without a step of its own
+    drafted_tokens: int = 0  # ... of the guessed, those a draft model guessed (config draft_model)
+    kept_drafts: int = 0  # ... and of those, the kept
 
 
 @dataclass(frozen=True)

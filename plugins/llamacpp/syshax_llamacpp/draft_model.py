@@ -4,12 +4,14 @@ Prompt lookup (drafting.PromptLookup) guesses only what the sequence's own conte
 draft_model: Qwen2.5-0.5B beside Qwen2.5-7B, say) guesses any text, greedily, one llama_decode of its own per
 token; the served model checks the guess in its step exactly as it checks a lookup's (stepping._check), so the
 text is the one it gives without a guess. It pays where a guessed row of the served model costs far less than a
-step and the draft's own steps less still: drafting.guess_length weighs both, as they are timed.
+step and the draft's own steps less still: drafting.best_guess weighs both, as they are timed, against the
+lookup's guess.
 
 The draft's context holds one sequence: the tokens it last drafted from. Before each guess the tokens it holds are
 compared with the sequence's (prompt, generated, next): the KV after the first difference is dropped (the guessed
 tokens the check refused, or another request's) and the rest is fed, in chunks. So it follows the lone sequence
-from step to step at one row a drafted token, and catches up a new one (its prompt) once.
+from step to step at one row a drafted token, and catches up a new one (its prompt) once: that catch-up is not
+weighed in the step's choice (a draft is far cheaper than the model, or it does not pay at all).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ def _text(vocab, token: int) -> bytes:
 
 
 def vocabulary_difference(main_vocab, draft_vocab) -> str:
-    """Why a draft model's guesses could not be the served model's tokens (llama-server's checks: the tokenizer
-    type, BOS and EOS, the size within MAX_VOCAB_DIFFERENCE rows, every shared token's text); "" when they can."""
+    """Why a draft model's guesses could not be the served model's tokens (after llama-server's checks: the tokenizer
+    type, BOS and EOS, the size within MAX_VOCAB_DIFFERENCE rows; and every shared token's text, where it skips the
+    first 5); "" when they can. A token the draft has not (its vocabulary may be the smaller) ends a guess."""
     n_main, n_draft = llama_cpp.llama_vocab_n_tokens(main_vocab), llama_cpp.llama_vocab_n_tokens(draft_vocab)
     if llama_cpp.llama_vocab_type(main_vocab) != llama_cpp.llama_vocab_type(draft_vocab):
         return "its tokenizer is of another type"
@@ -95,14 +98,13 @@ class DraftModel:
         self.tokens: list[int] = []  # what its KV holds, positions 0..len - 1
         self.seconds: float | None = None  # one drafted token's llama_decode, a moving average
         self.failures = 0  # llama_decode calls it refused (its KV then cleared, the guess skipped)
-        self.guessed = self.kept = 0  # its guessed tokens the served model checked, and kept (stepping._check)
         self.usable = n_ctx
 
     def guess(self, history: list[int], n: int, limit: int) -> list[int]:
         """Up to n greedy tokens after `history` (a sequence's prompt, generated tokens and next token); tokens the
         served model does not have (ids from `limit` on) end the guess."""
         n = min(n, self.usable - len(history))
-        if n <= 0:
+        if n <= 0 or not history:
             return []
         if not self._follow(history):
             return []
@@ -124,7 +126,7 @@ class DraftModel:
 
     def _follow(self, history: list[int]) -> bool:
         """Make the KV hold `history`: drop what follows the first difference, feed the rest (its last token's
-        logits then give the first guess)."""
+        logits then give the first guess). False where history holds a token the draft has not."""
         held = self.tokens
         same = min(len(held), len(history) - 1)  # the last token is always fed: its logits are wanted
         if held[:same] != history[:same]:
@@ -133,7 +135,10 @@ class DraftModel:
         if same < len(held):
             llama_cpp.llama_memory_seq_rm(self.memory, 0, same, -1)
             del self.tokens[same:]
-        return self._feed(history[same:])
+        rest = history[same:]
+        if max(rest) >= self.n_vocab:  # a padding row of the model's vocabulary, or a client's own ids
+            return False
+        return self._feed(rest)
 
     def _feed(self, tokens: list[int]) -> bool:
         """Evaluate tokens after those held, in chunks; the last one's logits kept. False (the KV cleared) when

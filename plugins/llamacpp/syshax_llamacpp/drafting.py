@@ -82,6 +82,12 @@ class Acceptance:
         self.kept = self.kept * self.DECAY + kept
         self.checked = self.checked * self.DECAY + kept + (1 if kept < guessed else 0)
 
+    def drift(self, share: float = 0.02) -> None:
+        """A step without a guess of this kind checked: move `share` of the way back to the prior rate (1 of 2),
+        so that a kind of guess refused early is tried again once the prior says it may pay."""
+        self.kept += (1.0 - self.kept) * share
+        self.checked += (2.0 - self.checked) * share
+
     def watch(self, guess: list[int]) -> None:
         """A guess this step did not check: count it as the tokens come (unless one is being watched)."""
         if not self.watching and guess:

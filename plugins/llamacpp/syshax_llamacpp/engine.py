@@ -158,7 +158,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self.queued: dict[str, Sequence] = {}  # request_id -> sequence waiting for a slot
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0, "decode_errors": 0,
                          "stream_moves": 0, "cached_tokens": 0, "padded_steps": 0,
-                         "guessed_tokens": 0, "kept_guesses": 0}
+                         "guessed_tokens": 0, "kept_guesses": 0, "drafted_tokens": 0, "kept_drafts": 0}
         self._rate = TokenRate()
         log.info(
             "llama.cpp engine built: %s, n_ctx=%d per sequence, batch=%d seqs, chunk=%d, threads=%d, kernels %s",
@@ -329,7 +329,9 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         """Remove the sequence from the KV cache and give its slot back."""
         self.active.pop(seq.request.request_id, None)
         if self._unkept is not None and self._unkept[0] is seq:  # cancelled before its blocks were written:
-            self._unkept = None  # the daemon lets their slots go with the request
+            # the daemon let their slots go with the request (it may give them to another before this Cancel
+            # arrives: a step between writes them there, and the reader's checksum and tokens tell it so)
+            self._unkept = None
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         if seq.pending and seq.n_past > 0:
             # cut off halfway through its prompt: the prefill context still holds that part

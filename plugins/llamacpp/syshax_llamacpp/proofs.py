@@ -96,9 +96,13 @@ class WarmUpProofs:
                 if not self.exact_decode:
                     log.info("speculative decoding off: this build's decode rows may not give a prompt chunk's bits")
                 if self.step_cost is not None and self.draft is not None:
-                    self.draft.guess(tokens, 4, self.n_vocab)  # its first costs
+                    self.draft.guess([t for t in tokens if t < self.draft.n_vocab], 4, self.n_vocab)  # first costs
                     log.info("draft model %s: a drafted token takes %.1f ms here", self.draft.name,
                              1000 * (self.draft.seconds or 0.0))
+                elif self.draft is not None:  # no guesses here: its weights and KV would only take memory
+                    log.info("draft model %s unloaded: speculative decoding is off", self.draft.name)
+                    self.draft.close()
+                    self.draft = None
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
             if self.decodes:

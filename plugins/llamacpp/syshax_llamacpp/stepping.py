@@ -76,14 +76,14 @@ class Stepping:
                 llama_cpp.llama_memory_seq_rm(self.memory, pad, -1, -1)
                 self.counters["padded_steps"] += 1
             self.counters["steps"] += 1
-            if rc != 0:
-                return self._fail(rc, [seq for seq, _, _ in rows])
+            if rc != 0:  # the step's other events (a written prompt's Cached, a seated one's) still go out
+                return deltas + self._fail(rc, [seq for seq, _, _ in rows])
             for seq, i, guess in rows:
                 deltas += self._check(seq, i, guess)
         seq = next((s for s in self.active.values() if s.pending), None)
         if seq is not None:
             deltas += self._prefill_chunk(seq)
-        self._count(len(deltas))
+        self._count(sum(d.n_tokens for d in deltas if isinstance(d, Delta)))
         return deltas
 
     def _pad_stream(self, decoding: list[Sequence]) -> int:
@@ -114,6 +114,7 @@ class Stepping:
             try:
                 token = sample_logits(seq.sampler, logits, grammar=bool(seq.request.grammar))
             except GrammarDeadEnd:
+                llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)  # the hits imported into it
                 return self._dead_end(seq)
             k = seq.request.logprobs
             lp = logprobs.of_logits(logits, token, k) if k is not None else None
@@ -209,12 +210,14 @@ class Stepping:
                 n, drafts = len(looked), (room if draft is not None and not looked else 0)
             else:
                 n, rate = drafting.best_guess(seq.acceptance.rate, len(looked), self.step_cost)
-                drafts, drafted_rate = (drafting.best_guess(seq.drafts.rate, room, self.step_cost, draft.seconds or 0.0)
-                                        if draft is not None else (0, 0.0))
+                drafts, drafted_rate = (drafting.best_guess(seq.drafts.rate, room, self.step_cost, draft.seconds)
+                                        if draft is not None and draft.seconds is not None else (0, 0.0))
                 if drafts and drafted_rate > rate:
                     n = 0
                 else:
                     drafts = 0
+                    if draft is not None:  # its rate drifts back to its prior, so that a draft refused early is tried
+                        seq.drafts.drift()  # again later
             if n:
                 seq.acceptance.watching = []  # counted as checked instead
             else:
@@ -261,7 +264,8 @@ class Stepping:
                 kept += 1
             (seq.drafts if seq.drafted else seq.acceptance).add(len(guess), kept)
             if seq.drafted:
-                self.draft.guessed, self.draft.kept = self.draft.guessed + len(guess), self.draft.kept + kept
+                self.counters["drafted_tokens"] += len(guess)
+                self.counters["kept_drafts"] += kept
             self.counters["guessed_tokens"] += len(guess)
             self.counters["kept_guesses"] += kept
             # the refused guesses' KV, past the sequence's tokens (before a finished one's generated blocks are kept)
