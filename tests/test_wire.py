@@ -35,7 +35,7 @@ def _example(cls):
         KVHandle: KVHandle(64, 1024, 7, 0xFEDCBA9876543210, 3, 2, 1.5, TokenLogprob(2, -0.5),
                            (None, TokenLogprob(9, -1.0))),
         PrefixPlan: PrefixPlan(16, 64, ((1, 0xABC), (2, 0)), ((3, 9),), (4, 0xDEF), 5, (6, 7)),
-        EngineStats: EngineStats(*range(1, 6), 0.5, 12.5, *range(7, 17)),
+        EngineStats: EngineStats(*range(1, 6), 0.5, 12.5, *range(7, 19)),
     }
     if cls in samples:
         return samples[cls]
