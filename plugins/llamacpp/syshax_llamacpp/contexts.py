@@ -87,6 +87,18 @@ def load_model(spec: EngineSpec) -> LoadedModel:
     return LoadedModel(path, model, choice, tiled_attention, arch, sliding_window)
 
 
+def add_row(b, token: int, pos: int, seq_id: int, logits: bool) -> int:
+    """Append one token's row to llama_batch b; its row index (the engine's batches, the draft model's, the benches')."""
+    i = b.n_tokens
+    b.token[i] = token
+    b.pos[i] = pos
+    b.n_seq_id[i] = 1
+    b.seq_id[i][0] = seq_id
+    b.logits[i] = logits
+    b.n_tokens = i + 1
+    return i
+
+
 def batch_params(spec: EngineSpec, seq_ctx: int, max_seqs: int, n_batch: int):
     """The batch context's parameters: max_seqs streams of seq_ctx cells, room for n_batch tokens per
     llama_decode."""

@@ -23,6 +23,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from syshax_llamacpp.contexts import add_row
+
 log = logging.getLogger("syshax_llamacpp.engine")
 
 # llama-server's own bound (common/speculative.cpp): vocabularies of one family differ in padding rows only
@@ -146,13 +148,9 @@ class DraftModel:
         for start in range(0, len(tokens), self.chunk):
             part = tokens[start:start + self.chunk]
             b = self.batch
-            b.n_tokens = len(part)
+            b.n_tokens = 0
             for i, token in enumerate(part):
-                b.token[i] = token
-                b.pos[i] = len(self.tokens) + i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
-                b.logits[i] = i == len(part) - 1
+                add_row(b, token, len(self.tokens) + i, 0, i == len(part) - 1)
             if llama_cpp.llama_decode(self.ctx, b) != 0:
                 log.warning("draft model %s: llama_decode refused %d tokens; its KV is cleared", self.name,
                             len(part))

@@ -27,7 +27,7 @@ import llama_cpp
 
 from syshax_llamacpp import drafting, prefix
 from syshax_llamacpp.codec import StateBuffer
-from syshax_llamacpp.contexts import batch_params, load_model, prompt_params
+from syshax_llamacpp.contexts import add_row, batch_params, load_model, prompt_params
 from syshax_llamacpp.draft_model import DraftModel
 from syshax_llamacpp.handoff import HandoffSide, KVPort
 from syshax_llamacpp.prefix_side import PrefixSide
@@ -118,8 +118,8 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
                                     threads=spec.threads, use_extra_bufts=self.kernels.use_extra_bufts)
         self.prefill_batch = llama_cpp.llama_batch_init(self.chunk, 0, 1)
         self._state = StateBuffer()
-        # (sequence, last logits) of the prompt whose blocks are to be written at the next step (stepping.py); the
-        # prompt context holds its KV until then
+        # (sequence, state bytes, last logits) of the prompt whose blocks are to be written at the next step
+        # (stepping.py); the prompt context holds its KV until then
         self._unkept = None
         self.n_ctx = self.seq_ctx  # the most tokens one sequence may hold (prompt + completion)
         self.memory = llama_cpp.llama_get_memory(self.ctx) if self.decodes else None
@@ -313,17 +313,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         seq.pending = deque(seq.prompt)
         return []
 
-    @staticmethod
-    def _add(b, token: int, pos: int, seq_id: int, logits: bool) -> int:
-        """Append one token's row to llama_batch b; its row index (the benches under bench/ fill batches with it)."""
-        i = b.n_tokens
-        b.token[i] = token
-        b.pos[i] = pos
-        b.n_seq_id[i] = 1
-        b.seq_id[i][0] = seq_id
-        b.logits[i] = logits
-        b.n_tokens = i + 1
-        return i
+    _add = staticmethod(add_row)  # the benches under bench/ fill batches with it too
 
     def _release(self, seq: Sequence) -> None:
         """Remove the sequence from the KV cache and give its slot back."""

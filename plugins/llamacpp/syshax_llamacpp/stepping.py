@@ -157,31 +157,36 @@ class Stepping:
         size = widen_streams(buf, size, self.max_seqs)
         seq.seq_id = self.streams.take()  # it joins the decode batch now, next to the others
         got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, seq.seq_id)
+        # the blocks are read from these bytes (the prompt's one stream, the others empty); nothing else uses the
+        # state buffer before the next step's _keep_unkept
+        state = buf[:size]
         if got != size:
-            return self._keep_now(seq, logits) + self._fail(-1, [seq], "could not move the prompt's KV into the "
-                                                            "batch context")
+            return self._keep_now(seq, state, logits) + self._fail(-1, [seq], "could not move the prompt's KV into "
+                                                                   "the batch context")
         emitted = self._emit(seq, token, lp)
         if seq.next_token is None or seq.handling.prefix is None or self.store is None:
-            return self._keep_now(seq, logits) + emitted  # its blocks reported before its end
+            return self._keep_now(seq, state, logits) + emitted  # its blocks reported before its end
         # its blocks are written at the next step, after its first token left: on a 2-core machine, 5 to 10 ms
         # of writes into fresh pages of the store (bench/bench_ttft_prefix.py). The prompt context keeps its KV
         # until then.
-        self._unkept = (seq, logits)
+        self._unkept = (seq, state, logits)
         return emitted
 
-    def _keep_now(self, seq: Sequence, logits) -> list:
-        """Write seq's prompt's blocks from the prompt context into the prefix cache (Cached), and clear it."""
-        cached = self._keep_blocks(seq, None, logits)
+    def _keep_now(self, seq: Sequence, state, logits) -> list:
+        """Write seq's prompt's blocks from its state bytes into the prefix cache (Cached), and clear the prompt
+        context."""
+        cached = self._keep_blocks(seq, state, logits)
         llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
         return cached
 
     def _keep_unkept(self) -> list:
         """The blocks of the prompt whose first token left last step (Cached), before anything else runs: the
-        prompt context is then free, and the daemon hears of them before the request can end."""
+        prompt context and the state buffer are then free, and the daemon hears of them before the request can
+        end."""
         if self._unkept is None:
             return []
-        (seq, logits), self._unkept = self._unkept, None
-        return self._keep_now(seq, logits)
+        (seq, state, logits), self._unkept = self._unkept, None
+        return self._keep_now(seq, state, logits)
 
     def _guesses(self, decoding: list[Sequence]) -> list[list[int]]:
         """The decoding sequences' guessed next tokens (drafting.py): a lone sequence's, as many as are expected to
