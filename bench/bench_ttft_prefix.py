@@ -4,13 +4,14 @@ it (prefix_cache_mb = 0), in one run (issue 38, item 1: the short prompts' TTFT 
 On a miss the engine writes the prompt's new blocks into the cache; that write once came before the first token's
 Delta left the worker. Two daemons up at once (cpu mode, the default model, 2 threads each), unique random-word
 prompts of --tokens tokens, one request at a time, alternating which daemon goes first; each request streams 4
-tokens and its time is that to its first chunk with text, as the client sees it. Prints each daemon's p50, the
-difference, and the CPU each daemon and its workers used per request.
+tokens, timed to its first token by the repo's bench client (syshaxd/bench/client.py, as bench_peers.py times
+TTFT). Prints each daemon's p50, the difference, and the CPU each daemon and its workers used per request.
 
-Found on 2026-12-05 (AMD EPYC with AVX-512, 2 cores, quiet): with the write before the first token (unstreamed,
-1 token) the cache added 11.8 to 17.3 ms at p50 (the write itself 9.9 ms a prompt in the worker, into fresh pages
-of the store); with the write at the step after the first token (stepping.py, _keep_unkept) it adds -0.1 ms
-(128.5 against 128.6 ms).
+Found on 2026-12-05 (AMD EPYC with AVX-512, 2 cores, quiet): with the write before the first token (this script
+as of commit 97b0e5d, unstreamed, 1 token) the cache added 11.8 to 17.3 ms at p50; with the write at the step
+after the first token (stepping.py, _keep_unkept; the blocks read from the state the move exported) two runs
+gave +13.2 ms (24 prompts: 152.4 against 139.2, the minimums 125.4 and 126.9) and -0.5 ms (--requests 40: 129.6
+against 130.1): within this machine's noise.
 
     .venv/bin/python bench/bench_ttft_prefix.py [--requests 24] [--tokens 128]
 """
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import signal
 import statistics
 import sys
@@ -29,40 +30,40 @@ import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from syshaxd.bench.client import StreamingClient  # noqa: E402
 from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
 from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 
 
-def seconds_to_first_token(url: str, body: dict) -> float:
-    """Seconds from sending the streamed request to its first chunk with text; the rest is read and dropped."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    started = time.perf_counter()
-    first = None
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for line in r:
-            if first is None and line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                first = time.perf_counter() - started
-    if first is None:
-        raise RuntimeError("the stream carried no text")
-    return first
-
-
 def cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) the daemon and its workers have used so far, by role."""
-    tick = os.sysconf("SC_CLK_TCK")
-    used = {"daemon": 0.0, "workers": 0.0}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        own, parent = int(stat.parent.name), int(fields[1])
-        if own == pid or parent == pid:
-            used["daemon" if own == pid else "workers"] += (int(fields[11]) + int(fields[12])) / tick
+    """CPU seconds (user + system) the daemon and its workers have used so far."""
+    daemon = psutil.Process(pid)
+    used = {"daemon": sum(daemon.cpu_times()[:2]), "workers": 0.0}
+    for worker in daemon.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            used["workers"] += sum(worker.cpu_times()[:2])
     return used
+
+
+async def first_tokens(daemons: dict, prompts: list, model: str) -> dict[str, list[float]]:
+    """Each prompt streamed to each daemon in turn (which goes first alternating), 4 tokens; the seconds to its
+    first token as the repo's bench client times them (syshaxd/bench/client.py)."""
+    times: dict[str, list[float]] = {name: [] for name in daemons}
+    async with aiohttp.ClientSession() as session:
+        clients = {name: StreamingClient(d.url, model, 4) for name, d in daemons.items()}
+        for i, prompt in enumerate(prompts):
+            for name in (list(daemons) if i % 2 else list(daemons)[::-1]):
+                record = await clients[name].send(session, i, prompt, time.perf_counter())
+                if not record.ok or record.ttft_s is None:
+                    raise RuntimeError(f"{name}: the request failed ({record.error}: {record.error_detail})")
+                times[name].append(record.ttft_s)
+    return times
 
 
 def main() -> int:
@@ -85,17 +86,10 @@ def main() -> int:
         with urllib.request.urlopen(daemons["cache"].url + "/v1/models") as r:
             model = json.loads(r.read())["data"][0]["id"]
         builder = PromptBuilder(GGUFTokenizer(default_tokenizer_path()))
-        times: dict[str, list[float]] = {name: [] for name in daemons}
-        cpu: dict[str, dict[str, float]] = {}
-        for i in range(args.requests + 2):  # the first two each warm the daemons up, uncounted
-            if i == 2:
-                cpu = {name: cpu_seconds(d.pid) for name, d in daemons.items()}
-            body = {"model": model, "prompt": builder.build(args.tokens, 5000 + i).text, "max_tokens": 4,
-                    "temperature": 0, "stream": True, "ignore_eos": True}
-            for name in (list(daemons) if i % 2 else list(daemons)[::-1]):
-                took = seconds_to_first_token(daemons[name].url + "/v1/completions", body)
-                if i >= 2:
-                    times[name].append(took)
+        prompts = [builder.build(args.tokens, 5000 + i) for i in range(args.requests + 2)]
+        asyncio.run(first_tokens(daemons, prompts[:2], model))  # each warms the daemons up, uncounted
+        cpu = {name: cpu_seconds(d.pid) for name, d in daemons.items()}
+        times = asyncio.run(first_tokens(daemons, prompts[2:], model))
         for name, d in daemons.items():
             cpu[name] = {role: used - cpu[name][role] for role, used in cpu_seconds(d.pid).items()}
     finally:
