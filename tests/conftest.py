@@ -171,6 +171,16 @@ def daemon(default_model, tmp_path_factory, request):
     assert code == 0, f"syshaxd exited with {code}:\n{d.log()}"
 
 
+@pytest.fixture(scope="module")
+def plain(default_model, tmp_path_factory):
+    """A daemon that guesses nothing (speculative_tokens = 0): what speculation's texts are compared with
+    (test_speculation.py, test_draft_model.py)."""
+    d = start_daemon(tmp_path_factory.mktemp("plain"), {"model": str(default_model), "model_name": MODEL_NAME,
+                                                         "n_ctx": 2048, "speculative_tokens": 0})
+    yield d
+    assert d.stop() == 0, d.log()
+
+
 @pytest.fixture
 def client(daemon):
     import openai

@@ -39,14 +39,6 @@ def draft(default_model):
 
 
 @pytest.fixture(scope="module")
-def plain(default_model, tmp_path_factory):
-    d = start_daemon(tmp_path_factory.mktemp("plain"), {"model": str(default_model), **BASE,
-                                                         "speculative_tokens": 0})
-    yield d
-    assert d.stop() == 0, d.log()
-
-
-@pytest.fixture(scope="module")
 def drafting(default_model, draft, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("drafting")
     d = start_daemon(tmp, {"model": str(default_model), **BASE, "speculative_tokens": 8, "draft_model": str(draft),

@@ -33,14 +33,6 @@ COPIES = copy_chats()[:4]  # repeat a text, quote one, fix code and give it whol
 
 
 @pytest.fixture(scope="module")
-def plain(default_model, tmp_path_factory):
-    d = start_daemon(tmp_path_factory.mktemp("plain"), {"model": str(default_model), **BASE,
-                                                         "speculative_tokens": 0})
-    yield d
-    assert d.stop() == 0, d.log()
-
-
-@pytest.fixture(scope="module")
 def guessing(default_model, tmp_path_factory):
     d = start_daemon(tmp_path_factory.mktemp("guessing"), {"model": str(default_model), **BASE,
                                                             "speculative_tokens": 8},
@@ -154,15 +146,15 @@ def test_guesses_are_taken_only_where_they_pay():
         cheap.add(rows, seconds)
     for rows, seconds in ((1, 0.010), (9, 0.045)):  # compute-bound: a row costs almost a step
         dear.add(rows, seconds)
-    assert drafting.guess_length(0.9, 8, cheap) == 8
-    assert drafting.guess_length(0.3, 8, cheap) >= 1  # even a poor guess: its first token is nearly free
-    assert drafting.guess_length(0.3, 8, dear) == 0
-    assert 1 <= drafting.guess_length(0.95, 8, dear)  # a copy pays even there
-    assert drafting.guess_length(0.1, 4, cheap) < drafting.guess_length(0.95, 4, cheap)  # the likelier, the longer
-    assert drafting.guess_length(0.9, 8, drafting.StepCost()) == 0  # no step timed yet: nothing to go on
+    assert drafting.best_guess(0.9, 8, cheap)[0] == 8
+    assert drafting.best_guess(0.3, 8, cheap)[0] >= 1  # even a poor guess: its first token is nearly free
+    assert drafting.best_guess(0.3, 8, dear)[0] == 0
+    assert 1 <= drafting.best_guess(0.95, 8, dear)[0]  # a copy pays even there
+    assert drafting.best_guess(0.1, 4, cheap)[0] < drafting.best_guess(0.95, 4, cheap)[0]  # the likelier, the longer
+    assert drafting.best_guess(0.9, 8, drafting.StepCost())[0] == 0  # no step timed yet: nothing to go on
     # a draft model's own step counts too: a draft as dear as the model's step never pays, a cheap one does
-    assert drafting.guess_length(0.9, 8, cheap, draft_seconds=0.010) == 0
-    assert drafting.guess_length(0.9, 8, cheap, draft_seconds=0.0005) == 8
+    assert drafting.best_guess(0.9, 8, cheap, draft_seconds=0.010)[0] == 0
+    assert drafting.best_guess(0.9, 8, cheap, draft_seconds=0.0005)[0] == 8
     # the lookup's guess and the draft's are weighed by the tokens a second each is expected to give
     lookup, draft = drafting.best_guess(0.3, 3, cheap), drafting.best_guess(0.9, 8, cheap, 0.0005)
     assert draft[1] > lookup[1] > 1 / 0.010

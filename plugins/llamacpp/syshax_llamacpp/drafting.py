@@ -11,10 +11,10 @@ rows give a token the bits a lone decode row gives it (the warm-up proves it: pr
 
 A guessed row costs time whether it is kept or not, and that cost depends on the machine (on 2 cores a second
 row costs 0.8 of a step, with the 135M model and with a 1.5B shape alike: compute-bound; bench/bench_verify_rows.py
---model). So a lone sequence takes as many guessed tokens as are expected to pay (guess_length):
+--model). So a lone sequence takes as many guessed tokens as are expected to pay (best_guess):
 what they return, by its share of guesses kept so far (Acceptance), against what its steps are measured to cost
-by their rows (StepCost). A draft model (draft_model.py) is weighed the same way, its own step counted
-(best_guess), against the lookup's guess.
+by their rows (StepCost). A draft model (draft_model.py) is weighed the same way, its own step counted, against
+the lookup's guess.
 """
 
 from __future__ import annotations
@@ -127,12 +127,6 @@ class StepCost:
             return None
         t0, t1 = self.seconds[below], self.seconds[above]
         return t0 + (t1 - t0) * (rows - below) / (above - below)
-
-
-def guess_length(rate: float, most: int, cost: StepCost, draft_seconds: float = 0.0) -> int:
-    """How many of a lone sequence's `most` guessed tokens to check this step: the count that gives the most
-    expected tokens per second (best_guess)."""
-    return best_guess(rate, most, cost, draft_seconds)[0]
 
 
 def best_guess(rate: float, most: int, cost: StepCost, draft_seconds: float = 0.0) -> tuple[int, float]:

@@ -205,7 +205,7 @@ class WarmUpProofs:
         """Speculative decoding's proof and first costs: whether a sequence's 1 + speculative_tokens rows in one
         decode step of the batch context get the very logits each gets in a step of its own (stream 0, after a
         prompt of the warm-up's tokens), and what a step of each row count costs (one row: the median of its
-        1 + speculative_tokens steps): a guess is then token-exact here, and drafting.guess_length has first costs.
+        1 + speculative_tokens steps): a guess is then token-exact here, and drafting.best_guess has first costs.
         None (speculation off) where the bits differ. Leaves the batch context's streams empty after the prompt's
         cells."""
         rows = 1 + self.speculative_tokens
