@@ -8,7 +8,8 @@ The wheel this machine built carries one vector path of the K packing (0003) and
 AVX-512 here, AVX2 on another host; the engine's warm-up proves its bits on that path only. This compiles each, as
 the patches add it, on its own for every x86 path this CPU can run, and checks it bit for bit against what
 llama.cpp's own loops compute, at every tile size. 0001 lives in llama.cpp's weight kernels, which need all of ggml to
-compile: the real build is checked instead, a row's logits against the same row's in batches of other sizes.
+compile, and so do 0008's and 0009's: the real build is checked instead, a row's logits against the same row's in
+batches of other sizes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ SERIES = sorted(PATCHES.glob("[0-9][0-9][0-9][0-9]-*.patch"))
 VERSION = re.search(r"^VERSION=(\S+)$", (REPO / "mk" / "llama-wheel.sh").read_text(), re.M).group(1)
 OPS = "ggml/src/ggml-cpu/ops.cpp"
 REPACK = "ggml/src/ggml-cpu/arch/x86/repack.cpp"
+REPACK_CORE = "ggml/src/ggml-cpu/repack.cpp"
+SGEMM = "ggml/src/ggml-cpu/llamafile/sgemm.cpp"
+FILES = (OPS, REPACK, REPACK_CORE, SGEMM)
 
 # What each patch touches: its files, and in each the functions its hunks change or add ("(file head)": the lines
 # before the first function). A patch that spills into another function or file fails here.
@@ -44,10 +48,15 @@ TOUCHES = {
     "0006": {OPS: {"ggml_compute_forward_flash_attn_ext_tiled", "ggml_compute_forward_flash_attn_ext_f16"}},
     "0007": {OPS: {"syshax_few", "syshax_prefetch_rows", "syshax_few_qk_rows", "syshax_few_v_rows", "syshax_few_qk",
                    "syshax_few_v", "ggml_compute_forward_flash_attn_ext_tiled"}},
+    # REPACK_CORE's hunks lie in the class template tensor_traits, whose line git's hunk headers name has no "("
+    "0008": {REPACK: {"syshax_gemv_rows", "gemv_q4_b32_8x8_q8_0_lut_avx"}, REPACK_CORE: {"(file head)"}},
+    "0009": {SGEMM: {"syshax_half", "syshax_q8_0_rows", "syshax_q8_0_few_rows", "llamafile_sgemm"}},
 }
+# the patches that replaced mk/llama-patch.py: what they make is what it made
+SCRIPT_SERIES = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
 
 # The sdist the series was written for, and the patched files mk/llama-patch.py made of it (its last version, before
-# the series replaced it: the series was checked against it, the whole sdist tree compared, on 2026-12-05)
+# 0001 to 0007 replaced it: they were checked against it, the whole sdist tree compared, on 2026-12-05)
 SDIST_SHA256 = {"0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"}
 PATCHED_SHA256 = {"0.3.36": {OPS: "b9a56e1ee80e0bed0e449accdef71a09954f8cf92dc0291662d06c1e4c664352",
                              REPACK: "7282876a136b9ac3d490b27da793de1081e274c2237a5609bcd640dfbb237338"}}
@@ -117,15 +126,16 @@ def pristine(tmp_path_factory) -> Path:
     top = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
         for member in tar:
-            if member.name.startswith(top) and member.name[len(top):] in (OPS, REPACK):
+            if member.name.startswith(top) and member.name[len(top):] in FILES:
                 tar.extract(member, where, filter="data")
     (where / top).rename(tree)
-    assert (tree / OPS).is_file() and (tree / REPACK).is_file()
+    assert all((tree / file).is_file() for file in FILES)
     return tree
 
 
-def _apply(tree: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(REPO / "mk" / "llama-patches.sh"), str(tree)], capture_output=True, text=True)
+def _apply(tree: Path, patches: Path = PATCHES) -> subprocess.CompletedProcess:
+    return subprocess.run([str(REPO / "mk" / "llama-patches.sh"), str(tree), str(patches)], capture_output=True,
+                          text=True)
 
 
 def test_the_series_applies_to_the_pristine_source_and_makes_what_llama_patch_py_made(pristine, tmp_path):
@@ -135,6 +145,16 @@ def test_the_series_applies_to_the_pristine_source_and_makes_what_llama_patch_py
     assert run.returncode == 0, run.stderr
     if VERSION not in PATCHED_SHA256:
         pytest.skip(f"no record of what mk/llama-patch.py made of {VERSION} (it never patched that version)")
+    # the script's part of the series, on its own
+    first = tmp_path / "first"
+    first.mkdir()
+    for patch in SERIES:
+        if patch.name[:4] in SCRIPT_SERIES:
+            shutil.copy(patch, first)
+    shutil.rmtree(tree)
+    shutil.copytree(pristine, tree)
+    run = _apply(tree, first)
+    assert run.returncode == 0, run.stderr
     for file, want in PATCHED_SHA256[VERSION].items():
         assert hashlib.sha256((tree / file).read_bytes()).hexdigest() == want, file
 
@@ -351,9 +371,12 @@ import numpy as np
 import llama_cpp as ll
 
 STREAMS, CTX, PROMPT = 16, 256, 9
+# batches of 16 and 12 rows: the q4_0 gemm (0001); fewer: the q4_0 gemv, 4 rows a pass and the rest (0008); 2 to 16
+# rows: the q8_0 output layer's few-rows kernel (0009); alone: llama.cpp's own vec_dot for the output layer
+ROWS = (16, 12, 11, 9, 8, 7, 6, 5, 4, 3, 2)
 ll.llama_backend_init()
 mparams = ll.llama_model_default_params()
-mparams.use_extra_bufts = True  # repacked weights, whose x86 kernel 0001 changes
+mparams.use_extra_bufts = True  # repacked weights, whose x86 kernels 0001 and 0008 change
 model = ll.llama_model_load_from_file(sys.argv[1].encode(), mparams)
 n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
 p = ll.llama_context_default_params()
@@ -386,30 +409,34 @@ def step(rows):
     out = np.empty((STREAMS, n_vocab), np.float32)
     for first in range(0, STREAMS, rows):
         batch.n_tokens = 0
-        for s in range(first, first + rows):
+        streams = range(first, min(first + rows, STREAMS))
+        for s in streams:
             add(following[s], PROMPT, s)
         assert ll.llama_decode(ctx, batch) == 0
-        for j, s in enumerate(range(first, first + rows)):
+        for j, s in enumerate(streams):
             out[s] = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, j), (n_vocab,))
             ll.llama_memory_seq_rm(memory, s, PROMPT, -1)
     return out
 
 
 alone = step(1)
-for rows in (16, 8, 4, 2):
+for rows in ROWS:
     print(rows, int((step(rows).view(np.uint32) != alone.view(np.uint32)).any(axis=1).sum()))
 """
 
 
 def test_a_rows_logits_keep_their_bits_whatever_number_of_rows_share_the_weights_pass(default_model):
-    """0001: 8 rows share a pass over the repacked weights (llama.cpp took 16, or 4). 16 sequences decode one
-    token each, in one batch of 16 rows, in batches of 8, 4, 2 and alone; every row's logits must be the same bits
-    each time. (A pass of 8 that left out its second group of 4 rows, tried by hand, fails here with 8 rows.) The
-    attention is tiled (SYSHAX_FA_TILED=1), so that it too gives a row its bits whatever else its batch holds, as
-    the engine's cpu mode runs it."""
+    """0001: 8 rows share a pass over the repacked weights (llama.cpp took 16, or 4); 0008: up to 4 rows share the
+    gemv's pass, and a batch of fewer than 12 rows goes to it whole; 0009: 2 to 16 rows share the q8_0 output
+    layer's pass. 16 sequences decode one token each, in one batch of 16 rows, in batches of 12, 11, 9, 8, 7, 6, 5,
+    4, 3, 2 (the last batch holds what is left) and alone; every row's logits must be the same bits each time. Tried
+    by hand: a pass of 8 that left out its second group of 4 rows fails here with 8 rows; 0009 with its horizontal
+    sum taken lane after lane (not in llama.cpp's order) fails at every batch size. The attention is tiled (SYSHAX_FA_TILED=1),
+    so that it too gives a row its bits whatever else its batch holds, as the engine's cpu mode runs it."""
     run = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, str(default_model)], capture_output=True, text=True,
                          env=os.environ | {"SYSHAX_FA_TILED": "1"}, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     differing = dict(line.split() for line in run.stdout.splitlines())
-    assert differing == {"16": "0", "8": "0", "4": "0", "2": "0"}, run.stdout
+    assert differing == {"16": "0", "12": "0", "11": "0", "9": "0", "8": "0", "7": "0", "6": "0", "5": "0", "4": "0",
+                         "3": "0", "2": "0"}, run.stdout
 
