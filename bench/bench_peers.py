@@ -25,10 +25,11 @@ second server's figures up to 20 % worse or better than a repeat gave. The loads
 (so prompts and decodes overlap, as a server's users do): short, 128 tokens in and 256 out at concurrency
 1, 8 and 16; medium, 512 in and 1,024 out at 1, 4 and 8; long, 2,048 in and 512 out at 1, 2 and 4 (twice
 the concurrency in requests, at least 2). Their contexts need `--n-ctx` 4096, which the set takes when
-none is given. `--set all` runs both sets. Found on 2026-12-05 (AMD EPYC with AVX-512, 2 threads each, the default
-model, one run of 733 s; long again with --rounds 2), syshaxd / llama-server: tok/s 1.09x to 1.79x at every level;
-TTFT p50 0.45x (long c=4) to 1.02x (medium c=1), short 0.80x to 0.96x (1.11x before a prompt's blocks went into the
-prefix cache after its first token); a 2,048-token prompt alone 3.68 s against 3.64 s (README: the table).
+none is given. `--set all` runs both sets. Found on 2026-12-06 (AMD EPYC with AVX-512, 2 threads each, the default
+model, one run of 696 s, llama.cpp patches 0008 and 0009), syshaxd / llama-server: tok/s 1.18x to 2.27x at every
+level (1.09x to 1.79x the day before, without them); TTFT p50 0.46x (medium c=8) to 1.00x (short c=8), but long c=2
+1.11x (the p50 of 4 requests: 0.90x and 1.61x in earlier runs); a 2,048-token prompt alone 3.68 s against 3.64 s
+(README: the table).
 
 Per load and server: output tokens/s, TTFT p50, TPOT p50, and the ratio syshaxd / llama-server
 (throughput: higher is better for syshaxd; latency: lower is); with rounds, the median of the rounds'

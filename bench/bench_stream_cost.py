@@ -9,6 +9,10 @@ on 2 cores each of those milliseconds is taken from the engine's two threads. Th
 figure to watch (1.00: a stream costs the daemon nothing a JSON answer does not); the CPU per token is the steadier
 one where another load shares the machine, as tok/s follows that load.
 
+Found on 2026-12-06 (AMD EPYC with AVX-512, 2 cores, llama.cpp patches 0008 and 0009): 0.970x (rounds 0.970,
+0.970, 0.985), 294.8 against 303.4 tok/s; the daemon 0.137 ms CPU per token streamed, 0.098 not; the client 0.075
+ms streamed (on the same 2 cores). The day before: 0.969x, the rounds 0.886x to 1.110x.
+
 --profile PATH runs the daemon under cProfile during the rounds (timed by its CPU clock), writes the stats to PATH
 (pstats reads them) and prints the functions that took most of its CPU, per output token. The profiler's own cost
 makes such a run's tok/s meaningless, not its ranking of where the daemon's time goes. Only the streamed runs are

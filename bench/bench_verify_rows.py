@@ -24,6 +24,13 @@ same on 2 cores. --room: a step of 4 or 8 sequences takes as long with room for 
 (two groups of four in one pass of the patched gemm) cost less than 7, so the warm-up times every count
 (proofs._proves_guessed_rows; its log line prints them).
 
+On 2026-12-06, with llama.cpp patches 0008 (the q4_0 gemv takes up to 4 rows a pass, and a batch under 12 rows
+whole) and 0009 (the q8_0 output layer streams once for 2 to 16 rows), every row still with the one-row bits:
+--every 12, the default model, 2 to 13 rows 1.26x 1.43x 1.65x 2.02x 2.23x 2.44x 2.69x 3.13x 3.39x 3.63x 4.04x
+4.41x; the 1.5B shape (--every 8 --tokens 12; 27.7 ms a row) 2 to 9 rows 1.48x 1.89x 2.31x 3.03x 3.37x 3.87x
+4.11x 4.96x (1.84x and 2.80x for 2 and 3 rows before). Where the time went, by `perf record` of a step of 2 rows
+before them: a third in the q8_0 output layer (tinyBLAS's 4-row tiles), a third in the q4_0 gemv (one row a call).
+
     .venv/bin/python bench/bench_verify_rows.py [--prompt 200] [--tokens 24] [--model GGUF] [--room] [--every 8]
 """
 
