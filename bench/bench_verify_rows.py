@@ -27,7 +27,8 @@ same on 2 cores. --room: a step of 4 or 8 sequences takes as long with room for 
 On 2026-12-06, with llama.cpp patches 0008 (the q4_0 gemv takes up to 4 rows a pass, and a batch under 12 rows
 whole) and 0009 (the q8_0 output layer streams once for 2 to 16 rows), every row still with the one-row bits:
 --every 12, the default model, 2 to 13 rows 1.26x 1.43x 1.65x 2.02x 2.23x 2.44x 2.69x 3.13x 3.39x 3.63x 4.04x
-4.41x; the 1.5B shape (--every 8 --tokens 12; 27.7 ms a row) 2 to 9 rows 1.48x 1.89x 2.31x 3.03x 3.37x 3.87x
+4.41x; with 0008's groups of 8 rows (AVX-512) the same within this machine's noise (1.31x 1.53x 1.75x 1.96x 2.21x
+2.48x 2.76x 3.21x 3.45x 3.72x 4.16x 4.56x; a step of 7 and 8 rows alone 5 % cheaper); the 1.5B shape (--every 8 --tokens 12; 27.7 ms a row) 2 to 9 rows 1.48x 1.89x 2.31x 3.03x 3.37x 3.87x
 4.11x 4.96x (1.84x and 2.80x for 2 and 3 rows before). Where the time went, by `perf record` of a step of 2 rows
 before them: a third in the q8_0 output layer (tinyBLAS's 4-row tiles), a third in the q4_0 gemv (one row a call).
 

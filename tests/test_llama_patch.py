@@ -371,7 +371,7 @@ import numpy as np
 import llama_cpp as ll
 
 STREAMS, CTX, PROMPT = 16, 256, 9
-# batches of 16 and 12 rows: the q4_0 gemm (0001); fewer: the q4_0 gemv, 4 rows a pass and the rest (0008); 2 to 16
+# batches of 16 and 12 rows: the q4_0 gemm (0001); fewer: the q4_0 gemv, 8 rows a pass and the rest (0008); 2 to 16
 # rows: the q8_0 output layer's few-rows kernel (0009); alone: llama.cpp's own vec_dot for the output layer
 ROWS = (16, 12, 11, 9, 8, 7, 6, 5, 4, 3, 2)
 ll.llama_backend_init()
@@ -426,7 +426,7 @@ for rows in ROWS:
 
 
 def test_a_rows_logits_keep_their_bits_whatever_number_of_rows_share_the_weights_pass(default_model):
-    """0001: 8 rows share a pass over the repacked weights (llama.cpp took 16, or 4); 0008: up to 4 rows share the
+    """0001: 8 rows share a pass over the repacked weights (llama.cpp took 16, or 4); 0008: up to 8 rows share the
     gemv's pass, and a batch of fewer than 12 rows goes to it whole; 0009: 2 to 16 rows share the q8_0 output
     layer's pass. 16 sequences decode one token each, in one batch of 16 rows, in batches of 12, 11, 9, 8, 7, 6, 5,
     4, 3, 2 (the last batch holds what is left) and alone; every row's logits must be the same bits each time. Tried
