@@ -8,13 +8,15 @@ The wheel this machine built carries one vector path of the K packing (0003) and
 AVX-512 here, AVX2 on another host; the engine's warm-up proves its bits on that path only. This compiles each, as
 the patches add it, on its own for every x86 path this CPU can run, and checks it bit for bit against what
 llama.cpp's own loops compute, at every tile size. 0001 lives in llama.cpp's weight kernels, which need all of ggml to
-compile, and so do 0008's and 0009's: the real build is checked instead, a row's logits against the same row's in
-batches of other sizes.
+compile, and so do 0008 to 0012: the real build is checked instead, a row's logits against the same row's in
+batches of other sizes (each size takes another kernel), and the repacked weights' greedy tokens against llama.cpp's
+own q4_0 kernels'.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import re
@@ -51,6 +53,9 @@ TOUCHES = {
     # REPACK_CORE's hunks lie in the class template tensor_traits, whose line git's hunk headers name has no "("
     "0008": {REPACK: {"syshax_gemv_rows", "gemv_q4_b32_8x8_q8_0_lut_avx"}, REPACK_CORE: {"(file head)"}},
     "0009": {SGEMM: {"syshax_half", "syshax_q8_0_rows", "syshax_q8_0_few_rows", "llamafile_sgemm"}},
+    "0010": {REPACK: {"(file head)", "syshax_gemv_rows"}},  # the head: #include <vector>
+    "0011": {SGEMM: {"(file head)", "syshax_dpbusd", "syshax_q8_0_rows", "syshax_q8_0_few_rows"}},  # ditto
+    "0012": {REPACK: {"gemm_q4_b32_8x8_q8_0_lut_avx"}},
 }
 # the patches that replaced mk/llama-patch.py: what they make is what it made
 SCRIPT_SERIES = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
@@ -371,8 +376,9 @@ import numpy as np
 import llama_cpp as ll
 
 STREAMS, CTX, PROMPT = 16, 256, 9
-# batches of 16 and 12 rows: the q4_0 gemm (0001); fewer: the q4_0 gemv, 8 rows a pass and the rest (0008); 2 to 16
-# rows: the q8_0 output layer's few-rows kernel (0009); alone: llama.cpp's own vec_dot for the output layer
+# batches of 16 and 12 rows: the q4_0 gemm (0001, 0012); fewer: the q4_0 gemv, 8 rows a pass and the rest (0008,
+# 0010); 2 to 16 rows: the q8_0 output layer's few-rows kernel (0009, 0011); alone: llama.cpp's own vec_dot for the
+# output layer
 ROWS = (16, 12, 11, 9, 8, 7, 6, 5, 4, 3, 2)
 ll.llama_backend_init()
 mparams = ll.llama_model_default_params()
@@ -428,11 +434,14 @@ for rows in ROWS:
 def test_a_rows_logits_keep_their_bits_whatever_number_of_rows_share_the_weights_pass(default_model):
     """0001: 8 rows share a pass over the repacked weights (llama.cpp took 16, or 4); 0008: up to 8 rows share the
     gemv's pass, and a batch of fewer than 12 rows goes to it whole; 0009: 2 to 16 rows share the q8_0 output
-    layer's pass. 16 sequences decode one token each, in one batch of 16 rows, in batches of 12, 11, 9, 8, 7, 6, 5,
-    4, 3, 2 (the last batch holds what is left) and alone; every row's logits must be the same bits each time. Tried
-    by hand: a pass of 8 that left out its second group of 4 rows fails here with 8 rows; 0009 with its horizontal
-    sum taken lane after lane (not in llama.cpp's order) fails at every batch size. The attention is tiled (SYSHAX_FA_TILED=1),
-    so that it too gives a row its bits whatever else its batch holds, as the engine's cpu mode runs it."""
+    layer's pass; 0010 to 0012: those kernels take the weights unsigned and each block's offset back. 16 sequences
+    decode one token each, in one batch of 16 rows, in batches of 12, 11, 9, 8, 7, 6, 5, 4, 3, 2 (the last batch
+    holds what is left) and alone; every row's logits must be the same bits each time. Tried by hand: a pass of 8
+    that left out its second group of 4 rows fails here with 8 rows; 0009 with its horizontal sum taken lane after
+    lane (not in llama.cpp's order) fails at every batch size; 0010 and 0011 with each block's offset 7 (not 8, not
+    128) times its activations' sum fail at every batch size (16 of 16 rows differ). The attention is tiled
+    (SYSHAX_FA_TILED=1), so that it too gives a row its bits whatever else its batch holds, as the engine's cpu mode
+    runs it."""
     run = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, str(default_model)], capture_output=True, text=True,
                          env=os.environ | {"SYSHAX_FA_TILED": "1"}, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -440,3 +449,64 @@ def test_a_rows_logits_keep_their_bits_whatever_number_of_rows_share_the_weights
     assert differing == {"16": "0", "12": "0", "11": "0", "9": "0", "8": "0", "7": "0", "6": "0", "5": "0", "4": "0",
                          "3": "0", "2": "0"}, run.stdout
 
+
+REPACKED_SCRIPT = r"""
+import json
+import sys
+import numpy as np
+import llama_cpp as ll
+
+TEXT = ("The lighthouse stood on the northern cliff for two hundred years. Its keeper, an old sailor named Tom, "
+        "climbed the ninety-nine steps every evening to light the lamp. Ships passing in the night saw its beam and")
+TOKENS = 8
+ll.llama_backend_init()
+
+
+def greedy(repacked):
+    # a prompt's chunk (the gemm), then greedy tokens one row at a time (the gemv): their logits
+    mparams = ll.llama_model_default_params()
+    mparams.use_extra_bufts = repacked
+    model = ll.llama_model_load_from_file(sys.argv[1].encode(), mparams)
+    vocab = ll.llama_model_get_vocab(model)
+    n_vocab = ll.llama_vocab_n_tokens(vocab)
+    buf = (ll.llama_token * 256)()
+    n = ll.llama_tokenize(vocab, TEXT.encode(), len(TEXT.encode()), buf, 256, True, False)
+    p = ll.llama_context_default_params()
+    p.n_ctx, p.n_batch, p.n_ubatch, p.n_threads, p.n_threads_batch = 256, 64, 64, 2, 2
+    p.flash_attn_type, p.no_perf = 1, True
+    ctx = ll.llama_init_from_model(model, p)
+    batch = ll.llama_batch_init(64, 0, 1)
+    rows, tokens = [], list(buf[:n])
+    for step in range(TOKENS):
+        feed = tokens if step == 0 else tokens[-1:]
+        batch.n_tokens = 0
+        for j, t in enumerate(feed):
+            i = batch.n_tokens
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0] = t, len(tokens) - len(feed) + j, 1, 0
+            batch.logits[i], batch.n_tokens = j == len(feed) - 1, i + 1
+        assert ll.llama_decode(ctx, batch) == 0
+        rows.append(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, batch.n_tokens - 1), (n_vocab,)).copy())
+        tokens.append(int(np.argmax(rows[-1])))
+    ll.llama_batch_free(batch)
+    ll.llama_free(ctx)
+    ll.llama_model_free(model)
+    return tokens[n:], np.array(rows)
+
+
+(got, got_logits), (want, want_logits) = greedy(True), greedy(False)
+print(json.dumps({"got": got, "want": want, "largest": float(np.abs(got_logits - want_logits).max())}))
+"""
+
+
+def test_the_repacked_kernels_agree_with_llama_cpps_own_q4_0_kernels(default_model):
+    """The rows test above compares the patched kernels with each other; were every one of them wrong alike (an
+    offset of 0010 to 0012 taken back wrong in each), it could not see it. This compares them with llama.cpp's own
+    q4_0 kernels (no repacking: its vec_dot and tinyBLAS, which no patch touches): a text's prompt (a chunk: the
+    gemm) and 8 greedy tokens one at a time (the gemv), the same tokens, every logit within 3 of theirs. Other
+    kernels sum in another order, so the logits are not the same bits: found 0.57 to 1.07 apart (AVX-512 and AVX2
+    builds); 0010 to 0012 with the offset 7 times the sum put the first token's 18 apart."""
+    run = subprocess.run([sys.executable, "-c", REPACKED_SCRIPT, str(default_model)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got["got"] == got["want"] and got["largest"] < 3.0, got
