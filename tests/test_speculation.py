@@ -140,6 +140,38 @@ def test_a_longer_match_wins_over_a_later_shorter_one():
     assert lookup.guess(1) == [4]
 
 
+def test_a_guess_knows_how_far_back_its_match_goes():
+    # [2 3] follows [9 ... 1 2 3]: 4 tokens agree before the guess ([0 1 2 3]), not only the 3-gram looked up
+    lookup = drafting.PromptLookup([0, 1, 2, 3, 4, 8, 0, 1, 2, 3])
+    assert lookup.guess(1) == [4] and lookup.match == 4
+    lookup = drafting.PromptLookup([5, 2, 3, 4, 8, 6, 2, 3])
+    assert lookup.guess(1) == [4] and lookup.match == 2  # [5 2 3] against [6 2 3]: two
+    long = list(range(40))
+    lookup = drafting.PromptLookup(long + [99] + long[:30])
+    assert lookup.guess(2) == [30, 31] and lookup.match == drafting.MATCH_CAP  # followed back no further
+    assert lookup.guess(0) == [] and lookup.match == 0
+
+
+def test_a_longer_match_makes_a_surer_guess():
+    rates = drafting.MatchRates()
+    assert rates.chances(2, 3, 0.5) == [0.5, 0.5, 0.5]  # nothing learnt: 1 of 2 everywhere
+    for _ in range(50):
+        rates.add(2, 4, 0)  # after a 2-token match, the first guessed token wrong: 3 tokens say nothing
+        rates.add(12, 8, 8)  # after 12, every one kept (the 8th after a match of 16 and more)
+    short, long = rates.chances(2, 2, 0.5), rates.chances(12, 2, 0.5)
+    assert short[0] < 0.3 and long[0] > 0.7 and long[1] > 0.7
+    assert short[1] == 0.5  # after a match of 3: never checked
+    assert rates.chances(12, 1, 0.1)[0] < long[0]  # the sequence's own rate weighs as much
+    cheap = drafting.StepCost()
+    for rows, seconds in ((1, 0.010), (9, 0.016)):
+        cheap.add(rows, seconds)
+    assert drafting.best_guess(rates.chances(12, 8, 0.9), 8, cheap)[0] == 8
+    assert drafting.best_guess(rates.chances(2, 8, 0.3), 8, cheap)[0] < 8
+    # a chance per token: the j-th guessed token is kept with the product of the chances up to it
+    assert drafting.best_guess([0.9] * 8, 8, cheap) == drafting.best_guess(0.9, 8, cheap)
+    assert drafting.best_guess([0.9, 0.0, 0.9, 0.9], 4, cheap)[0] == 1
+
+
 def test_guesses_are_taken_only_where_they_pay():
     cheap, dear = drafting.StepCost(), drafting.StepCost()
     for rows, seconds in ((1, 0.010), (9, 0.012)):  # memory-bound: a row costs little

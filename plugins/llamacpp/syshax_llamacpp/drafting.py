@@ -12,8 +12,9 @@ rows give a token the bits a lone decode row gives it (the warm-up proves it: pr
 A guessed row costs time whether it is kept or not, and that cost depends on the machine and the model (on 2
 cores, with llama.cpp patches 0008 and 0009, a second row 0.26 to 0.31 of a step with the 135M model, 0.48 with a
 1.5B shape; bench/bench_verify_rows.py [--model]). So a lone sequence takes as many guessed tokens as are expected to pay (best_guess):
-what they return, by its share of guesses kept so far (Acceptance), against what its steps are measured to cost
-by their rows (StepCost). A draft model (draft_model.py) is weighed the same way, its own step counted, against
+what they return, by their chances (each the mean of the sequence's share of guesses kept so far, Acceptance, and the
+engine's share kept after a context match as long, MatchRates), against what its steps are measured to cost by their
+rows (StepCost). A draft model (draft_model.py) is weighed the same way, its own step counted, against
 the lookup's guess.
 """
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 # match is too often a common word whose next token differs
 NGRAM_MAX = 4
 NGRAM_MIN = 2
+# a match is followed back this far (MatchRates): past 16 tokens of agreement a copy is as sure as it gets
+MATCH_CAP = 16
 
 
 class PromptLookup:
@@ -35,6 +38,8 @@ class PromptLookup:
         self.tokens: list[int] = list(tokens)
         self._after: dict[tuple[int, ...], int] = {}  # n-gram -> the position just after its latest occurrence
         self._indexed = 0  # n-grams ending at positions up to this one are in _after
+        # the last guess's match: how many tokens before it agree with those before its source, up to MATCH_CAP
+        self.match = 0
 
     def extend(self, tokens: Tokens[int]) -> None:
         self.tokens += tokens
@@ -43,13 +48,19 @@ class PromptLookup:
         """Up to `limit` tokens that followed the latest earlier occurrence of the last NGRAM_MAX..NGRAM_MIN tokens
         (the longest that occurred before); [] when none did."""
         end = len(self.tokens)
+        self.match = 0
         if limit <= 0 or end < NGRAM_MIN + 1:
             return []
         self._index(end - 1)  # every earlier end, not the current one: a match must start before it
+        tokens = self.tokens
         for n in range(min(NGRAM_MAX, end - 1), NGRAM_MIN - 1, -1):
-            after = self._after.get(tuple(self.tokens[end - n:end]))
+            after = self._after.get(tuple(tokens[end - n:end]))
             if after is not None:
-                return self.tokens[after:min(after + limit, end)]
+                match = n  # followed back past the n-gram: a longer agreement is a surer copy
+                while match < MATCH_CAP and match < after and tokens[after - 1 - match] == tokens[end - 1 - match]:
+                    match += 1
+                self.match = match
+                return tokens[after:min(after + limit, end)]
         return []
 
     def _index(self, upto: int) -> None:
@@ -105,6 +116,32 @@ class Acceptance:
         self.watching = []
 
 
+class MatchRates:
+    """How often a guessed token was kept, by the length of the match it followed (the lookup's n-gram followed
+    back, PromptLookup.match, and the guessed tokens before it), over every sequence of the engine: after 2 tokens
+    of agreement about half are kept, after 16 nearly all (bench_speculation.py's loads). Each count starts at 1 of
+    2."""
+
+    def __init__(self) -> None:
+        self.kept = [1.0] * (MATCH_CAP + 1)
+        self.checked = [2.0] * (MATCH_CAP + 1)
+
+    def add(self, match: int, guessed: int, kept: int) -> None:
+        """A guess of `guessed` tokens after a match of `match` tokens whose first `kept` were right (the tokens
+        after a wrong one say nothing)."""
+        for j in range(min(guessed, kept + 1)):
+            m = min(match + j, MATCH_CAP)
+            self.checked[m] += 1
+            self.kept[m] += j < kept
+
+    def chances(self, match: int, n: int, rate: float) -> list[float]:
+        """The chance of each of n guessed tokens after a match of `match` tokens to be kept, the ones before it
+        kept: the mean of the engine's rate after its match and the sequence's own `rate` (Acceptance: whether it
+        is copying now)."""
+        return [(self.kept[m] / self.checked[m] + rate) / 2
+                for m in (min(match + j, MATCH_CAP) for j in range(n))]
+
+
 class StepCost:
     """A lone sequence's decode step time by its rows, learnt from the steps that run (a moving average per row
     count; the warm-up times every count from 1 row to 1 + speculative_tokens; a count not timed is read off a line
@@ -129,17 +166,20 @@ class StepCost:
         return t0 + (t1 - t0) * (rows - below) / (above - below)
 
 
-def best_guess(rate: float, most: int, cost: StepCost, draft_seconds: float = 0.0) -> tuple[int, float]:
+def best_guess(rate: float | Tokens[float], most: int, cost: StepCost,
+               draft_seconds: float = 0.0) -> tuple[int, float]:
     """The count of a lone sequence's `most` guessed tokens to check this step that gives the most expected tokens
-    per second, and that rate. The j-th guessed token returns rate**j tokens on average (it is kept only if every
-    one before it was) and costs a row, whose time StepCost says, and, from a draft model, `draft_seconds` of the
-    draft's own step; 0 where no guess pays, and 0 tokens per second where nothing was timed."""
+    per second, and that rate. `rate`: the chance of a guessed token to be kept where every one before it was, the
+    same for all (the j-th then returns rate**j tokens on average) or one per token (MatchRates.chances). Each
+    costs a row, whose time StepCost says, and, from a draft model, `draft_seconds` of the draft's own step; 0 where
+    no guess pays, and 0 tokens per second where nothing was timed."""
     base = cost(1)
     if base is None:
         return 0, 0.0
-    tokens, best, best_n = 1.0, 1 / base, 0
+    tokens, best, best_n, kept = 1.0, 1 / base, 0, 1.0
     for n in range(1, most + 1):
-        tokens += rate ** n
+        kept *= rate if isinstance(rate, float) else rate[n - 1]
+        tokens += kept
         seconds = cost(1 + n)
         if seconds is not None:
             seconds += n * draft_seconds

@@ -97,6 +97,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         # a lone sequence's decode step time by its rows, learnt as steps run: whether a guess pays (drafting.py);
         # None while speculation is off (set at the warm-up, once it proved that rows give a lone row's bits)
         self.step_cost: drafting.StepCost | None = None
+        self.match_rates = drafting.MatchRates()  # ... and how sure a guess is by the match it follows
         self.seq_ctx = min(spec.n_ctx, self.n_ctx_train)
         cparams = self.batch_params(self.n_batch)
         if on_graph is not None:

@@ -214,7 +214,8 @@ class Stepping:
             if self.spec.guess_always:
                 n, drafts = len(looked), (room if draft is not None and not looked else 0)
             else:
-                n, rate = drafting.best_guess(seq.acceptance.rate, len(looked), self.step_cost)
+                chances = self.match_rates.chances(seq.lookup.match, len(looked), seq.acceptance.rate)
+                n, rate = drafting.best_guess(chances, len(looked), self.step_cost)
                 drafts, drafted_rate = (drafting.best_guess(seq.drafts.rate, room, self.step_cost, draft.seconds)
                                         if draft is not None and draft.seconds is not None else (0, 0.0))
                 if drafts and drafted_rate > rate:
@@ -268,6 +269,8 @@ class Stepping:
             while kept < min(len(guess), len(sampled)) and sampled[kept][0] == guess[kept]:
                 kept += 1
             (seq.drafts if seq.drafted else seq.acceptance).add(len(guess), kept)
+            if not seq.drafted:
+                self.match_rates.add(seq.lookup.match, len(guess), kept)
             if seq.drafted:
                 self.counters["drafted_tokens"] += len(guess)
                 self.counters["kept_drafts"] += kept
