@@ -31,6 +31,10 @@ whole) and 0009 (the q8_0 output layer streams once for 2 to 16 rows), every row
 2.48x 2.76x 3.21x 3.45x 3.72x 4.16x 4.56x; a step of 7 and 8 rows alone 5 % cheaper); the 1.5B shape (--every 8 --tokens 12; 27.7 ms a row) 2 to 9 rows 1.48x 1.89x 2.31x 3.03x 3.37x 3.87x
 4.11x 4.96x (1.84x and 2.80x for 2 and 3 rows before). Where the time went, by `perf record` of a step of 2 rows
 before them: a third in the q8_0 output layer (tinyBLAS's 4-row tiles), a third in the q4_0 gemv (one row a call).
+After them, by `perf record` of a step of 8 rows: 40 % in the gemv, which made the weights' signs for every row's
+every product. Patches 0010 to 0012 take the weights unsigned and each block's offset back once: --every 12, three
+runs, the median per count, 2 to 9 rows 1.29x 1.24x 1.59x 1.76x 1.97x 2.07x 2.30x 2.70x (the lone row 3 % cheaper
+too, so the ratios gain less than the milliseconds: bench_step_rows.py).
 
     .venv/bin/python bench/bench_verify_rows.py [--prompt 200] [--tokens 24] [--model GGUF] [--room] [--every 8]
 """
