@@ -169,6 +169,7 @@ def test_a_longer_match_makes_a_surer_guess():
     assert drafting.best_guess(rates.chances(2, 8, 0.3), 8, cheap)[0] < 8
     # a chance per token: the j-th guessed token is kept with the product of the chances up to it
     assert drafting.best_guess([0.9] * 8, 8, cheap) == drafting.best_guess(0.9, 8, cheap)
+    assert drafting.best_guess(1, 8, cheap) == drafting.best_guess([1.0] * 8, 8, cheap)  # a sure copy, as an int
     assert drafting.best_guess([0.9, 0.0, 0.9, 0.9], 4, cheap)[0] == 1
 
 

@@ -11,11 +11,11 @@ rows give a token the bits a lone decode row gives it (the warm-up proves it: pr
 
 A guessed row costs time whether it is kept or not, and that cost depends on the machine and the model (on 2
 cores, with llama.cpp patches 0008 to 0011, a second row 0.24 to 0.29 of a step with the 135M model, 0.48 with a
-1.5B shape before 0010; bench/bench_verify_rows.py [--model]). So a lone sequence takes as many guessed tokens as are expected to pay (best_guess):
-what they return, by their chances (each the mean of the sequence's share of guesses kept so far, Acceptance, and the
-engine's share kept after a context match as long, MatchRates), against what its steps are measured to cost by their
-rows (StepCost). A draft model (draft_model.py) is weighed the same way, its own step counted, against
-the lookup's guess.
+1.5B shape before 0010; bench/bench_verify_rows.py [--model]). So a lone sequence takes as many guessed tokens as
+are expected to pay (best_guess): what they return, by their chances (each the mean of the sequence's share of
+guesses kept so far, Acceptance, and the engine's share kept after a context match as long, MatchRates), against
+what its steps are measured to cost by their rows (StepCost). A draft model (draft_model.py) is weighed the same
+way, its own step counted, against the lookup's guess.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def best_guess(rate: float | Tokens[float], most: int, cost: StepCost,
         return 0, 0.0
     tokens, best, best_n, kept = 1.0, 1 / base, 0, 1.0
     for n in range(1, most + 1):
-        kept *= rate if isinstance(rate, float) else rate[n - 1]
+        kept *= rate if isinstance(rate, (int, float)) else rate[n - 1]
         tokens += kept
         seconds = cost(1 + n)
         if seconds is not None:
