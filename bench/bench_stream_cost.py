@@ -11,7 +11,10 @@ one where another load shares the machine, as tok/s follows that load.
 
 Found on 2026-12-06 (AMD EPYC with AVX-512, 2 cores, llama.cpp patches 0008 and 0009): 0.970x (rounds 0.970,
 0.970, 0.985), 294.8 against 303.4 tok/s; the daemon 0.137 ms CPU per token streamed, 0.098 not; the client 0.075
-ms streamed (on the same 2 cores). The day before: 0.969x, the rounds 0.886x to 1.110x.
+ms streamed (on the same 2 cores). The day before: 0.969x, the rounds 0.886x to 1.110x. Later that day, with
+patches 0010 to 0012 (a decode step of 8 sequences cheaper), three runs of 3 rounds: 0.965x, 0.962x, 0.981x (the
+median of the 9 rounds 0.965x, 0.919x to 1.005x), 368.7 against 380.9 tok/s; the daemon 0.129 ms CPU per token
+streamed, 0.093 not; the client 0.070: the same costs against a faster step.
 
 --profile PATH runs the daemon under cProfile during the rounds (timed by its CPU clock), writes the stats to PATH
 (pstats reads them) and prints the functions that took most of its CPU, per output token. The profiler's own cost
