@@ -141,7 +141,7 @@ def test_a_longer_match_wins_over_a_later_shorter_one():
 
 
 def test_a_guess_knows_how_far_back_its_match_goes():
-    # [2 3] follows [9 ... 1 2 3]: 4 tokens agree before the guess ([0 1 2 3]), not only the 3-gram looked up
+    # [0 1 2 3] ends the context and occurred at the start, before 4: the 4-gram looked up, and no token before it
     lookup = drafting.PromptLookup([0, 1, 2, 3, 4, 8, 0, 1, 2, 3])
     assert lookup.guess(1) == [4] and lookup.match == 4
     lookup = drafting.PromptLookup([5, 2, 3, 4, 8, 6, 2, 3])

@@ -269,11 +269,11 @@ class Stepping:
             while kept < min(len(guess), len(sampled)) and sampled[kept][0] == guess[kept]:
                 kept += 1
             (seq.drafts if seq.drafted else seq.acceptance).add(len(guess), kept)
-            if not seq.drafted:
-                self.match_rates.add(seq.lookup.match, len(guess), kept)
             if seq.drafted:
                 self.counters["drafted_tokens"] += len(guess)
                 self.counters["kept_drafts"] += kept
+            else:
+                self.match_rates.add(seq.lookup.match, len(guess), kept)
             self.counters["guessed_tokens"] += len(guess)
             self.counters["kept_guesses"] += kept
             # the refused guesses' KV, past the sequence's tokens (before a finished one's generated blocks are kept)
