@@ -21,7 +21,8 @@ against one with 0001 to 0009: 1 row 5.59 against 5.55 ms, 2 rows 9.01 against 7
 8 rows 21.23 against 18.73. Later that day, the installed 0001 to 0012 against a build with 0001 to 0009 (the least
 / the median of 4 medians): a step of 1 row 5.75 / 6.34 against 6.31 / 7.21 ms, 2 rows 6.38 / 6.76 against 6.85 /
 7.49, 4 rows 7.71 / 7.80 against 8.82 / 9.90, 8 rows 13.49 / 15.14 against 14.36 / 17.22; a prompt's chunk
-(--chunk, 3 medians of 10) of 64 rows 54.3 / 54.7 against 68.6 / 69.5 ms, of 256 rows 182 / 211 against 260 / 260.
+(--chunk, 3 medians of 10) of 64 rows 54.3 / 54.7 against 68.6 / 69.5 ms, of 256 rows 182 / 211 against 260 / 260;
+builds for AVX2 alone, 0001 to 0012 against 0001 to 0009, a chunk of 256 rows 294.5 / 343.7 against 371.5 / 435.3.
 
     .venv/bin/python bench/bench_step_rows.py [--rows 1 2 4 8] [--build NAME=DIR ...]   # the installed one: "installed"
     .venv/bin/python bench/bench_step_rows.py --chunk --rows 64 256 --steps 10 [--build NAME=DIR ...]

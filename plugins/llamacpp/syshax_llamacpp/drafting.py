@@ -10,7 +10,7 @@ have without the guess, so a request's text is the one it gets without speculati
 rows give a token the bits a lone decode row gives it (the warm-up proves it: proofs._proves_guessed_rows).
 
 A guessed row costs time whether it is kept or not, and that cost depends on the machine and the model (on 2
-cores, with llama.cpp patches 0008 to 0011, a second row 0.24 to 0.29 of a step with the 135M model, 0.48 with a
+cores, with llama.cpp patches 0008 to 0011, a second row 0.29 of a step with the 135M model, 0.48 with a
 1.5B shape before 0010; bench/bench_verify_rows.py [--model]). So a lone sequence takes as many guessed tokens as
 are expected to pay (best_guess): what they return, by their chances (each the mean of the sequence's share of
 guesses kept so far, Acceptance, and the engine's share kept after a context match as long, MatchRates), against
