@@ -18,8 +18,8 @@ streamed, 0.093 not; the client 0.070: the same costs against a faster step.
 
 --profile PATH runs the daemon under cProfile during the rounds (timed by its CPU clock), writes the stats to PATH
 (pstats reads them) and prints the functions that took most of its CPU, per output token. The profiler's own cost
-makes such a run's tok/s meaningless, not its ranking of where the daemon's time goes. Only the streamed runs are
-profiled.
+makes such a run's tok/s meaningless, not its ranking of where the daemon's time goes. Only the runs of one kind
+are profiled: the streamed ones, or with --profile-kind unstreamed the others.
 
     .venv/bin/python bench/bench_stream_cost.py [--rounds 3] [--profile /tmp/daemon-profile.txt]
 """
@@ -120,7 +120,9 @@ async def measure(args, builder: PromptBuilder) -> dict:
     server = await start(args, log_dir)
     daemon = psutil.Process(server.process.pid)
     figures: dict = {"streamed": [], "unstreamed": [], "itl_s": []}
-    for key in ("cpu_ms_per_token", "system_cpu_ms_per_token", "client_cpu_ms_per_token"):
+    me = psutil.Process()
+    for key in ("cpu_ms_per_token", "system_cpu_ms_per_token", "client_cpu_ms_per_token",
+                "client_system_cpu_ms_per_token"):
         figures[key] = {"streamed": [], "unstreamed": []}
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
@@ -131,25 +133,28 @@ async def measure(args, builder: PromptBuilder) -> dict:
                 for kind in kinds:
                     prompts = [builder.build(PROMPT, 10_000 * (r + 1) + (500 if kind == "unstreamed" else 0) + k)
                                for k in range(2 * SLOTS)]
-                    cpu, client = _cpu_s(daemon), time.process_time()
+                    cpu, client = _cpu_s(daemon), _cpu_s(me)
+                    profiled = args.profile and kind == args.profile_kind
+                    if profiled:
+                        server.process.send_signal(signal.SIGUSR1)  # run_profiled: the runs of one kind alone
                     if kind == "streamed":
-                        if args.profile:
-                            server.process.send_signal(signal.SIGUSR1)  # run_profiled: the streamed runs alone
                         run = await run_level(StreamingClient(server.url, model, OUT), session, prompts, SLOTS,
                                               output_len=OUT)
                         summary = level_summary(run, OUT, None)
                         tok_s, tokens = summary["output_throughput_tok_s"], summary["output_tokens"]
                         figures["itl_s"].append(summary["itl_s"]["median"])
-                        if args.profile:
-                            server.process.send_signal(signal.SIGUSR2)
                     else:
                         tok_s = await unstreamed(session, server.url, model, prompts, SLOTS)
                         tokens = len(prompts) * OUT
+                    if profiled:
+                        server.process.send_signal(signal.SIGUSR2)
                     figures[kind].append(tok_s)
                     (user, system), (user0, system0) = _cpu_s(daemon), cpu
                     figures["cpu_ms_per_token"][kind].append(1000 * (user - user0 + system - system0) / tokens)
                     figures["system_cpu_ms_per_token"][kind].append(1000 * (system - system0) / tokens)
-                    figures["client_cpu_ms_per_token"][kind].append(1000 * (time.process_time() - client) / tokens)
+                    (user, system), (user0, system0) = _cpu_s(me), client
+                    figures["client_cpu_ms_per_token"][kind].append(1000 * (user - user0 + system - system0) / tokens)
+                    figures["client_system_cpu_ms_per_token"][kind].append(1000 * (system - system0) / tokens)
                 print(f"  round {r + 1}: {figures['streamed'][-1]:.1f} tok/s streamed "
                       f"(ITL p50 {1000 * figures['itl_s'][-1]:.2f} ms, daemon "
                       f"{figures['cpu_ms_per_token']['streamed'][-1]:.3f} ms CPU/token), "
@@ -167,6 +172,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", metavar="PATH", help="run the daemon under cProfile, its stats written to PATH")
+    p.add_argument("--profile-kind", choices=("streamed", "unstreamed"), default="streamed",
+                   help="which runs --profile profiles (default streamed): the two profiles' difference is what "
+                        "streaming adds")
+    p.add_argument("--client-loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="the client's event loop (default uvloop, as `syshax bench` runs its client): the client "
+                        "shares the 2 cores, and on asyncio's loop a streamed token costs it more CPU")
     p.add_argument("--json", default=str(RESULTS), help=f"where the figures go (default {RESULTS})")
     args = p.parse_args()
     args.model = bench_peers.default_tokenizer_path()
@@ -174,25 +185,32 @@ def main() -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     builder = PromptBuilder(GGUFTokenizer(args.model))
     started = time.time()
-    f = asyncio.run(measure(args, builder))
+    if args.client_loop == "uvloop":
+        import uvloop
+
+        f = uvloop.run(measure(args, builder))
+    else:
+        f = asyncio.run(measure(args, builder))
     ratios = [s / u for s, u in zip(f["streamed"], f["unstreamed"])]
     cpu = f["cpu_ms_per_token"]
     print(f"\nsyshaxd alone, {SLOTS} unique {PROMPT}-token prompts at once, {OUT} tokens each, {args.threads} threads; "
           f"medians over {args.rounds} rounds:\n")
     client = f["client_cpu_ms_per_token"]
-    system = f["system_cpu_ms_per_token"]
-    print("| | tok/s | ITL p50 ms | daemon CPU ms per token | of it in the kernel | client CPU ms per token |")
-    print("|---|---:|---:|---:|---:|---:|")
-    print(f"| streamed | {statistics.median(f['streamed']):.1f} | {1000 * statistics.median(f['itl_s']):.2f} | "
-          f"{statistics.median(cpu['streamed']):.3f} | {statistics.median(system['streamed']):.3f} | "
-          f"{statistics.median(client['streamed']):.3f} |")
-    print(f"| not streamed | {statistics.median(f['unstreamed']):.1f} | | {statistics.median(cpu['unstreamed']):.3f} | "
-          f"{statistics.median(system['unstreamed']):.3f} | {statistics.median(client['unstreamed']):.3f} |")
+    system, client_system = f["system_cpu_ms_per_token"], f["client_system_cpu_ms_per_token"]
+    print("| | tok/s | ITL p50 ms | daemon CPU ms per token | of it in the kernel | client CPU ms per token "
+          "| of it in the kernel |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for kind, label, itl in (("streamed", "streamed", f"{1000 * statistics.median(f['itl_s']):.2f}"),
+                             ("unstreamed", "not streamed", "")):
+        print(f"| {label} | {statistics.median(f[kind]):.1f} | {itl} | {statistics.median(cpu[kind]):.3f} | "
+              f"{statistics.median(system[kind]):.3f} | {statistics.median(client[kind]):.3f} | "
+              f"{statistics.median(client_system[kind]):.3f} |")
     print(f"\nstreamed / not streamed: {statistics.median(ratios):.3f}x (rounds: "
           f"{', '.join(f'{x:.3f}' for x in ratios)})")
     if args.profile:
         print_profile(args.profile, 2 * SLOTS * OUT * args.rounds)
     write_json({"schema": "syshax-bench-stream-cost/1", "started": started, "rounds": args.rounds,
+                "client_loop": args.client_loop,
                 "threads": args.threads, "profiled": bool(args.profile), "figures": f, "ratios": ratios}, args.json)
     return 0
 

@@ -16,7 +16,7 @@ API = Path(__file__).resolve().parents[1] / "syshaxd" / "api"
 ONE_PLACE = {
     "web.StreamResponse(": {"sse.py"},  # the stream's headers
     ".prepare(request)": {"sse.py"},
-    "write_within(": {"sse.py"},
+    "StreamWrites(": {"sse.py"},
     "next_event(": {"outputs.py", "generation.py", "fanout.py"},  # generation: the acceptance event only
     "ToolStream(": {"outputs.py"},
     "ThinkingReader(": {"outputs.py"},

@@ -70,9 +70,11 @@ class _OpenAI:
         return gen.json(ex.body(ex.usage(gen.accepted), gen.route))
 
 
-async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict | bytes]:
+async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict | bytes | sse.Batch]:
     """The stream's chunks: each choice's thinking, text and logprobs as they come, its calls and finish reason
-    when it ends, and the usage after the last."""
+    when it ends, and the usage after the last. What one engine event adds goes out in one write (a Batch): the
+    last token's text, the finish and the usage, with the stream's end."""
+    finished = 0
     async with aclosing(gen.steps(ex.show)) as steps:
         await anext(steps)  # the engine's first event: the headers go with the first chunk
         for chunk in ex.opening_chunks():
@@ -81,26 +83,34 @@ async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict | bytes]:
             if step is None:
                 continue  # outputs.steps' first: the headers may go
             lp = ex.streamed_logprobs(step.logprobs)
+            if step.finish is None and not step.thought and lp is None:
+                if step.text:
+                    yield ex.text_chunk(step.index, step.text)  # a token's text: most chunks of a stream
+                continue
+            batch = sse.Batch()
             if step.thought:  # a reasoning model's thinking goes first, apart
-                yield ex.thought_chunk(step.index, step.thought, logprobs=lp)
+                batch.append(ex.thought_chunk(step.index, step.thought, logprobs=lp))
                 lp = None
             if lp is not None:
-                yield ex.chunk(step.index, step.text, None, logprobs=lp)
+                batch.append(ex.chunk(step.index, step.text, None, logprobs=lp))
             elif step.text:
-                yield ex.text_chunk(step.index, step.text)
-            if step.finish is None:
-                continue
-            ex.ended(step)
-            finish = step.finish.reason
-            if isinstance(ex, ChatExchange) and ex.tools is not None:  # the held text's calls are known now
-                if step.finish.rest:
-                    yield ex.chunk(step.index, step.finish.rest, None)
-                for chunk in ex.tool_call_chunks(step.index, step.finish.calls):
-                    yield chunk
-                finish = finish_reason(finish, step.finish.calls)
-            yield ex.final_chunk(step.index, finish, gen.route)
-    if gen.parsed.include_usage:
-        yield ex.usage_chunk(ex.usage(gen.accepted))
+                batch.append(ex.text_chunk(step.index, step.text))
+            if step.finish is not None:
+                ex.ended(step)
+                finish = step.finish.reason
+                if isinstance(ex, ChatExchange) and ex.tools is not None:  # the held text's calls are known now
+                    if step.finish.rest:
+                        batch.append(ex.chunk(step.index, step.finish.rest, None))
+                    batch += ex.tool_call_chunks(step.index, step.finish.calls)
+                    finish = finish_reason(finish, step.finish.calls)
+                batch.append(ex.final_chunk(step.index, finish, gen.route))
+                finished += 1
+                if finished == len(ex.choices):  # outputs.steps ends after every choice's finish
+                    if gen.parsed.include_usage:
+                        batch.append(ex.usage_chunk(ex.usage(gen.accepted)))
+                    batch.last = True
+            if batch:
+                yield batch
 
 
 @routes.post("/v1/completions")

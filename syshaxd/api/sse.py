@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -49,6 +49,16 @@ DONE = b"data: [DONE]\n\n"
 E = TypeVar("E")  # an endpoint's events: dicts, and for chat and completions chunks already JSON (bytes) too
 
 
+class Batch(list):
+    """Events that are ready together (a choice's last text, its finish, the usage), sent in one write: each write
+    is a system call here and a wake-up of the client. `last`: nothing follows but the stream's end, which goes in
+    the same write."""
+
+    def __init__(self, events=(), last: bool = False) -> None:
+        super().__init__(events)
+        self.last = last
+
+
 @dataclass(frozen=True)
 class Framing(Generic[E]):
     """How an endpoint's stream is written: each event's bytes, the event a failure after the first one becomes
@@ -62,58 +72,75 @@ class Framing(Generic[E]):
 OPENAI: Framing[dict | bytes] = Framing(data, lambda exc, sent: exc.body(), DONE)
 
 
-async def write_within(request: web.Request, resp: web.StreamResponse, chunk: bytes, timeout: float) -> None:
-    """resp.write(chunk), given up with TimeoutError after `timeout` seconds (a client that stops reading).
+class StreamWrites:
+    """A stream's writes, given up with TimeoutError after `timeout` seconds once the client stops reading.
 
     A stream writes once per token, so the usual write arms no timer: aiohttp's write waits only while the
     transport is paused, and one that is not paused and takes the chunk within its high-water mark does not pause
-    for it. A client that stops reading fills the buffer to the mark, and its writes are timed from then on."""
-    transport = request.transport
-    if (transport is not None and not getattr(request.protocol, "writing_paused", True)
-            and transport.get_write_buffer_size() + len(chunk) <= transport.get_write_buffer_limits()[1]):
-        await resp.write(chunk)
-        return
-    async with asyncio.timeout(timeout):
-        await resp.write(chunk)
+    for it. A client that stops reading fills the buffer to the mark, and its writes are timed from then on. The
+    transport and its mark are read once: they are the connection's for the whole stream."""
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse, timeout: float) -> None:
+        self.resp = resp
+        self.timeout = timeout
+        self.protocol = request.protocol
+        self.transport = request.transport
+        self.high = self.transport.get_write_buffer_limits()[1] if self.transport is not None else 0
+
+    async def write(self, chunk: bytes) -> None:
+        transport = self.transport
+        if (transport is not None and not getattr(self.protocol, "writing_paused", True)
+                and transport.get_write_buffer_size() + len(chunk) <= self.high):
+            await self.resp.write(chunk)
+            return
+        async with asyncio.timeout(self.timeout):
+            await self.resp.write(chunk)
+
+    async def end(self, chunk: bytes) -> None:
+        """The last events and the stream's end, in one write (once a stream: always timed)."""
+        async with asyncio.timeout(self.timeout):
+            await self.resp.write_eof(chunk)
 
 
-async def _framed(events: AsyncIterator[E], framing: Framing[E]) -> AsyncGenerator[bytes, None]:
-    """The events as bytes. A failure before the first event is the caller's HTTP error; after it, the stream
-    ends with framing.failed(error, events sent) and the end."""
-    sent = 0
-    try:
-        async for event in events:
-            sent += 1
-            yield framing.frame(event)
-    except APIError as exc:
-        if not sent:
-            raise
-        yield framing.frame(framing.failed(exc, sent))
-    if framing.end:
-        yield framing.end
-
-
-async def stream(request: web.Request, route: Callable[[], str], request_id: str, events: AsyncIterator[E],
+async def stream(request: web.Request, route: Callable[[], str], request_id: str, events: AsyncIterator[E | Batch],
                  framing: Framing[E]) -> web.StreamResponse:
     """The events as server-sent events. The headers (route(): where the request runs) wait for the first event
     (an error before it is a proper HTTP error); a client that leaves or stops reading for client_timeout ends the
-    stream."""
-    chunks = _framed(events, framing)
+    stream. A Batch's events are one write; after a failure past the first event, the stream ends with
+    framing.failed(error, events sent) and the end."""
     try:
-        first = await anext(chunks)
+        event = await anext(events)
+    except StopAsyncIteration:  # no event at all: the headers and the end
+        event = Batch(last=True)
     except BaseException:
-        await chunks.aclose()
+        await _close(events)
         raise
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no", "X-Syshax-Route": route()})
     await resp.prepare(request)
     timeout = request.app[STATE].config.client_timeout
+    writes = StreamWrites(request, resp, timeout)
+    frame, sent = framing.frame, 0
     try:
-        await write_within(request, resp, first, timeout)
-        async for chunk in chunks:
-            # a write waits while the client's socket buffers are full: a client that stops reading is let go
-            await write_within(request, resp, chunk, timeout)
-        await resp.write_eof()
+        try:
+            # one loop from the engine's event to the socket, no generator between: a stream runs it per token
+            while True:
+                if isinstance(event, Batch):
+                    chunk = b"".join([frame(e) for e in event])
+                    if event.last:
+                        chunk += framing.end
+                        break
+                else:
+                    chunk = frame(event)
+                # a write waits while the client's socket buffers are full: a client that stops reading is let go
+                await writes.write(chunk)
+                sent += 1
+                event = await anext(events)
+        except StopAsyncIteration:
+            chunk = framing.end
+        except APIError as exc:
+            chunk = frame(framing.failed(exc, sent)) + framing.end
+        await writes.end(chunk)
     except ClientGone:
         log.info("%s: client left mid-stream", request_id)
     except (ConnectionResetError, ConnectionError):
@@ -123,5 +150,12 @@ async def stream(request: web.Request, route: Callable[[], str], request_id: str
         if request.transport is not None:
             request.transport.abort()  # what it has not read goes: it is not reading
     finally:
-        await chunks.aclose()
+        await _close(events)
     return resp
+
+
+async def _close(events: AsyncIterator) -> None:
+    """Close the events' iterator (an endpoint's generator: its reading of the engines ends with it)."""
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
