@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.utils import floatToGoString
 
 from syshaxd import __version__
 from syshaxd.engine.kv_ledger import KVStatus
@@ -70,11 +72,6 @@ class Metrics:
                                      ["route", "method", "status"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", m,
                               buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
-                              "Time per output token (gap between successive tokens) in seconds.", m,
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", m,
-                             buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end latency of finished requests in seconds.",
                              m, buckets=E2E_BUCKETS, registry=r)
         self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
@@ -83,16 +80,16 @@ class Metrics:
                                                    "Generated tokens per finished request.", m,
                                                    buckets=TOKEN_BUCKETS, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of accepted requests.", m, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m, registry=r)
+        # what every token adds (its gap, as vLLM's two histograms, and the count): kept here, read at each scrape
+        self.tokens = TokenSeries(model_name)
+        r.register(self.tokens)
         self.request_success = Counter("vllm:request_success", "Finished requests, by finished_reason.",
                                        m + ["finished_reason"], registry=r)
-        # the one model's series, at zero from the start as dashboards expect, and looked up once: a stream observes
-        # three of them per token, and .labels() takes a lock and builds its key each time
+        # the one model's series, at zero from the start as dashboards expect, and looked up once (.labels() takes a
+        # lock and builds its key each time)
         self.served = ServedSeries(
-            self.ttft.labels(model_name), self.tpot.labels(model_name), self.itl.labels(model_name),
-            self.e2e.labels(model_name), self.request_prompt_tokens.labels(model_name),
-            self.request_generation_tokens.labels(model_name), self.prompt_tokens.labels(model_name),
-            self.generation_tokens.labels(model_name))
+            self.ttft.labels(model_name), self.e2e.labels(model_name), self.request_prompt_tokens.labels(model_name),
+            self.request_generation_tokens.labels(model_name), self.prompt_tokens.labels(model_name))
         r.register(_EngineCollector(model_name, status, service or (lambda: {})))
         self.recent = Recent()  # the last minutes, for the web page (/v1/syshax/status "recent")
 
@@ -114,13 +111,54 @@ class ServedSeries:
     """The served model's series of the per-request metrics (model_name is its label)."""
 
     ttft: Histogram
-    tpot: Histogram
-    itl: Histogram
     e2e: Histogram
     request_prompt_tokens: Histogram
     request_generation_tokens: Histogram
     prompt_tokens: Counter
-    generation_tokens: Counter
+
+
+class TokenSeries:
+    """What every generated token adds, kept as plain numbers and exposed at each scrape: the tokens generated
+    (vllm:generation_tokens) and the gaps between successive tokens (vllm:time_per_output_token_seconds and
+    vllm:inter_token_latency_seconds, the same observations under vLLM's older and newer names).
+
+    A stream adds to these once per token. prometheus_client's Histogram takes a lock for its sum and again for its
+    bucket at every observation (four for the two histograms, five with the counter); here it is a bisect and a
+    few additions, and n gaps of one event's tokens (which share its gap) are one. Only the event loop's thread
+    adds and scrapes, so nothing is locked."""
+
+    def __init__(self, model_name: str, bounds: tuple[float, ...] = ()) -> None:
+        self.model_name = model_name
+        self.bounds = bounds or TPOT_BUCKETS
+        self.gap_counts = [0] * (len(self.bounds) + 1)  # per bucket (not cumulative); the last is +Inf
+        self.gap_sum = 0.0
+        self.generated = 0
+
+    def add(self, n: int, gaps: int, gap: float) -> None:
+        """n tokens arrived in one event, `gaps` of them after a gap of `gap` seconds each."""
+        self.generated += n
+        if gaps:
+            self.gap_counts[bisect_left(self.bounds, gap)] += gaps  # le is inclusive: a gap on a bound is in it
+            self.gap_sum += gaps * gap
+
+    def describe(self):
+        return []  # unchecked, as _EngineCollector: the registry learns the names when it collects
+
+    def collect(self):
+        label = [self.model_name]
+        generated = CounterMetricFamily("vllm:generation_tokens", "Tokens generated.", labels=["model_name"])
+        generated.add_metric(label, self.generated)
+        yield generated
+        buckets, total = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.gap_counts):
+            total += count
+            buckets.append((floatToGoString(bound), total))
+        for name, doc in (("vllm:time_per_output_token_seconds",
+                           "Time per output token (gap between successive tokens) in seconds."),
+                          ("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.")):
+            family = HistogramMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, buckets, self.gap_sum)
+            yield family
 
 
 class RequestTimer:
@@ -152,13 +190,10 @@ class RequestTimer:
             gaps, gap = n - 1, 0.0
         else:
             gaps, gap = n, (now - self._last) / n
-        for _ in range(gaps):
-            s.tpot.observe(gap)
-            s.itl.observe(gap)
+        self._m.tokens.add(n, gaps, gap)
         self._m.recent.tokens(n, gaps, gap)
         self._last = now
         self.generated += n
-        s.generation_tokens.inc(n)
 
     def finished(self, reason: str) -> None:
         if self._done:

@@ -78,7 +78,9 @@ def test_metrics_count_requests_tokens_and_latencies(daemon, client):
     e2e = delta("vllm:e2e_request_latency_seconds_sum", **M)
     tpot = delta("vllm:time_per_output_token_seconds_sum", **M)
     assert 0 < ttft < e2e < 120 and 0 < tpot < e2e
-    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+    assert delta("vllm:inter_token_latency_seconds_sum", **M) == tpot  # the same gaps under vLLM's two names
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"):
         buckets = sorted(((float(dict(labels)["le"]), v) for (n, labels), v in after.items()
                           if n == name + "_bucket"), key=lambda b: b[0])
         counts = [v for _, v in buckets]
@@ -113,6 +115,43 @@ def test_metrics_count_requests_tokens_and_latencies(daemon, client):
     assert families["syshax_kv_fallbacks"].type == "counter"
     assert families["vllm:time_to_first_token_seconds"].type == "histogram"
     assert families["vllm:num_requests_running"].type == "gauge"
+
+
+def test_the_token_series_read_as_prometheus_clients_own_counter_and_histograms():
+    """TokenSeries keeps the per-token series as plain numbers: scraped, they read as prometheus_client's Counter and
+    Histograms read after the same observations, one by one (gaps on a bucket's bound, past the last, of 0)."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from syshaxd.metrics import TPOT_BUCKETS, TokenSeries
+
+    events = [(1, 0, 0.0), (3, 2, 0.0), (1, 1, 0.001), (2, 2, 0.0025), (1, 1, 0.0031), (4, 4, 0.02), (1, 1, 10.0),
+              (1, 1, 12.5), (5, 5, 0.3), (1, 1, 1e-9)]
+    reference = CollectorRegistry()
+    generated = Counter("vllm:generation_tokens", "Tokens generated.", ["model_name"], registry=reference).labels("m")
+    histograms = [Histogram(name, "doc", ["model_name"], buckets=TPOT_BUCKETS, registry=reference).labels("m")
+                  for name in ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds")]
+    series, registry = TokenSeries("m"), CollectorRegistry()
+    registry.register(series)
+    for n, gaps, gap in events:
+        series.add(n, gaps, gap)
+        generated.inc(n)
+        for histogram in histograms:
+            for _ in range(gaps):
+                histogram.observe(gap)
+
+    def read(r: CollectorRegistry) -> dict:
+        samples = {}
+        for family in text_string_to_metric_families(generate_latest(r).decode()):
+            for s in family.samples:
+                if not s.name.endswith("_created"):
+                    samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return samples
+
+    ours, theirs = read(registry), read(reference)
+    assert ours.keys() == theirs.keys() and len(ours) == 1 + 2 * (len(TPOT_BUCKETS) + 3)
+    for key, value in theirs.items():
+        assert math.isclose(ours[key], value, rel_tol=1e-12), key
+    assert ours[("vllm:generation_tokens_total", (("model_name", "m"),))] == sum(n for n, _, _ in events)
 
 
 def test_hetero_kv_series_follow_the_schedulers_status(default_model, tmp_path):

@@ -76,7 +76,7 @@ async def _answer(ex, parsed):
                                   logprobs=ex.streamed_logprobs(step.logprobs)))
         chunks.append(json.loads(chunk[len(b"data: "):]))
         ex.fold(step)
-    return ex.body(ex.usage(accepted), {"route": "cpu"}), chunks, metrics.served.generation_tokens._value.get()
+    return ex.body(ex.usage(accepted), {"route": "cpu"}), chunks, metrics.tokens.generated
 
 
 def test_completions_count_and_show_every_token_of_a_multi_token_delta():

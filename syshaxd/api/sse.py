@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -72,13 +73,43 @@ class Framing(Generic[E]):
 OPENAI: Framing[dict | bytes] = Framing(data, lambda exc, sent: exc.body(), DONE)
 
 
-class StreamWrites:
-    """A stream's writes, given up with TimeoutError after `timeout` seconds once the client stops reading.
+class _PassWrites:
+    """The streams' writes of one pass of the event loop, made together when it ends.
 
-    A stream writes once per token, so the usual write arms no timer: aiohttp's write waits only while the
-    transport is paused, and one that is not paused and takes the chunk within its high-water mark does not pause
-    for it. A client that stops reading fills the buffer to the mark, and its writes are timed from then on. The
-    transport and its mark are read once: they are the connection's for the whole stream."""
+    One engine step gives a token to every stream of its batch at once, and each stream's handler runs in turn to
+    write it. Written as each handler comes to it, the writes spread over the whole pass, and the client (on
+    these cores, or any that reads many streams) is woken for each; held to the pass's end they go out back to
+    back, and one wake-up reads them all. The pass's later handlers wait for none of it: a token's write is delayed
+    by what the pass still had to do, not by a timer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._held: list[StreamWrites] = []
+
+    def hold(self, writes: "StreamWrites") -> None:
+        if not self._held:
+            self._loop.call_soon(self._write)
+        self._held.append(writes)
+
+    def _write(self) -> None:
+        held, self._held = self._held, []
+        for writes in held:
+            writes.flush()
+
+
+_PASSES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _PassWrites]" = weakref.WeakKeyDictionary()
+
+
+class StreamWrites:
+    """A stream's writes: held to the end of the event loop's pass (_PassWrites), and given up with TimeoutError
+    after `timeout` seconds once the client stops reading.
+
+    A write is held only where aiohttp's own would not wait: the headers went (aiohttp sends them with the first
+    write), the transport is not paused, and what it buffers with what is held stays within its high-water mark.
+    A held write goes to the transport as aiohttp's chunked encoding frames it; anything else (the first write, a
+    full buffer, an HTTP/1.0 client without chunked encoding, the end) goes through aiohttp, after what is held,
+    timed from the moment the client's buffers are full. The transport and its mark are read once: they are the
+    connection's for the whole stream."""
 
     def __init__(self, request: web.Request, resp: web.StreamResponse, timeout: float) -> None:
         self.resp = resp
@@ -86,18 +117,60 @@ class StreamWrites:
         self.protocol = request.protocol
         self.transport = request.transport
         self.high = self.transport.get_write_buffer_limits()[1] if self.transport is not None else 0
+        self.opened = False  # aiohttp wrote the headers (with the first write)
+        # aiohttp frames the body in HTTP chunks (HTTP/1.1) and does not compress it: its headers say so once prepared
+        self.chunked = (resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
+                        and "Content-Encoding" not in resp.headers)
+        self._held: list[bytes] = []
+        self._held_bytes = 0
+        loop = asyncio.get_running_loop()
+        self._pass = _PASSES.get(loop) or _PASSES.setdefault(loop, _PassWrites(loop))
+
+    def hold(self, chunk: bytes) -> bool:
+        """Hold chunk for the end of the loop's pass (True), or leave it to write() (False)."""
+        transport = self.transport
+        if not (self.opened and self.chunked and transport is not None and not transport.is_closing()
+                and not getattr(self.protocol, "writing_paused", True)
+                and transport.get_write_buffer_size() + self._held_bytes + len(chunk) <= self.high):
+            return False
+        if not self._held:
+            self._pass.hold(self)
+        self._held.append(chunk)
+        self._held_bytes += len(chunk)
+        return True
+
+    def flush(self) -> None:
+        """What is held, to the transport now, as one HTTP chunk (dropped where the connection closed: the handler
+        hears of it at its next write)."""
+        if not self._held:
+            return
+        data = b"".join(self._held)
+        self._held.clear()
+        self._held_bytes = 0
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        try:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        except Exception:  # never lose the pass's other writes: this stream's connection ends, its handler hears
+            log.exception("a held stream write failed; closing that connection")
+            transport.abort()
 
     async def write(self, chunk: bytes) -> None:
-        transport = self.transport
-        if (transport is not None and not getattr(self.protocol, "writing_paused", True)
-                and transport.get_write_buffer_size() + len(chunk) <= self.high):
-            await self.resp.write(chunk)
+        """chunk through aiohttp, after what is held (where hold() did not take it)."""
+        self.flush()
+        if not self.opened:
+            self.opened = True
+        elif (self.transport is not None and not getattr(self.protocol, "writing_paused", True)
+              and self.transport.get_write_buffer_size() + len(chunk) <= self.high):
+            await self.resp.write(chunk)  # aiohttp's write waits only while the transport is paused: no timer
             return
         async with asyncio.timeout(self.timeout):
             await self.resp.write(chunk)
 
     async def end(self, chunk: bytes) -> None:
-        """The last events and the stream's end, in one write (once a stream: always timed)."""
+        """The last events and the stream's end, in one write after what is held (once a stream: always timed)."""
+        self.flush()
         async with asyncio.timeout(self.timeout):
             await self.resp.write_eof(chunk)
 
@@ -133,7 +206,8 @@ async def stream(request: web.Request, route: Callable[[], str], request_id: str
                 else:
                     chunk = frame(event)
                 # a write waits while the client's socket buffers are full: a client that stops reading is let go
-                await writes.write(chunk)
+                if not writes.hold(chunk):
+                    await writes.write(chunk)
                 sent += 1
                 event = await anext(events)
         except StopAsyncIteration:
@@ -150,6 +224,7 @@ async def stream(request: web.Request, route: Callable[[], str], request_id: str
         if request.transport is not None:
             request.transport.abort()  # what it has not read goes: it is not reading
     finally:
+        writes.flush()  # what is held goes before anything aiohttp writes after the handler
         await _close(events)
     return resp
 
