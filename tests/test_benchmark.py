@@ -296,6 +296,23 @@ def test_failed_requests_are_counted_by_kind_not_dropped(model_path: Path, tmp_p
     assert_consistent(doc, iterations=9)
 
 
+def test_a_stream_slower_than_the_clients_bound_is_recorded_as_a_timeout():
+    """The client bounds a whole request with one timer (not one per read): a stream that runs past timeout_s
+    ends as a "timeout" record, one within it completes."""
+    from syshaxd.bench.prompts import Prompt
+
+    async def send(url: str, timeout_s: float, tokens: int):
+        client = StreamingClient(url, "m", tokens, timeout_s=timeout_s)
+        async with aiohttp.ClientSession() as session:
+            return await client.send(session, 0, Prompt("hello", 1, 0), time.perf_counter())
+
+    with InstantServer(token_delay_s=0.05) as stub:
+        slow = asyncio.run(send(stub.url, 0.5, 40))  # 2 s of tokens
+        quick = asyncio.run(send(stub.url, 30.0, 4))
+    assert slow.error == "timeout" and "0.5 s" in slow.error_detail and 0.5 <= slow.e2e_s < 1.5
+    assert quick.error is None and quick.output_tokens == 4
+
+
 def test_a_server_that_ignores_the_forced_length_is_reported(model_path: Path, tmp_path: Path):
     with InstantServer(max_output=5) as stub:
         done, doc = benchmark_url(stub.url, tmp_path, "--scenario", "custom", "--input-len", "8",

@@ -128,7 +128,10 @@ class StreamingClient:
         self.temperature = temperature
         self.force_length = force_length
         self.extra_body = dict(extra_body or {})
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s = timeout_s
+        # the whole request is bounded by one timer (asyncio.timeout, in _attempt); aiohttp's own total would arm and
+        # disarm a timer at every read of the stream, a token's cost to a client that shares the server's cores
+        self.timeout = aiohttp.ClientTimeout()
 
     def payload(self, prompt: Prompt, output_len: int | None = None, messages: list[dict] | None = None) -> dict:
         """The request body for prompt (or, on the chat endpoint, for the conversation in messages)."""
@@ -205,7 +208,7 @@ class StreamingClient:
         start = time.perf_counter()
         record.start_s = start - level_start
         try:
-            async with session.post(
+            async with asyncio.timeout(self.timeout_s), session.post(
                 self.path, data=body, headers={"Content-Type": "application/json"}, timeout=self.timeout
             ) as resp:
                 answered = True
@@ -260,7 +263,7 @@ class StreamingClient:
                 end = time.perf_counter()
         except asyncio.TimeoutError:
             record.error = "timeout"
-            record.error_detail = f"no complete answer within {self.timeout.total} s"
+            record.error_detail = f"no complete answer within {self.timeout_s} s"
         except aiohttp.ClientResponseError as exc:
             record.error = f"http_{exc.status}"
             record.error_detail = str(exc)[:_DETAIL_CHARS]
