@@ -27,7 +27,7 @@ from syshaxd.api.keys import METRICS, SCHEDULER, STATE, VOCAB
 from syshaxd.api.long_strings import check_strings
 from syshaxd.api.outputs import Show, Step, next_event, rejected, steps
 from syshaxd.api.reasoning import LITERAL_GRAMMAR_FIELDS, after_thinking
-from syshaxd.api.sse import E, ClientGone, Framing
+from syshaxd.api.sse import E, Batch, ClientGone, Framing
 from syshaxd.api.state import Draining
 from syshaxd.api.validate import ParsedRequest, parse_json_body
 from syshaxd.engine.capabilities import Unsupported
@@ -73,7 +73,7 @@ class Generation:
     def route(self) -> dict:
         return route_of(self.fan.route_stream)
 
-    async def stream(self, events: AsyncIterator[E], framing: Framing[E]) -> web.StreamResponse:
+    async def stream(self, events: AsyncIterator[E | Batch], framing: Framing[E]) -> web.StreamResponse:
         """The events as server-sent events (api/sse.py)."""
         return await sse.stream(self.request, lambda: self.route["route"], self.parsed.generate.request_id, events,
                                 framing)
