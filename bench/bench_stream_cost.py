@@ -16,6 +16,13 @@ patches 0010 to 0012 (a decode step of 8 sequences cheaper), three runs of 3 rou
 median of the 9 rounds 0.965x, 0.919x to 1.005x), 368.7 against 380.9 tok/s; the daemon 0.129 ms CPU per token
 streamed, 0.093 not; the client 0.070: the same costs against a faster step.
 
+On 2026-12-06 again, 20 rounds a run, the client on uvloop, the machine slower and noisier than the day before (a
+round's ratio anywhere from 0.82x to 1.18x): before the writes were held to the pass's end, 0.949x, the daemon 0.142
+ms per token streamed and 0.103 not, the client 0.068; with them (and the metrics as plain numbers) 0.964x, 0.121
+against 0.094, the client 0.062; with the client's one timer a request, 0.988x, 0.117 against 0.093, the client
+0.056; a last run, on a machine slowed by a quarter, 1.033x (0.140 against 0.116: its CPU times swell with the
+slowing). What streaming adds to the daemon went from about 40 to 24 microseconds a token.
+
 --profile PATH runs the daemon under cProfile during the rounds (timed by its CPU clock), writes the stats to PATH
 (pstats reads them) and prints the functions that took most of its CPU, per output token. The profiler's own cost
 makes such a run's tok/s meaningless, not its ranking of where the daemon's time goes. Only the runs of one kind
