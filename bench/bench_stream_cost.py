@@ -29,6 +29,8 @@ makes such a run's tok/s meaningless, not its ranking of where the daemon's time
 are profiled: the streamed ones, or with --profile-kind unstreamed the others.
 
     .venv/bin/python bench/bench_stream_cost.py [--rounds 3] [--profile /tmp/daemon-profile.txt]
+    .venv/bin/python bench/bench_stream_cost.py --rounds 1 --profile /tmp/u.prof --profile-kind unstreamed
+    .venv/bin/python bench/bench_stream_cost.py --rounds 1 --profile /tmp/s.prof --compare /tmp/u.prof
 """
 
 from __future__ import annotations
@@ -78,19 +80,38 @@ def run_profiled(path: str, argv: list[str]) -> int:
         profile.dump_stats(path)
 
 
-def print_profile(path: str, tokens: int, rows: int = 45) -> None:
-    """The functions that took most of the daemon's CPU (their own time), in microseconds per output token; a
-    coroutine's calls count each time it resumed."""
+def _own_times(path: str) -> dict:
+    """Each function's own CPU time (seconds) in a saved profile."""
     import pstats
 
     stats = pstats.Stats(path).stats  # type: ignore[attr-defined]
-    own = sorted(((tt, calls, key) for key, (_, calls, tt, _, _) in stats.items()), reverse=True)
-    total = sum(tt for tt, _, _ in own)
+    return {key: (tt, calls) for key, (_, calls, tt, _, _) in stats.items()}
+
+
+def print_profile(path: str, tokens: int, rows: int = 45, compare: str | None = None) -> None:
+    """The functions that took most of the daemon's CPU (their own time), in microseconds per output token; a
+    coroutine's calls count each time it resumed. With compare (a profile of the other kind, as many tokens): each
+    function's time here less its time there, largest first: what one kind adds to the other."""
+    own = _own_times(path)
+    total = sum(tt for tt, _ in own.values())
     print(f"\nthe daemon's CPU under cProfile: {1e6 * total / tokens:.1f} us per output token; the top functions:")
-    print("| us/token | calls/token | function |")
-    print("|---:|---:|---|")
-    for tt, calls, (file, line, name) in own[:rows]:
-        print(f"| {1e6 * tt / tokens:.2f} | {calls / tokens:.2f} | {Path(file).name}:{line}({name}) |")
+    if compare is None:
+        print("| us/token | calls/token | function |")
+        print("|---:|---:|---|")
+        for (tt, calls), (file, line, name) in sorted(((v, k) for k, v in own.items()), reverse=True)[:rows]:
+            print(f"| {1e6 * tt / tokens:.2f} | {calls / tokens:.2f} | {Path(file).name}:{line}({name}) |")
+        return
+    other = _own_times(compare)
+    print(f"against {compare}: {1e6 * sum(tt for tt, _ in other.values()) / tokens:.1f} us per output token\n")
+    print("| us/token more | here | there | calls/token here | function |")
+    print("|---:|---:|---:|---:|---|")
+    ranked = sorted(((own.get(k, (0.0, 0))[0] - other.get(k, (0.0, 0))[0], k) for k in own.keys() | other.keys()),
+                   reverse=True)
+    for more, (file, line, name) in ranked[:rows]:
+        here, calls = own.get((file, line, name), (0.0, 0))
+        there = other.get((file, line, name), (0.0, 0))[0]
+        print(f"| {1e6 * more / tokens:.2f} | {1e6 * here / tokens:.2f} | {1e6 * there / tokens:.2f} | "
+              f"{calls / tokens:.2f} | {Path(file).name}:{line}({name}) |")
 
 
 def _cpu_s(process: psutil.Process) -> tuple[float, float]:
@@ -182,6 +203,9 @@ def main() -> int:
     p.add_argument("--profile-kind", choices=("streamed", "unstreamed"), default="streamed",
                    help="which runs --profile profiles (default streamed): the two profiles' difference is what "
                         "streaming adds")
+    p.add_argument("--compare", metavar="PATH",
+                   help="with --profile: a profile of the other kind from a run of as many rounds (--profile-kind); "
+                        "prints each function's time here less there")
     p.add_argument("--client-loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="the client's event loop (default uvloop, as `syshax bench` runs its client): the client "
                         "shares the 2 cores, and on asyncio's loop a streamed token costs it more CPU")
@@ -215,7 +239,7 @@ def main() -> int:
     print(f"\nstreamed / not streamed: {statistics.median(ratios):.3f}x (rounds: "
           f"{', '.join(f'{x:.3f}' for x in ratios)})")
     if args.profile:
-        print_profile(args.profile, 2 * SLOTS * OUT * args.rounds)
+        print_profile(args.profile, 2 * SLOTS * OUT * args.rounds, compare=args.compare)
     write_json({"schema": "syshax-bench-stream-cost/1", "started": started, "rounds": args.rounds,
                 "client_loop": args.client_loop,
                 "threads": args.threads, "profiled": bool(args.profile), "figures": f, "ratios": ratios}, args.json)

@@ -127,9 +127,9 @@ class TokenSeries:
     few additions, and n gaps of one event's tokens (which share its gap) are one. Only the event loop's thread
     adds and scrapes, so nothing is locked."""
 
-    def __init__(self, model_name: str, bounds: tuple[float, ...] = ()) -> None:
+    def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.bounds = bounds or TPOT_BUCKETS
+        self.bounds = TPOT_BUCKETS
         self.gap_counts = [0] * (len(self.bounds) + 1)  # per bucket (not cumulative); the last is +Inf
         self.gap_sum = 0.0
         self.generated = 0

@@ -151,6 +151,7 @@ def test_events_ready_in_one_pass_go_out_in_order_before_the_end():
     async def main() -> bytes:
         app = web.Application()
         app[STATE] = SimpleNamespace(config=SimpleNamespace(client_timeout=10.0))  # type: ignore[misc]
+        app[sse.PASS_WRITES] = sse.PassWrites()
         app.router.add_post("/", handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

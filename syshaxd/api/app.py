@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from syshaxd.api import messages, openai_routes, responses, service_routes, token_routes, web_routes
+from syshaxd.api import messages, openai_routes, responses, service_routes, sse, token_routes, web_routes
 from syshaxd.api.auth import KeyCheck
 from syshaxd.api.errors import APIError, error_type_for
 from syshaxd.api.keys import (CONFIG, CONNECTIONS, KEY_CHECK, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED,
@@ -96,6 +96,7 @@ def make_app(config: Config, scheduler: Scheduler, model_name: str, state: Servi
     app[METRICS] = metrics or Metrics(model_name, scheduler.status,
                                       lambda: {"draining": state.draining, "active": state.active})
     app[VOCAB] = scheduler.vocab
+    app[sse.PASS_WRITES] = sse.PassWrites()
     app.add_routes(openai_routes.routes)
     app.add_routes(service_routes.routes)
     app.add_routes(token_routes.routes)

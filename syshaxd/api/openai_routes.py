@@ -72,9 +72,8 @@ class _OpenAI:
 
 async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict | bytes | sse.Batch]:
     """The stream's chunks: each choice's thinking, text and logprobs as they come, its calls and finish reason
-    when it ends, and the usage after the last. What one engine event adds goes out in one write (a Batch): the
-    last token's text, the finish and the usage, with the stream's end."""
-    finished = 0
+    when it ends, and the usage after the last. What a choice's last event adds (its last text, calls and finish,
+    and after the last choice the usage, with the stream's end) goes out in one write: a Batch."""
     async with aclosing(gen.steps(ex.show)) as steps:
         await anext(steps)  # the engine's first event: the headers go with the first chunk
         for chunk in ex.opening_chunks():
@@ -83,11 +82,11 @@ async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict | bytes |
             if step is None:
                 continue  # outputs.steps' first: the headers may go
             lp = ex.streamed_logprobs(step.logprobs)
-            if step.finish is None and not step.thought and lp is None:
+            if step.finish is None and not step.thought and lp is None:  # a token's text: most events of a stream
                 if step.text:
-                    yield ex.text_chunk(step.index, step.text)  # a token's text: most chunks of a stream
+                    yield ex.text_chunk(step.index, step.text)
                 continue
-            batch = sse.Batch()
+            batch = sse.Batch(last=step.last)  # a choice's end, thinking, logprobs: one write
             if step.thought:  # a reasoning model's thinking goes first, apart
                 batch.append(ex.thought_chunk(step.index, step.thought, logprobs=lp))
                 lp = None
@@ -104,11 +103,8 @@ async def _chunks(gen: Generation, ex: Exchange) -> AsyncIterator[dict | bytes |
                     batch += ex.tool_call_chunks(step.index, step.finish.calls)
                     finish = finish_reason(finish, step.finish.calls)
                 batch.append(ex.final_chunk(step.index, finish, gen.route))
-                finished += 1
-                if finished == len(ex.choices):  # outputs.steps ends after every choice's finish
-                    if gen.parsed.include_usage:
-                        batch.append(ex.usage_chunk(ex.usage(gen.accepted)))
-                    batch.last = True
+                if step.last and gen.parsed.include_usage:
+                    batch.append(ex.usage_chunk(ex.usage(gen.accepted)))
             if batch:
                 yield batch
 

@@ -98,6 +98,7 @@ class Step:
     logprobs: dict | None = None
     finish: Finish | None = None
     bare: bool = False  # the last Step of a choice that showed no thinking, no text and no call
+    last: bool = False  # the request's last Step: every choice has finished
 
     @property
     def answer(self) -> str:
@@ -175,4 +176,4 @@ async def steps(request: web.Request, parsed: ParsedRequest, fan: Fanout, accept
         answer = text + (finish.rest if finish is not None else "")  # Step.answer, without building a Step for it
         bare = finish is not None and not ch.shown and not answer and not finish.calls
         ch.shown = ch.shown or bool(thought or answer)
-        yield Step(index, thought, text, logprobs, finish, bare)
+        yield Step(index, thought, text, logprobs, finish, bare, last=not left)

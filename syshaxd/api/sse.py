@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -73,8 +72,8 @@ class Framing(Generic[E]):
 OPENAI: Framing[dict | bytes] = Framing(data, lambda exc, sent: exc.body(), DONE)
 
 
-class _PassWrites:
-    """The streams' writes of one pass of the event loop, made together when it ends.
+class PassWrites:
+    """The streams' writes of one pass of the event loop, made together when it ends (one per app: PASS_WRITES).
 
     One engine step gives a token to every stream of its batch at once, and each stream's handler runs in turn to
     write it. Written as each handler comes to it, the writes spread over the whole pass, and the client (on
@@ -82,13 +81,12 @@ class _PassWrites:
     back, and one wake-up reads them all. The pass's later handlers wait for none of it: a token's write is delayed
     by what the pass still had to do, not by a timer."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
         self._held: list[StreamWrites] = []
 
     def hold(self, writes: "StreamWrites") -> None:
         if not self._held:
-            self._loop.call_soon(self._write)
+            asyncio.get_running_loop().call_soon(self._write)
         self._held.append(writes)
 
     def _write(self) -> None:
@@ -97,11 +95,11 @@ class _PassWrites:
             writes.flush()
 
 
-_PASSES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _PassWrites]" = weakref.WeakKeyDictionary()
+PASS_WRITES = web.AppKey("pass_writes", PassWrites)
 
 
 class StreamWrites:
-    """A stream's writes: held to the end of the event loop's pass (_PassWrites), and given up with TimeoutError
+    """A stream's writes: held to the end of the event loop's pass (PassWrites), and given up with TimeoutError
     after `timeout` seconds once the client stops reading.
 
     A write is held only where aiohttp's own would not wait: the headers went (aiohttp sends them with the first
@@ -111,7 +109,7 @@ class StreamWrites:
     timed from the moment the client's buffers are full. The transport and its mark are read once: they are the
     connection's for the whole stream."""
 
-    def __init__(self, request: web.Request, resp: web.StreamResponse, timeout: float) -> None:
+    def __init__(self, request: web.Request, resp: web.StreamResponse, timeout: float, passes: PassWrites) -> None:
         self.resp = resp
         self.timeout = timeout
         self.protocol = request.protocol
@@ -123,8 +121,7 @@ class StreamWrites:
                         and "Content-Encoding" not in resp.headers)
         self._held: list[bytes] = []
         self._held_bytes = 0
-        loop = asyncio.get_running_loop()
-        self._pass = _PASSES.get(loop) or _PASSES.setdefault(loop, _PassWrites(loop))
+        self._pass = passes
 
     def hold(self, chunk: bytes) -> bool:
         """Hold chunk for the end of the loop's pass (True), or leave it to write() (False)."""
@@ -157,14 +154,9 @@ class StreamWrites:
             transport.abort()
 
     async def write(self, chunk: bytes) -> None:
-        """chunk through aiohttp, after what is held (where hold() did not take it)."""
+        """chunk through aiohttp, after what is held (where hold() did not take it: rarely more than once a stream)."""
         self.flush()
-        if not self.opened:
-            self.opened = True
-        elif (self.transport is not None and not getattr(self.protocol, "writing_paused", True)
-              and self.transport.get_write_buffer_size() + len(chunk) <= self.high):
-            await self.resp.write(chunk)  # aiohttp's write waits only while the transport is paused: no timer
-            return
+        self.opened = True
         async with asyncio.timeout(self.timeout):
             await self.resp.write(chunk)
 
@@ -192,7 +184,7 @@ async def stream(request: web.Request, route: Callable[[], str], request_id: str
                                        "X-Accel-Buffering": "no", "X-Syshax-Route": route()})
     await resp.prepare(request)
     timeout = request.app[STATE].config.client_timeout
-    writes = StreamWrites(request, resp, timeout)
+    writes = StreamWrites(request, resp, timeout, request.app[PASS_WRITES])
     frame, sent = framing.frame, 0
     try:
         try:
