@@ -56,6 +56,8 @@ TOUCHES = {
     "0010": {REPACK: {"(file head)", "syshax_gemv_rows"}},  # the head: #include <vector>
     "0011": {SGEMM: {"(file head)", "syshax_dpbusd", "syshax_q8_0_rows", "syshax_q8_0_few_rows"}},  # ditto
     "0012": {REPACK: {"gemm_q4_b32_8x8_q8_0_lut_avx"}},
+    "0013": {REPACK: {"ggml_gemv_q4_K_8x8_q8_K"}},
+    "0014": {SGEMM: {"llamafile_sgemm"}},
 }
 # the patches that replaced mk/llama-patch.py: what they make is what it made
 SCRIPT_SERIES = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
