@@ -50,6 +50,7 @@ def print_status(st: dict) -> None:
                   + (f"; attention {w.attention}" if w.attention else "")
                   + ("; decode steps proved exact" if w.exact_decode else "")
                   + ("; keeps generated tokens" if w.keeps_generated else "")
+                  + ("; a lone sequence decodes beside a padding row" if w.lone_padding else "")
                   + (f"; guesses up to {w.speculative_tokens} tokens a step"
                      + (f" from {w.draft_model}" if w.draft_model else "")
                      + f" ({s.kept_guesses} of {s.guessed_tokens} guessed kept"

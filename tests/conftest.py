@@ -189,7 +189,9 @@ def client(daemon):
 
 
 # llama.cpp's LLAMA_FTYPE_* of the types made here
-_FTYPES = {"F16": 1, "Q4_K_M": 15, "Q8_0": 7}
+# llama.cpp's LLAMA_FTYPE_MOSTLY_* (llama.h)
+_FTYPES = {"F16": 1, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15,
+           "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "Q2_K": 10, "Q3_K_M": 12}
 
 
 def model_in(file_type: str) -> Path:

@@ -205,9 +205,38 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
            dict(_DENSE, hidden_size=384, num_attention_heads=4, num_key_value_heads=4,
                 original_max_position_embeddings=4096, sliding_window=2047, tie_word_embeddings=False,
                 rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # the KV layouts of 2026's architectures (issue 49): the plan reads them from the header (sdk/gguf/layout.py)
+    Family("gpt-oss", "GptOssForCausalLM",
+           "gpt-oss arch, head_dim 64, GQA 2:1, SWA (window 64) on layer 0 and global on layer 1, attention "
+           "sinks, MoE (4 experts, top 2, biases), BPE, gpt-oss template",
+           _QWEN_BPE, "openai-gpt-oss-120b.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
+                layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="default", rope_theta=150000.0))),
+    Family("deepseek3", "DeepseekV3ForCausalLM",
+           "deepseek2 arch (as llama.cpp converts DeepSeek V3): MLA (q and kv lora ranks 64, rope head 32, nope 64, "
+           "v 64), a dense layer then a MoE layer (4 routed experts, top 2, one shared), BPE, DeepSeek V3.1 "
+           "template",
+           _QWEN_BPE, "deepseek-ai-DeepSeek-V3.1.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, intermediate_size=512,
+                moe_intermediate_size=128, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=64,
+                qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    Family("lfm2", "Lfm2ForCausalLM",
+           "lfm2 arch, a hybrid: a short-convolution layer (a recurrent state) then an attention layer, "
+           "head_dim 64, GQA 2:1, BPE, LFM2.5 template",
+           _QWEN_BPE, "LFM2.5-Instruct.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, full_attn_idxs=[1],
+                block_auto_adjust_ff_dim=False, tie_word_embeddings=True,
+                rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
 ]}
 
-FAMILIES: list[str] = list(FAMILY_SPECS)
+# families whose KV layout this engine does not carry in every mode yet (a sliding window with sinks, MLA, a
+# recurrent state): the header and plan tests make them; test_families.py serves FAMILIES in cpu mode and hetero
+LAYOUT_FAMILIES: list[str] = ["gpt-oss", "deepseek3", "lfm2"]
+FAMILIES: list[str] = [name for name in FAMILY_SPECS if name not in LAYOUT_FAMILIES]
 NOTES: dict[str, str] = {name: f.note for name, f in FAMILY_SPECS.items()}
 
 # Real models' full shapes with random weights, for benchmarks (bench/bench_real_shape.py): what a decode step, a
@@ -297,21 +326,25 @@ def make_family_model(family: str, out_dir: Path, quant: str = "f16") -> Path:
     return target
 
 
-def shape_model_path(shape: str, out_dir: Path, layers: int | None = None) -> Path:
-    """Where make_shape_model() keeps the shape's q4_0 GGUF (layers: the layer count instead of the shape's)."""
+def shape_model_path(shape: str, out_dir: Path, layers: int | None = None, quant: str = "q4_0") -> Path:
+    """Where make_shape_model() keeps the shape's GGUF of `quant` (layers: the layer count instead of the shape's)."""
     spec = _shape_spec(shape, layers)
     suffix = f"-{layers}l" if layers else ""
-    return Path(out_dir) / f"{shape}{suffix}-{_spec_key(spec, 'q4_0 q8_0-output')}.q4_0.gguf"
+    how = "q4_0 q8_0-output" if quant == "q4_0" else quant  # q4_0 as syshaxd makes it; others as llama.cpp does
+    return Path(out_dir) / f"{shape}{suffix}-{_spec_key(spec, how)}.{quant}.gguf"
 
 
-def make_shape_model(shape: str, out_dir: Path, layers: int | None = None, log=print) -> Path:
-    """The q4_0 GGUF of SHAPE_SPECS[shape] in out_dir, made the first time, then cached; layers: fewer layers
-    (a smoke test of the pipeline). Made as make_family_model() makes a family's, except for what the size asks:
-    the random weights are drawn in bf16 (transformers' own init, no f32 copy: a 1.5B model is 3 GB, not 6 GB),
-    and the HF folder and the f16 GGUF (3 GB each) are deleted once the q4_0 file exists. The output matrix (the
-    token embeddings, tied) is q8_0, as syshaxd quantizes (syshaxd/sdk/gguf/quantize.py: llama.cpp's q6_K default
-    breaks the exact promises its warm-up proves). log(text) hears each step and how long it took."""
-    target = shape_model_path(shape, out_dir, layers)
+def make_shape_model(shape: str, out_dir: Path, layers: int | None = None, log=print, quant: str = "q4_0") -> Path:
+    """The GGUF of SHAPE_SPECS[shape] in out_dir, made the first time, then cached; layers: fewer layers (a smoke
+    test of the pipeline). Made as make_family_model() makes a family's, except for what the size asks: the random
+    weights are drawn in bf16 (transformers' own init, no f32 copy: a 1.5B model is 3 GB, not 6 GB), and the HF
+    folder and the f16 GGUF (3 GB each) are deleted once the quantized file exists. quant "q4_0" (the default) is
+    made as syshaxd quantizes: the output matrix (the token embeddings, tied) in q8_0; any other llama.cpp file type
+    ("q4_k_m", "q6_k", ...) as llama.cpp's quantizer makes it by default, the file a user downloads. log(text)
+    hears each step and how long it took."""
+    quant = quant.lower()
+    _llama_ftype(quant)  # fail early on a type llama.cpp has not
+    target = shape_model_path(shape, out_dir, layers, quant)
     if target.is_file():
         return target
     spec = _shape_spec(shape, layers)
@@ -330,8 +363,8 @@ def make_shape_model(shape: str, out_dir: Path, layers: int | None = None, log=p
             shutil.rmtree(work / "hf")
             log(f"  converted to f16 by convert_hf_to_gguf.py: {time.monotonic() - t1:.0f} s")
             t2 = time.monotonic()
-            _quantize(f16, target, "q4_0", q8_output=True)
-            log(f"  quantized to q4_0 (output q8_0): {time.monotonic() - t2:.0f} s")
+            _quantize(f16, target, quant, q8_output=quant == "q4_0")
+            log(f"  quantized to {quant}{' (output q8_0)' if quant == 'q4_0' else ''}: {time.monotonic() - t2:.0f} s")
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return target

@@ -20,7 +20,7 @@ from conftest import MODEL_DIR, MODEL_NAME, start_daemon
 from families import FAMILIES, make_family_model
 from greedy import CHATS, answer, client_of
 
-from syshaxd.engine.plan import SLIDING_WINDOW_ARCHS
+from syshaxd.sdk.gguf.layout import kv_layout
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def test_each_family_serves_in_cpu_mode_and_hetero_returns_its_tokens(family, tm
         with pytest.raises(RuntimeError) as refused:
             _serve(tmp_path_factory, family, "hetero")
         assert f"is a {family} model, whose sliding-window layers" in str(refused.value)
-        assert family in SLIDING_WINDOW_ARCHS
+        assert kv_layout(_model(family)).sliding_window == 64  # the spec's window, read from the header
         return
     hetero = _serve(tmp_path_factory, family, "hetero")
     try:
@@ -76,6 +76,28 @@ def test_each_family_serves_in_cpu_mode_and_hetero_returns_its_tokens(family, tm
     differ = [i for i, (g, r) in enumerate(zip(got, reference)) if g != r]
     assert not differ, f"{family}: hetero gave {len(got) - len(differ)} of {len(got)} of cpu mode's texts; chat " \
                        f"{differ[0]}:\ngot      {got[differ[0]]!r}\nexpected {reference[differ[0]]!r}"
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "deepseek3"])
+def test_sliding_window_and_mla_families_serve_exactly_in_cpu_mode(family, tmp_path_factory):
+    """gpt-oss (sliding windows beside full layers, attention sinks, MoE) and DeepSeek V3 (MLA: one compressed row per
+    token and layer, no V) serve in cpu mode, without the prefix cache, and every worker proves its promises there
+    (the codec reads MLA's state, whose K rows end it: codec.state_sections). The handoff carries neither yet, so
+    hetero is refused at start, naming the layout (tests/test_model_layouts.py covers the refusals)."""
+    cpu = _serve(tmp_path_factory, family, "cpu")
+    try:
+        status = cpu.status()
+        assert status["exact"] == {"hetero_equals_cpu": None, "resume_exact": True, "why": []}, status["exact"]
+        assert status["prefix_cache"] is None, status["prefix_cache"]
+        got = _answers(cpu)
+        assert [(n, f) for _, n, f in got] == [(MAX_TOKENS, "length")] * len(FAMILY_CHATS)
+        again = _answers(cpu)  # the same chats again, each beside others: the same tokens
+        assert again == got
+    finally:
+        assert cpu.stop() == 0, cpu.log()
+    with pytest.raises(RuntimeError) as refused:
+        _serve(tmp_path_factory, family, "hetero")
+    assert "the handoff does not carry yet" in str(refused.value)
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

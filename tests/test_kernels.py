@@ -176,6 +176,36 @@ def test_a_worker_that_dies_in_its_warm_up_with_nothing_safer_is_failed_with_the
         assert d.stop() == 0
 
 
+def test_a_warm_up_that_fails_on_the_model_is_failed_with_its_reason_not_blamed_on_the_kernels(default_model, tmp_path):
+    # A state the codec cannot parse (StateFormatError, a ModelNotServable: a KV cache layout this engine does not
+    # carry; SYSHAX_FAULT=state makes the warm-up meet one) is the model's cause: other kernels would meet it again,
+    # so the worker is failed at once, with that reason, and the repack kernels are neither blamed nor turned off.
+    d = start_daemon(tmp_path, config(default_model), env={"SYSHAX_FAULT": "state"}, wait=False)
+    try:
+        def failed():
+            try:
+                status, body = http_json(f"{d.url}/health", timeout=2)
+            except OSError:
+                return None
+            return body if body.get("status") == "failed" else None
+
+        health = wait_for(failed, timeout=180, what="/health to say failed")
+        error = health["workers"][0]["error"]
+        assert error.startswith("its warm-up failed: StateFormatError: fault injection"), health
+        w = wait_for(lambda: (w := worker(d))["pid"] is None and w, what="the worker to exit")
+        time.sleep(1.0)  # not restarted, with other kernels or the same
+        w = worker(d)
+        assert w["state"] == "failed" and w["restarts"] == 0 and w["pid"] is None, w
+        if "avx2" in read_cpu_flags():  # q4_0 is repacked here: there were safer kernels, and they were not tried
+            assert w["kernels"] == "repack", w
+        assert "turned off" not in w["kernels_why"] and "turned off" not in d.log(), w
+        status, body = complete(d)
+        assert status == 503 and "StateFormatError" in body["error"]["message"], body
+        assert d.proc.poll() is None
+    finally:
+        assert d.stop() == 0
+
+
 def test_a_worker_that_dies_on_every_request_falls_back_and_then_serves(default_model, tmp_path):
     d = start_daemon(tmp_path, config(default_model), env={"SYSHAX_FAULT": "decode:repacked"})
     try:

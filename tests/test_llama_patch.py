@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import model_in
+
 REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "mk" / "patches"
 SERIES = sorted(PATCHES.glob("[0-9][0-9][0-9][0-9]-*.patch"))
@@ -450,6 +452,30 @@ def test_a_rows_logits_keep_their_bits_whatever_number_of_rows_share_the_weights
     differing = dict(line.split() for line in run.stdout.splitlines())
     assert differing == {"16": "0", "12": "0", "11": "0", "9": "0", "8": "0", "7": "0", "6": "0", "5": "0", "4": "0",
                          "3": "0", "2": "0"}, run.stdout
+
+
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q3_K_M", "IQ4_NL", "IQ4_XS", "F16", "BF16",
+                                       "Q4_1", "Q5_0", "Q5_1"])
+def test_every_row_exact_weight_type_gives_a_row_its_bits_whatever_shares_its_step(default_model, file_type):
+    """The rows test above on SmolLM2 as llama.cpp's quantizer makes each file type a user downloads, with the engine's
+    kernel settings (contexts.ONE_KERNEL_PER_TYPE: vec_dot for the K-quants at every row count). Their weights:
+    Q4_K (repacked: 0013 gives the gemv the gemm's sums), Q5_K and Q6_K (vec_dot), F16 and BF16 (tinyBLAS for a lone row
+    too: 0014), IQ4_NL (repacked), IQ4_XS and Q3_K (vec_dot), and the Q4_0, Q5_0, Q5_1 and Q8_0 that a K-quant file
+    falls back to where a row of 576 does not fill a block of 256.
+    Each is one of ROW_EXACT_TYPES, which the status reads. Without 0013 the Q4_K files differ from 4 rows on; without
+    0014 every F16 row differs from its lone run; with llama.cpp's own choice of kernel (tiled from 8 rows, vec_dot
+    below) Q6_K rows differ from 8 rows on (found by hand before the patches, 3 to 16 of 16 rows)."""
+    from syshax_llamacpp.contexts import ONE_KERNEL_PER_TYPE
+
+    from syshaxd.sdk.gguf.quantize import ROW_EXACT_TYPES, weight_types
+
+    model = model_in(file_type)
+    assert set(weight_types(model)) <= set(ROW_EXACT_TYPES), weight_types(model)
+    run = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, str(model)], capture_output=True, text=True,
+                         env=os.environ | ONE_KERNEL_PER_TYPE | {"SYSHAX_FA_TILED": "1"}, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    differing = dict(line.split() for line in run.stdout.splitlines())
+    assert set(differing.values()) == {"0"}, f"{file_type} ({', '.join(weight_types(model))}): {run.stdout}"
 
 
 REPACKED_SCRIPT = r"""

@@ -59,22 +59,31 @@ def test_an_f16_file_is_quantized_to_q8_0_and_hetero_returns_cpu_modes_tokens(de
     assert_same(answers["hetero"], answers["cpu"], "F16 served as q8_0: hetero against cpu mode")
 
 
-def test_a_q4_k_m_file_is_served_as_it_is_and_the_status_says_what_holds(default_model, tmp_path_factory):
-    """llama.cpp's Q4_K kernels give a row other bits alone than in a chunk, so the exact promises do not hold for
-    this file: the status says so, naming the type, rather than promising them."""
-    model = model_in("Q4_K_M")
-    d = _served(tmp_path_factory, "Q4_K_M", model, "hetero")
-    try:
-        status = d.status()
-        assert status["model_file"]["file_type"] == "Q4_K_M" and status["model_file"]["quantized_to"] is None
-        assert not (tmp_path_factory.getbasetemp() / "cache-Q4_K_M").exists()  # never requantized
-        exact = status["exact"]
-        assert exact["hetero_equals_cpu"] is False and exact["resume_exact"] is False
-        assert all("this model's Q4_K_M weights" in why for why in exact["why"]), exact["why"]
-        got = answer_all(d)
-        assert [n for _, n, _ in got] == [128] * len(got)
-    finally:
-        assert d.stop() == 0, d.log()
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "F16"])
+def test_a_users_file_as_it_is_keeps_every_exact_promise(default_model, tmp_path_factory, file_type):
+    """A Q4_K_M (Q4_K, Q6_K and the Q5_0 and Q8_0 of its narrow rows) and an F16 file, loaded as they are: their
+    kernels give a row the same bits alone, beside other rows and in a prompt chunk (mk/patches 0013 and 0014 and the
+    engine's one kernel per type), so every worker proves it at its warm-up. The status promises hetero == cpu and
+    exact resumes, a lone sequence decodes without a padding row, speculation is on, and hetero returns cpu mode's
+    tokens on the long greedy chats."""
+    model, answers = model_in(file_type), {}
+    for mode in ("cpu", "hetero"):
+        d = _served(tmp_path_factory, f"{file_type}-as-is", model, mode, quantize="")
+        try:
+            status = d.status()
+            assert status["model_file"]["file_type"] == file_type and status["model_file"]["quantized_to"] is None
+            assert not (tmp_path_factory.getbasetemp() / f"cache-{file_type}-as-is").exists()  # never requantized
+            exact = status["exact"]
+            assert exact["resume_exact"] is True and not exact["why"], exact
+            assert exact["hetero_equals_cpu"] is (True if mode == "hetero" else None), exact
+            decoders = [w for w in status["workers"] if w["name"].startswith(("cpu", "decode"))]
+            assert decoders and all(w["exact_decode"] and not w["lone_padding"] and w["speculative_tokens"] > 0
+                                    for w in decoders), decoders
+            answers[mode] = answer_all(d)
+        finally:
+            assert d.stop() == 0, d.log()
+    assert [n for _, n, _ in answers["cpu"]] == [128] * len(answers["cpu"])
+    assert_same(answers["hetero"], answers["cpu"], f"{file_type} as it is: hetero against cpu mode")
 
 
 def test_a_ring_too_small_for_one_prompt_of_n_ctx_tokens_is_said_at_start(default_model, caplog):

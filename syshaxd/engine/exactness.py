@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from syshaxd.sdk.gguf.quantize import ROW_EXACT_TYPES
 from syshaxd.sdk.types import Pool
 
 if TYPE_CHECKING:
@@ -37,12 +38,6 @@ def _proved(worker) -> bool | None:
     return proven.exact_decode if proven is not None else None
 
 
-# the weight types whose llama.cpp kernels (with mk/llama-wheel.sh's changes) give a row the same bits alone and
-# in a batch, as the warm-up proves (tests/test_own_model.py, test_families.py); K-quants (a Q4_K_M's Q4_K layers and
-# Q6_K output) and F16 sum them otherwise, which is why quantize.py writes its copies' output matrix in q8_0
-PROVEN_TYPES = ("Q4_0", "Q8_0")
-
-
 def _why_not(worker, file_type: str = "") -> str:
     attention = worker.info.get("attention")
     if _proved(worker) is None and not attention:
@@ -53,13 +48,13 @@ def _why_not(worker, file_type: str = "") -> str:
     if attention == "llama.cpp":
         return (f"{worker.name} runs llama.cpp's own attention (tiled_attention = false, or a CPU without AVX-512 or "
                 "AVX2 with F16C and FMA): a near-tie can flip")
-    if file_type and file_type not in PROVEN_TYPES:
+    unproven = [t for t in worker.info.get("weight_types", []) if t not in ROW_EXACT_TYPES]
+    if unproven:
         return (f"{worker.name}'s warm-up found that a decode step gives other bits than a prompt chunk with this "
-                f"model's {file_type} weights (this llama.cpp's K-quant and F16 products give a row other bits in a "
-                f"decode batch than alone; {' and '.join(PROVEN_TYPES).lower()} files hold, and F16 files quantized "
-                "here): a near-tie can flip")
+                f"model's {', '.join(unproven)} weights{f' ({file_type})' if file_type else ''}, whose llama.cpp "
+                "kernels sum a row by how many rows share it: a near-tie can flip")
     return (f"{worker.name}'s warm-up found that a decode step gives other bits than a prompt chunk (a llama.cpp not "
-            "built by mk/llama-wheel.sh?): a near-tie can flip")
+            "built by mk/llama-wheel.sh, or a CPU other than x86's?): a near-tie can flip")
 
 
 def exactness(workers: list[EngineHandle], hetero: bool, file_type: str = "") -> ExactStatus:

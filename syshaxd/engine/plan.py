@@ -15,6 +15,7 @@ from syshaxd.config import Config
 from syshaxd.sdk import faults
 from syshaxd.sdk.types import EngineSpec, GpuSettings, Pool, Role
 from syshaxd.sdk.gguf.header import GGUFError, read_gguf_header
+from syshaxd.sdk.gguf.layout import KVLayout, kv_layout, recurrent_refusal
 from syshaxd.engine.numa import ENV_CPU_AFFINITY, plan_cpu_workers, plan_prefill_worker, read_host_topology
 from syshaxd.sdk.placement import ENV_THREADS, PlacementError, format_cpulist
 
@@ -119,23 +120,32 @@ def plan_prefix_store(cfg: Config, model_path: Path, instance: str) -> PrefixSto
     return PrefixStorePlan(instance, n_slots, slot, n_wide, wide, block, chunk, keep)
 
 
-# families llama.cpp runs with a second KV cache for their sliding-window layers (iswa): the KV record carries one
-# cache, so their prompts are not handed between engines (the llama.cpp engine refuses a ring for any such model)
-SLIDING_WINDOW_ARCHS = ("gemma2", "gemma3", "gemma3n", "gemma4", "cohere2", "exaone4")
-
-
-def _arch(model_path: Path) -> str | None:
+def _layout(model_path: Path) -> KVLayout | None:
     try:
-        return read_gguf_header(model_path)[0].get("general.architecture")
+        return kv_layout(model_path)
     except (GGUFError, OSError):
         return None  # the engines say what is wrong with the file
 
 
-def _refuse_handoff_of_window_layers(model_path: Path, mode: str) -> None:
-    arch = _arch(model_path)
-    if mode in ("hetero", "auto") and arch in SLIDING_WINDOW_ARCHS:
-        raise PlanError(f"{mode} mode: {model_path.name} is a {arch} model, whose sliding-window layers keep a second "
-                        "KV cache that the handoff does not carry yet; serve it in cpu mode (--mode cpu)")
+def _refuse_what_the_engines_cannot_carry(model_path: Path, where: str, handoff: bool) -> None:
+    """What a model keeps beside one plain KV cache (sdk/gguf/layout.py), refused at start where the engines cannot
+    carry it, so that the daemon exits saying why instead of answering 503: a recurrent state everywhere (the
+    llama.cpp engine moves each prompt's KV between its two contexts), sliding-window layers and MLA's compressed KV
+    where prompts are handed between engines (`handoff`: the KV record carries K and V rows per head of one cache).
+    `where` starts the message ("hetero mode")."""
+    layout = _layout(model_path)
+    if layout is None:
+        return
+    if layout.recurrent:
+        raise PlanError(f"{where}: {recurrent_refusal(model_path.name, layout.arch)}")
+    if not handoff:
+        return
+    if layout.sliding_window:
+        raise PlanError(f"{where}: {model_path.name} is a {layout.arch} model, whose sliding-window layers keep a "
+                        "second KV cache that the handoff does not carry yet; serve it in cpu mode (--mode cpu)")
+    if layout.mla:
+        raise PlanError(f"{where}: {model_path.name} is a {layout.arch} model with multi-head latent attention "
+                        "(MLA), whose compressed KV the handoff does not carry yet; serve it in cpu mode (--mode cpu)")
 
 
 def _warn_if_the_ring_is_small(model_path: Path, capacity: int, n_ctx: int) -> None:
@@ -183,9 +193,10 @@ def _refuse_codecs_unproven_for(model_path: Path, mode: str, other_backends: set
 def _with_prefix_store(engines: Engines, cfg: Config, model_path: Path, instance: str) -> Engines:
     """Every worker may use the prefix cache; the engines that implement it (llama.cpp) attach the store, and keep
     what requests generate where the plan says so (cpu mode) and their tiled attention proves it exact."""
-    if _arch(model_path) in SLIDING_WINDOW_ARCHS:
-        log.info("no prefix cache: %s's sliding-window layers keep a second KV cache, which blocks do not carry",
-                 model_path.name)
+    layout = _layout(model_path)
+    if layout is not None and (layout.sliding_window or layout.mla):
+        what = "sliding-window layers keep a second KV cache" if layout.sliding_window else "MLA keeps a compressed KV"
+        log.info("no prefix cache: %s's %s, which blocks of K and V rows per head do not carry", model_path.name, what)
         return engines
     store = plan_prefix_store(cfg, model_path, instance)
     if store is None:
@@ -329,13 +340,13 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
         speculative_tokens=cfg.speculative_tokens, draft_model=_draft_model(cfg),
         gpu=GpuSettings(cfg.gpu_memory_utilization, cfg.max_num_seqs, cfg.tensor_parallel_size, cfg.preemption_mode),
     )
+    _refuse_what_the_engines_cannot_carry(model_path, f"{cfg.mode} mode", handoff=cfg.mode in ("hetero", "auto"))
     topology = read_host_topology()
     try:
         if cfg.mode == "cpu":
             _cpu_backend(cfg.cpu_engine, cfg.mode)
             placements = plan_cpu_workers(topology, _overrides(cfg, env), role="generate")
             return Engines([(f"cpu{p.index}", replace(base, threads=p.threads, placement=p)) for p in placements])
-        _refuse_handoff_of_window_layers(model_path, cfg.mode)
         pool = split_pool(cfg.prefill_engine, cfg.prefill_cpu_affinity, cfg.gpu_devices)
         _refuse_codecs_unproven_for(model_path, cfg.mode, {e.backend for e in pool} - {cfg.cpu_engine})
         if cfg.mode == "gpu":
@@ -389,6 +400,7 @@ def plan_node(cfg: Config, model_path: Path, model_name: str, env: dict, instanc
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
         handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env), tiled_attention=cfg.tiled_attention,
         speculative_tokens=cfg.speculative_tokens, draft_model=_draft_model(cfg))
+    _refuse_what_the_engines_cannot_carry(model_path, "a decode node", handoff=True)
     instance = instance or f"node-{os.getpid()}"
     try:
         placements = plan_cpu_workers(read_host_topology(), _overrides(cfg, env), role="decode")

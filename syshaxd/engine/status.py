@@ -37,6 +37,9 @@ class WorkerStatus:
     exact_decode: bool = False
     # ... and the prefix cache keeps what requests generate there (cpu mode, keep_generated_tokens)
     keeps_generated: bool = False
+    # a lone decoding sequence takes a padding row beside it (its warm-up did not prove a lone row gets its bits in a
+    # batch): 1 to 2 ms a step
+    lone_padding: bool = False
     # speculative decoding: the most tokens a decode step guesses (its warm-up proved a guess's rows exact); 0: off
     speculative_tokens: int = 0
     draft_model: str = ""  # the draft model's file name, where its guesses come from one (config draft_model)

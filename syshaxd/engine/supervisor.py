@@ -282,7 +282,7 @@ class WorkerHandle:
             self.state = "warming"
             log.info("%s: engine built; warming up (kernels: %s, %s)", self.name, msg.info.get("kernels", "?"),
                      msg.info.get("kernels_why", ""))
-        elif isinstance(msg, WorkerFailed) and msg.during == "warm-up" and self.safer_kernels:
+        elif isinstance(msg, WorkerFailed) and msg.during == "warm-up" and msg.kernels_suspect and self.safer_kernels:
             self._warmup_error = msg.message  # it exits now; _on_exit restarts it with safer kernels
         elif isinstance(msg, WorkerReady):
             self.info = msg.info
@@ -443,6 +443,7 @@ class WorkerHandle:
                             attention=str(self.info.get("attention", "")),
                             exact_decode=bool(self.info.get("exact_decode", False)),
                             keeps_generated=bool(self.info.get("keeps_generated", False)),
+                            lone_padding=bool(self.info.get("lone_padding", False)),
                             speculative_tokens=int(self.info.get("speculative_tokens", 0)),
                             draft_model=str(self.info.get("draft_model", "")))
 

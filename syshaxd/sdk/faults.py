@@ -20,6 +20,9 @@ and faults that kill nothing:
                     fails, as with a stock llama.cpp (a lone long sequence then decodes beside a padding row)
   guesses           the warm-up's proof that a sequence's rows in one decode step get the bits each gets in a
                     step of its own fails (speculative decoding then stays off)
+  state             the warm-up reads its prompt's exported state as a layout the codec does not know, as a
+                    model with a KV cache this engine cannot carry would make it (a ModelNotServable: the worker
+                    is failed at once, not restarted with safer kernels)
 
 This is how the tests prove the fallback and crash-loop paths on CPUs whose kernels do not crash.
 
@@ -38,6 +41,7 @@ import signal
 
 POINTS = ("warmup", "decode")
 PROOFS = ("chunking", "lone", "generated", "guesses")
+LAYOUTS = ("state",)
 CONDITIONS = ("", "repacked")
 
 
@@ -49,12 +53,12 @@ def parse(text: str) -> str:
     """The fault as given, checked: "" or POINT or POINT:repacked."""
     if not text:
         return ""
-    if text in PROOFS:
+    if text in PROOFS or text in LAYOUTS:
         return text
     point, _, condition = text.partition(":")
     if point not in POINTS or condition not in CONDITIONS:
         raise FaultError(f"SYSHAX_FAULT={text!r}: expected one of {', '.join(POINTS)}, optionally followed by "
-                         f"':repacked', or one of {', '.join(PROOFS)}")
+                         f"':repacked', or one of {', '.join(PROOFS + LAYOUTS)}")
     return text
 
 

@@ -398,10 +398,19 @@ class WorkerStats:
 @dataclass(frozen=True)
 class WorkerFailed:
     """The engine could not be built (or, during="warm-up", failed its warm-up); the supervisor reports this
-    instead of restarting forever, after trying the engine's safer kernels for a failed warm-up."""
+    instead of restarting forever, after trying the engine's safer kernels for a failed warm-up whose cause may be
+    the kernels'."""
 
     message: str
     during: str = "build"
+    # False: the engine raised ModelNotServable, a cause of the model's that other kernels would meet again
+    kernels_suspect: bool = True
+
+
+class ModelNotServable(RuntimeError):
+    """An engine cannot serve this model as it is (a KV or state layout it does not carry, a state its codec cannot
+    parse): the model's cause, not the CPU kernels'. Raised while the engine is built or warms up, the worker is
+    reported failed with the message at once, not restarted with safer kernels (sdk/worker.py)."""
 
 
 # --- daemon -> worker commands -----------------------------------------------------------

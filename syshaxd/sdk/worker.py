@@ -13,6 +13,7 @@ from syshaxd.sdk import faults
 from syshaxd.sdk.types import (
     Cancel,
     EngineSpec,
+    ModelNotServable,
     Shutdown,
     Submit,
     WorkerFailed,
@@ -77,7 +78,8 @@ def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -
         "mem_nodes": list(applied.mem_nodes) if applied else [],
     }
     # Prove the kernels before saying ready: if they crash on this CPU, the supervisor sees the death while
-    # warming and restarts with safer kernels, or reports the worker failed.
+    # warming and restarts with safer kernels, or reports the worker failed (at once when the engine says the
+    # model is the cause: ModelNotServable).
     safer, loses = engine.safer_kernels() if hasattr(engine, "safer_kernels") else ({}, "")
     conn.send(WorkerWarming(info, safer, loses))
     kernels = str(info.get("kernels", "plain"))
@@ -88,7 +90,8 @@ def worker_main(conn: Connection, spec: EngineSpec, name: str, log_level: str) -
             engine.warm_up()
     except Exception as exc:
         log.exception("the warm-up failed")
-        conn.send(WorkerFailed(f"{type(exc).__name__}: {exc}", during="warm-up"))
+        conn.send(WorkerFailed(f"{type(exc).__name__}: {exc}", during="warm-up",
+                               kernels_suspect=not isinstance(exc, ModelNotServable)))
         engine.close()
         return
     log.info("warm-up passed in %.2fs (kernels: %s)", time.monotonic() - started, kernels)

@@ -27,13 +27,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from syshaxd.sdk.kv.record import DType, KVRecord, ModelFingerprint, convert_into, layout_into, seal
+from syshaxd.sdk.types import ModelNotServable
 
 STATE_MAGIC = 0xAF143CD8
 _FLASH_ATTN_DISABLED = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
 
 
-class StateFormatError(ValueError):
-    """The state bytes are not the single-sequence layout this codec knows."""
+class StateFormatError(ModelNotServable, ValueError):
+    """The state bytes are not the single-sequence layout this codec knows: the model's layout (MLA's compressed
+    KV, a KV cache type it cannot carry), not the kernels' doing, so a warm-up that meets it fails as it is."""
 
 
 class StateImportError(RuntimeError):
@@ -321,7 +323,8 @@ def widen_streams(buf: np.ndarray, size: int, n_stream: int) -> int:
 
 def state_sections(buf, size: int) -> list[tuple[int, int]]:
     """Where each KV cache's part of a one-stream sequence state starts (its stream count) and ends: one part for
-    most models, two for llama.cpp's iswa cache (full-attention layers, then sliding-window layers)."""
+    most models, two for llama.cpp's iswa cache (full-attention layers, then sliding-window layers). A part whose K
+    rows end the state has no V rows: MLA's cache (deepseek2) keeps only its compressed rows, in K's place."""
     mv = memoryview(buf).cast("B")[:size]
     pos, sections = 8, []
     try:
@@ -340,6 +343,8 @@ def state_sections(buf, size: int) -> list[tuple[int, int]]:
                 for _ in range(n_layer):  # K rows
                     _, row = struct.unpack_from("<iQ", mv, pos)
                     pos += 12 + row * cells
+                if pos == size:  # no V: MLA keeps one compressed row per token and layer (deepseek2), read as K
+                    continue
                 for _ in range(n_layer):  # V rows, or V transposed
                     if v_trans:
                         _, elem, n_embd = struct.unpack_from("<iII", mv, pos)

@@ -18,11 +18,21 @@ import llama_cpp
 
 from syshax_llamacpp import kernels
 from syshax_llamacpp.proofs import TILED_ATTENTION_ENV
+from syshaxd.sdk.gguf.layout import recurrent_refusal
 from syshaxd.sdk.gguf.quantize import ensure_quantized
-from syshaxd.sdk.types import EngineSpec
+from syshaxd.sdk.types import EngineSpec, ModelNotServable
 
-# the engine's lines, under the name they have always had (the worker's log prints it)
 log = logging.getLogger("syshax_llamacpp.engine")
+
+# K-quant and IQ weights that are not repacked (a Q4_K_M's Q6_K layers and output, Q5_K, IQ4_XS, ...): llama.cpp
+# multiplies 8 rows and more with its tiled kernels (ggml-cpu/tiled) and fewer with vec_dot, which sum a row in
+# other orders, so a row's bits depend on how many rows share its step. vec_dot for every row count (llama.cpp's own
+# switch, read once per process) gives a row the same bits alone, in a decode batch and in a prompt chunk; repacked
+# Q4_K (mk/patches 0013), q4_0 and q8_0 (0001, 0008 to 0012) and f16 (0014) are made so by the patch series. Measured
+# at the 1.5B shape in Q4_K_M (bench/bench_kquant_rows.py): decode steps of 1 to 8 rows cost what llama.cpp's choice
+# costs (8 rows 0.92x), a prompt's chunk of 512 1.16x; the tiled kernels for every row count instead cost a lone
+# row 1.84x.
+ONE_KERNEL_PER_TYPE = {"GGML_CPU_TILED_MM": "0"}
 
 
 def _meta(model, key: bytes) -> str:
@@ -57,6 +67,7 @@ def load_model(spec: EngineSpec) -> LoadedModel:
                  "tiled attention would cost more than it saves; llama.cpp's own attention runs, so nothing "
                  "generated is kept and a resumed request may part from its undisturbed text at a near-tie")
     os.environ[TILED_ATTENTION_ENV] = "1" if tiled_attention else "0"
+    os.environ.update(ONE_KERNEL_PER_TYPE)
     llama_cpp.llama_backend_init()
     path = Path(spec.model_path)
     if spec.quantize:
@@ -74,16 +85,16 @@ def load_model(spec: EngineSpec) -> LoadedModel:
     if model is None:
         raise RuntimeError(f"llama.cpp could not load {path}")
     arch = _meta(model, b"general.architecture") or "this model"
+    # the plan refuses these at start from the GGUF's header (sdk/gguf/layout.py); this is llama.cpp's own word
     if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
-        raise RuntimeError(f"{path.name} is a {arch} model, whose recurrent state this engine cannot move "
-                           "between its contexts; serve a transformer model (llama, qwen, mistral, gemma, phi)")
+        raise ModelNotServable(recurrent_refusal(path.name, arch))
     # sliding-window layers (gemma 2 and 3): llama.cpp keeps them in a second KV cache (iswa), which the KV
     # record (ring handoffs, the prefix cache, remote nodes) does not carry; such a model serves in cpu mode,
     # each prompt computed whole
     sliding_window = llama_cpp.llama_model_n_swa(model) > 0
     if sliding_window and spec.ring:
-        raise RuntimeError(f"{arch} has sliding-window attention layers, whose KV the handoff does not "
-                           "carry yet: serve it in cpu mode (--mode cpu)")
+        raise ModelNotServable(f"{arch} has sliding-window attention layers, whose KV the handoff does not "
+                               "carry yet: serve it in cpu mode (--mode cpu)")
     return LoadedModel(path, model, choice, tiled_attention, arch, sliding_window)
 
 

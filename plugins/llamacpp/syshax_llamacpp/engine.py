@@ -37,6 +37,7 @@ from syshax_llamacpp.sequence import Sequence
 from syshax_llamacpp.stepping import Stepping
 from syshax_llamacpp.streams import StreamRun
 from syshaxd.sdk.gguf.header import fingerprint_from_gguf
+from syshaxd.sdk.gguf.quantize import weight_types
 from syshaxd.sdk.gguf.vocab import Vocab
 from syshaxd.sdk.output import SequenceOutput
 from syshaxd.sdk.prompt_fit import fit_prompt
@@ -80,6 +81,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self.model_path, self.model, self.kernels = loaded.path, loaded.model, loaded.kernels
         self.tiled_attention = loaded.tiled_attention
         self.arch, self.sliding_window = loaded.arch, loaded.sliding_window
+        self.weight_types = weight_types(self.model_path)  # what the kernels multiply: the proofs' warnings name them
         self.vocab = Vocab(model=self.model)  # tokenizing, chat template and pieces, as every engine does them
         self.n_vocab = self.vocab.n_vocab
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
@@ -192,6 +194,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             "kernels_why": self.kernels.why,
             "exact_resume_tokens": self.exact_resume,
             "attention": "tiled" if self.tiled_attention else "llama.cpp",
+            "weight_types": list(self.weight_types),
             "exact_decode": self.exact_decode,
             "keeps_generated": self.keeps_generated,
             "lone_padding": self.pad_lone,

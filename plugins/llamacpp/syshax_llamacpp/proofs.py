@@ -17,8 +17,9 @@ import llama_cpp
 import numpy as np
 
 from syshax_llamacpp import drafting
-from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams
+from syshax_llamacpp.codec import StateBuffer, StateFormatError, export_seq, widen_streams
 from syshaxd.sdk import faults
+from syshaxd.sdk.gguf.quantize import ROW_EXACT_TYPES
 
 # the engine's lines, under the name they have always had (the worker's log prints it)
 log = logging.getLogger("syshax_llamacpp.engine")
@@ -64,6 +65,8 @@ class WarmUpProofs:
             size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
             buf = self._state.ensure(size + 8 * self.max_seqs)  # widen_streams: 2 KV caches at most
             export_seq(self.prefill_ctx, 0, self._state)
+            if self.spec.fault == "state":
+                raise StateFormatError("fault injection (SYSHAX_FAULT=state): a state layout this codec does not know")
             reference = (buf[:size].copy(), np.ctypeslib.as_array(
                 llama_cpp.llama_get_logits_ith(self.prefill_ctx, n - 1), (self.n_vocab,)).copy())
             if self.decodes:
@@ -110,6 +113,16 @@ class WarmUpProofs:
                     llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
         self.keeps_generated = self.exact_decode and self.decodes and self.spec.keep_generated and self.store is not None
 
+    def _suspects(self, attention: str = "") -> str:
+        """What can make a row's bits depend on its neighbours or its chunk, in words for the warning: this model's
+        weight types where any is not one the patch series proves (ROW_EXACT_TYPES), else the build."""
+        unproven = [t for t in self.weight_types if t not in ROW_EXACT_TYPES]
+        build = attention or "a llama.cpp not built by mk/llama-wheel.sh"
+        if unproven:
+            return (f"this model's {', '.join(unproven)} weights, whose llama.cpp kernels sum a row by how many rows "
+                    f"share it; or {build}")
+        return f"{build}? this model's weights ({', '.join(self.weight_types) or 'unknown'}) are of types it proves"
+
     def _proved_words(self) -> str:
         return (f"decode steps {'give' if self.exact_decode else 'may not give'} a prompt chunk's bits, prefix hits "
                 f"resume inside chunks of {self.exact_resume or 'whole'} tokens or more, a lone sequence "
@@ -147,9 +160,8 @@ class WarmUpProofs:
                      "block, and a resumed request gets the undisturbed run's tokens%s", sizes,
                      ", and what a request generates is kept" if self.spec.keep_generated and self.store else "")
         else:
-            log.warning("a decode step gives other bits than a prompt chunk here (a llama.cpp not built by "
-                        "mk/llama-wheel.sh?): nothing generated is kept, and a resumed request may part from its "
-                        "undisturbed text at a near-tie")
+            log.warning("a decode step gives other bits than a prompt chunk here (%s): nothing generated is kept, and "
+                        "a resumed request may part from its undisturbed text at a near-tie", self._suspects())
         return same
 
     def _proves_any_chunking(self, tokens: list[int], state: np.ndarray, logits: np.ndarray) -> bool:
@@ -169,8 +181,8 @@ class WarmUpProofs:
         if same:
             log.info("prompt chunks of %s tokens give the bits of one chunk: this worker's KV is a decoder's own", sizes)
         else:
-            log.warning("prompt chunks of %s tokens give other bits than one chunk here (a llama.cpp not built by "
-                        "mk/llama-wheel.sh?): its decoders' tokens may part from cpu mode's at a near-tie", sizes)
+            log.warning("prompt chunks of %s tokens give other bits than one chunk here (%s): its decoders' tokens "
+                        "may part from cpu mode's at a near-tie", sizes, self._suspects())
         return same
 
     def _proves_lone(self, token: int, n: int) -> bool:
@@ -196,9 +208,10 @@ class WarmUpProofs:
             log.info("a lone sequence past %d tokens gets the bits it gets in a batch: it decodes without a padding "
                      "row", SPLIT_KV_FROM)
         else:
-            log.warning("this llama.cpp splits a lone row's attention among its threads (not built by "
-                        "mk/llama-wheel.sh?): a lone sequence past %d tokens decodes beside a padding row, 1 to 2 "
-                        "ms a step, so that its text is the one it gets beside others", SPLIT_KV_FROM)
+            log.warning("a lone row gets other bits than in a batch here (%s): a lone sequence past %d tokens "
+                        "decodes beside a padding row, 1 to 2 ms a step, so that its text is the one it gets beside "
+                        "others", self._suspects(attention="a llama.cpp that splits a lone row's attention among "
+                                                           "its threads"), SPLIT_KV_FROM)
         return same
 
     def _proves_guessed_rows(self, tokens: list[int], n: int) -> drafting.StepCost | None:
@@ -242,7 +255,7 @@ class WarmUpProofs:
         same = all(np.array_equal(a, t) for a, t in zip(alone, together))
         if faults.fails_proof(self.spec.fault, "guesses") or not same:
             log.warning("speculative decoding off: %d rows of a sequence in one decode step gave other bits than "
-                        "each in a step of its own, so a guess could change a text", rows)
+                        "each in a step of its own (%s), so a guess could change a text", rows, self._suspects())
             return None
         cost = drafting.StepCost()  # steps as serving times them correct these first points
         cost.add(1, statistics.median(one_row))

@@ -25,6 +25,18 @@ FTYPE_NAMES = {
     19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
     26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
     37: "TQ2_0", 38: "MXFP4_MOE", 39: "NVFP4", 40: "Q1_0", 41: "Q2_0"}
+# ggml.h's ggml_type, by name (a GGUF's tensor types)
+GGML_TYPE_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
+    12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
+    20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+    29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0", 42: "Q2_0"}
+# the weight types whose kernels in mk/llama-wheel.sh's llama.cpp (with the llama.cpp engine's one kernel per type)
+# give a row the same bits alone, beside other rows and in a prompt chunk, on x86: tests/test_llama_patch.py measures
+# each. A warm-up proof that fails on a model with other types (Q2_K, MXFP4, the IQ2 and IQ3 types, ...) names those
+# as the likely cause.
+ROW_EXACT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16",
+                   "BF16", "F32")
 # only these are quantized on load: a file already quantized keeps its type (quantizing a K-quant or an
 # IQ type to q4_0 would lose quality twice)
 UNQUANTIZED = ("F32", "F16", "BF16")
@@ -71,6 +83,18 @@ def gguf_file_type(path: Path) -> str:
     if not weights:
         return "unknown"
     return "quantized" if any(t not in _PLAIN_GGML_TYPES for t in weights) else "F16"
+
+
+def weight_types(path: Path) -> tuple[str, ...]:
+    """The types of a GGUF's matrices (its 2-D weights), the most used first: what the kernels multiply ("Q4_K",
+    "Q6_K", "Q5_0" for a small model's Q4_K_M, whose narrow rows fall back to Q5_0 and Q8_0)."""
+    from collections import Counter
+
+    from syshaxd.sdk.gguf.header import read_gguf_header
+
+    _, tensors = read_gguf_header(path)
+    counts = Counter(ttype for name, dims, ttype in tensors if len(dims) >= 2 and name.endswith(".weight"))
+    return tuple(GGML_TYPE_NAMES.get(t, f"type {t}") for t, _ in counts.most_common())
 
 
 def load_plan(source: Path, qtype: str) -> LoadPlan:
