@@ -22,11 +22,13 @@ batches of 16 down to 2 against each alone: rows whose logits differ). Tiled att
     .venv/bin/python bench/bench_kquant_rows.py --model F.gguf [--model G.gguf] [--build NAME=DIR]
 
 Found on 2026-12-06 (AMD EPYC, AVX-512, 2 threads, the 1.5B shape in Q4_K_M: Q4_K repacked, Q6_K output and half
-the ffn_down and attn_v), the median of 3 rounds; syshax against llama.cpp's own: a decode step of 1 row 53.1 against
-52.1 ms, 8 rows 153.8 against 166.8, a 512-token chunk 5.08 against 4.37 s (1.16x: the Q6_K layers by vec_dot); the
-tiled kernels for every row count: 1 row 95.7 ms. Rows differing from their lone run: syshax 0 at every batch size;
-llama.cpp's own choice 3 to 16 of 16 from 4 rows on (before 0013: the Q4_K gemm against its gemv) and from 8 rows
-on (the tiled kernels against vec_dot). See the closing figures in bench/README.md.
+the ffn_down and attn_v), with patches 0001 to 0015; syshax against llama.cpp's own choice: a decode step of 1 row
+56.2 against 57.3 ms, 2 rows 80.3 against 81.9, 4 rows 76.8 against 78.2, 8 rows 132.7 against 162.7, 16 rows 179.7
+against 200.8; a 512-token chunk 5.21 against 4.50 s (1.16x: the Q6_K layers by vec_dot's arithmetic, not the tiled
+kernels). Rows differing from their lone run: syshax 0 at every batch size, llama.cpp's own choice 16, 12, 11, 9 and
+16 of 16 in batches of 16, 12, 11, 9 and 8 (the tiled kernels against vec_dot). Before 0015 (0001 to 0014): 8 rows
+144.0 against 157.7 ms, 16 rows 199.3 against 181.3, the chunk 5.05 against 4.17 s; the tiled kernels for every row
+count: 1 row 99.0 ms against 57.8 (1.71x).
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512, help="a prompt chunk's tokens (default: 512)")
     p.add_argument("--rounds", type=int, default=3, help="chunks timed per setting; steps: 5x (default: 3)")
     p.add_argument("--out-dir", type=Path, default=REPO / "models" / "bench", help="where the default model is kept")
-    p.add_argument("--json", type=Path, default=REPO / "bench" / "bench_kquant_rows.json", help="the results")
+    p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "bench_kquant_rows.json", help="the results")
     args = p.parse_args()
     models = args.model or [default_model(args.out_dir)]
     runs = [(name, SETTINGS[name], None) for name in (args.setting or list(SETTINGS))]
@@ -185,6 +187,7 @@ def main() -> None:
             differing = " ".join(str(v) for v in got["differing"].values())
             print(f"{name:<12} {got['chunk_ms']:>9.1f} {steps}   {differing}", flush=True)
             results.append({"model": model.name, "setting": name, **got})
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))
     print(f"\nwritten: {args.json}")
 

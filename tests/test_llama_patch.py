@@ -60,6 +60,7 @@ TOUCHES = {
     "0012": {REPACK: {"gemm_q4_b32_8x8_q8_0_lut_avx"}},
     "0013": {REPACK: {"ggml_gemv_q4_K_8x8_q8_K"}},
     "0014": {SGEMM: {"llamafile_sgemm"}},
+    "0015": {SGEMM: {"syshax_hsum_float_8", "syshax_q6_K_rows", "syshax_q6_K_many_rows", "llamafile_sgemm"}},
 }
 # the patches that replaced mk/llama-patch.py: what they make is what it made
 SCRIPT_SERIES = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
@@ -458,13 +459,13 @@ def test_a_rows_logits_keep_their_bits_whatever_number_of_rows_share_the_weights
                                        "Q4_1", "Q5_0", "Q5_1"])
 def test_every_row_exact_weight_type_gives_a_row_its_bits_whatever_shares_its_step(default_model, file_type):
     """The rows test above on SmolLM2 as llama.cpp's quantizer makes each file type a user downloads, with the engine's
-    kernel settings (contexts.ONE_KERNEL_PER_TYPE: vec_dot for the K-quants at every row count). Their weights:
-    Q4_K (repacked: 0013 gives the gemv the gemm's sums), Q5_K and Q6_K (vec_dot), F16 and BF16 (tinyBLAS for a lone row
-    too: 0014), IQ4_NL (repacked), IQ4_XS and Q3_K (vec_dot), and the Q4_0, Q5_0, Q5_1 and Q8_0 that a K-quant file
-    falls back to where a row of 576 does not fill a block of 256.
-    Each is one of ROW_EXACT_TYPES, which the status reads. Without 0013 the Q4_K files differ from 4 rows on; without
-    0014 every F16 row differs from its lone run; with llama.cpp's own choice of kernel (tiled from 8 rows, vec_dot
-    below) Q6_K rows differ from 8 rows on (found by hand before the patches, 3 to 16 of 16 rows)."""
+    kernel settings (contexts.ONE_KERNEL_PER_TYPE: vec_dot's arithmetic for the K-quants at every row count). Their
+    weights: Q4_K (repacked: 0013 gives the gemv the gemm's sums), Q6_K (2 rows and more in 0015), Q5_K, Q3_K and
+    IQ4_XS (vec_dot), F16 and BF16 (tinyBLAS for a lone row too: 0014), IQ4_NL (repacked), and the Q4_0, Q5_0, Q5_1
+    and Q8_0 that a K-quant file falls back to where a row of 576 does not fill a block of 256. Each is one of
+    ROW_EXACT_TYPES, which the status reads. Without 0013 the Q4_K files differ from 4 rows on; without 0014 every F16
+    row differs from its lone run; with llama.cpp's own choice of kernel (tiled from 8 rows, vec_dot below) Q6_K rows
+    differ from 8 rows on (found by hand, 2 to 16 of 16 rows)."""
     from syshax_llamacpp.contexts import ONE_KERNEL_PER_TYPE
 
     from syshaxd.sdk.gguf.quantize import ROW_EXACT_TYPES, weight_types

@@ -26,12 +26,13 @@ log = logging.getLogger("syshax_llamacpp.engine")
 
 # K-quant and IQ weights that are not repacked (a Q4_K_M's Q6_K layers and output, Q5_K, IQ4_XS, ...): llama.cpp
 # multiplies 8 rows and more with its tiled kernels (ggml-cpu/tiled) and fewer with vec_dot, which sum a row in
-# other orders, so a row's bits depend on how many rows share its step. vec_dot for every row count (llama.cpp's own
-# switch, read once per process) gives a row the same bits alone, in a decode batch and in a prompt chunk; repacked
-# Q4_K (mk/patches 0013), q4_0 and q8_0 (0001, 0008 to 0012) and f16 (0014) are made so by the patch series. Measured
-# at the 1.5B shape in Q4_K_M (bench/bench_kquant_rows.py): decode steps of 1 to 8 rows cost what llama.cpp's choice
-# costs (8 rows 0.92x), a prompt's chunk of 512 1.16x; the tiled kernels for every row count instead cost a lone
-# row 1.84x.
+# other orders, so a row's bits depend on how many rows share its step. vec_dot's arithmetic for every row count
+# (llama.cpp's own switch, read once per process) gives a row the same bits alone, in a decode batch and in a prompt
+# chunk; mk/patches 0015 computes Q6_K's 2 rows and more that way with each block unpacked once, 0013 makes repacked
+# Q4_K so, 0014 F16 and BF16, 0001 and 0008 to 0012 q4_0 and q8_0. Measured at the 1.5B shape in Q4_K_M
+# (bench/bench_kquant_rows.py): a decode step of 1 row costs what llama.cpp's own choice costs, of 8 and 16 rows
+# 0.82x and 0.90x, a prompt's chunk of 512 tokens 1.16x; the tiled kernels for every row count instead cost a lone
+# row 1.71x.
 ONE_KERNEL_PER_TYPE = {"GGML_CPU_TILED_MM": "0"}
 
 
