@@ -100,6 +100,18 @@ def config(model, **extra) -> dict:
     return {"model": str(model), "model_name": MODEL_NAME, "worker_restart_delay": 0.2} | extra
 
 
+def health_when_failed(d, timeout: float = 60) -> dict:
+    """/health's body once it says the daemon failed (its one worker given up on)."""
+    def failed():
+        try:
+            _, body = http_json(f"{d.url}/health", timeout=2)
+        except OSError:
+            return None
+        return body if body.get("status") == "failed" else None
+
+    return wait_for(failed, timeout=timeout, what="/health to say failed")
+
+
 def complete(d, prompt="The capital of France is", max_tokens=8) -> tuple[int, dict]:
     return http_json(f"{d.base_url}/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
                                                    "temperature": 0}, timeout=120)
@@ -155,14 +167,7 @@ def test_a_worker_that_dies_in_its_warm_up_falls_back_to_plain_kernels(default_m
 def test_a_worker_that_dies_in_its_warm_up_with_nothing_safer_is_failed_with_the_reason(default_model, tmp_path):
     d = start_daemon(tmp_path, config(default_model, repack="off"), env={"SYSHAX_FAULT": "warmup"}, wait=False)
     try:
-        def failed():
-            try:
-                status, body = http_json(f"{d.url}/health", timeout=2)
-            except OSError:
-                return None
-            return body if body.get("status") == "failed" else None
-
-        health = wait_for(failed, what="/health to say failed")
+        health = health_when_failed(d)
         error = health["workers"][0]["error"]
         assert "SIGSEGV" in error and "warm-up" in error and "not restarted" in error, health
         time.sleep(1.0)  # not restarted forever
@@ -182,14 +187,7 @@ def test_a_warm_up_that_fails_on_the_model_is_failed_with_its_reason_not_blamed_
     # so the worker is failed at once, with that reason, and the repack kernels are neither blamed nor turned off.
     d = start_daemon(tmp_path, config(default_model), env={"SYSHAX_FAULT": "state"}, wait=False)
     try:
-        def failed():
-            try:
-                status, body = http_json(f"{d.url}/health", timeout=2)
-            except OSError:
-                return None
-            return body if body.get("status") == "failed" else None
-
-        health = wait_for(failed, timeout=180, what="/health to say failed")
+        health = health_when_failed(d, timeout=180)
         error = health["workers"][0]["error"]
         assert error.startswith("its warm-up failed: StateFormatError: fault injection"), health
         w = wait_for(lambda: (w := worker(d))["pid"] is None and w, what="the worker to exit")
