@@ -459,6 +459,36 @@ def _model_type(arch: str) -> str:
     raise FamilyModelError(f"transformers has no causal LM {arch}")
 
 
+def make_default_model_as(quant: str, out_dir: Path) -> Path:
+    """The default model (SmolLM2-135M) as a user's `quant` file (q4_k_m, q6_k, f16, ...): its HF folder converted to
+    f16 by llama.cpp's converter, then quantized by llama.cpp's quantizer with its defaults, as a GGUF repository makes
+    it (conftest.model_in requantizes the embedded Q4_1 instead). Made once, then cached in out_dir. The file the
+    README's Q4_K_M figures against llama-server were taken on:
+        .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import families; \
+            print(families.make_default_model_as('q4_k_m', 'models/bench'))"
+    """
+    quant = quant.lower()
+    if quant not in CONVERTER_TYPES:
+        _llama_ftype(quant)  # fail early on a type llama.cpp has not
+    out_dir = Path(out_dir)
+    target = out_dir / f"SmolLM2-135M-Instruct.{quant}.gguf"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(out_dir, "SmolLM2-135M-Instruct"):
+        if target.is_file():
+            return target
+        f16 = out_dir / "SmolLM2-135M-Instruct.f16.gguf"
+        if not f16.is_file():
+            _convert(_smollm_tokenizer_dir(), f16, "f16")
+        if quant != "f16":
+            if quant in CONVERTER_TYPES:
+                _convert(_smollm_tokenizer_dir(), target, quant)
+            else:
+                _quantize(f16, target, quant)
+    return target
+
+
 def _smollm_tokenizer_dir() -> Path:
     """The default model's HF folder (its tokenizer.json is SmolLM2's), made as the tests make it."""
     folder = REPO / "models" / "SmolLM2-135M-Instruct.q4_0.hf"
