@@ -97,6 +97,7 @@ class Family:
     config: dict = field(default_factory=dict)
     embed_std: float | None = None  # the token embedding's init std, where not the config's initializer_range
     final_norm_weight: float | None = None  # the final norm's weights (all alike), where not the init's
+    convert_args: tuple[str, ...] = ()  # the converter's extra flags for this family
 
 
 _LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -224,6 +225,22 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
                 n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=64,
                 qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, tie_word_embeddings=False,
                 rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    Family("qwen35", "Qwen3_5ForCausalLM",
+           "qwen35 arch (Qwen 3.5), a hybrid: a gated delta-net layer (a recurrent state: a short convolution and a "
+           "delta-rule matrix) then a gated attention layer, head_dim 64 with partial rotary (a quarter), GQA 2:1, "
+           "Qwen3 template",
+           _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                tie_word_embeddings=True,
+                rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.25)),
+           convert_args=("--no-mtp",)),  # Qwen 3.5's checkpoints carry a next-token (MTP) layer; this one has none
+    Family("mamba", "MambaForCausalLM",
+           "mamba arch, recurrent only (no attention, no KV cache): each layer a short convolution and a selective "
+           "scan (state 16), BPE, ChatML (Qwen2.5 template)",
+           _QWEN_BPE, "Qwen-Qwen2.5-7B-Instruct.jinja",
+           dict(_DENSE, hidden_size=256, state_size=16, expand=2, conv_kernel=4, tie_word_embeddings=True)),
     Family("lfm2", "Lfm2ForCausalLM",
            "lfm2 arch, a hybrid: a short-convolution layer (a recurrent state) then an attention layer, "
            "head_dim 64, GQA 2:1, BPE, LFM2.5 template",
@@ -235,7 +252,7 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
 
 # families whose KV layout this engine does not carry in every mode yet (a sliding window with sinks, MLA, a
 # recurrent state): the header and plan tests make them; test_families.py serves FAMILIES in cpu mode and hetero
-LAYOUT_FAMILIES: list[str] = ["gpt-oss", "deepseek3", "lfm2"]
+LAYOUT_FAMILIES: list[str] = ["gpt-oss", "deepseek3", "lfm2", "qwen35", "mamba"]
 FAMILIES: list[str] = [name for name in FAMILY_SPECS if name not in LAYOUT_FAMILIES]
 NOTES: dict[str, str] = {name: f.note for name, f in FAMILY_SPECS.items()}
 
@@ -275,7 +292,8 @@ def recipe_key(family: str) -> str:
 
 
 def _spec_key(spec: Family, *extra) -> str:
-    fields = {k: v for k, v in asdict(spec).items() if k != "note"}
+    # a field at its empty default is left out, so that adding one keeps the other families' files
+    fields = {k: v for k, v in asdict(spec).items() if k != "note" and not (k == "convert_args" and not v)}
     text = json.dumps([RECIPE, SEED, LLAMA_VERSION, fields, *extra], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
@@ -317,11 +335,11 @@ def make_family_model(family: str, out_dir: Path, quant: str = "f16") -> Path:
         if target.is_file():
             return target
         if quant in CONVERTER_TYPES:
-            _convert(_ensure_hf(family, out_dir), target, quant)
+            _convert(_ensure_hf(family, out_dir), target, quant, FAMILY_SPECS[family].convert_args)
         else:
             source = out_dir / f"{family_stem(family)}.f16.gguf"
             if not source.is_file():
-                _convert(_ensure_hf(family, out_dir), source, "f16")
+                _convert(_ensure_hf(family, out_dir), source, "f16", FAMILY_SPECS[family].convert_args)
             _quantize(source, target, quant)
     return target
 
@@ -453,10 +471,12 @@ def _build_hf(spec: Family, out: Path, low_memory: bool = False) -> None:
 def _model_type(arch: str) -> str:
     import transformers
 
-    for model_type, name in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
-        if name == arch:
-            return model_type
-    raise FamilyModelError(f"transformers has no causal LM {arch}")
+    types = [t for t, name in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+             if name == arch]
+    if not types:
+        raise FamilyModelError(f"transformers has no causal LM {arch}")
+    # a multimodal model's causal LM is listed under its text config too (qwen3_5 and qwen3_5_text): the text one
+    return next((t for t in types if t.endswith("_text")), types[0])
 
 
 def make_default_model_as(quant: str, out_dir: Path) -> Path:
@@ -578,14 +598,14 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def _convert(hf: Path, target: Path, outtype: str) -> None:
+def _convert(hf: Path, target: Path, outtype: str, extra: tuple[str, ...] = ()) -> None:
     src = llama_source()
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     # PYTHONPATH: the sdist's gguf-py, not the venv's gguf (the converter also puts it first, unless NO_LOCAL_GGUF)
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src / "gguf-py"), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-c", _CONVERTER_START, str(src / "convert_hf_to_gguf.py"), str(hf),
-           "--outfile", str(tmp), "--outtype", outtype]
+           "--outfile", str(tmp), "--outtype", outtype, *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)

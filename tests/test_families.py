@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -98,6 +102,78 @@ def test_sliding_window_and_mla_families_serve_exactly_in_cpu_mode(family, tmp_p
     with pytest.raises(RuntimeError) as refused:
         _serve(tmp_path_factory, family, "hetero")
     assert "the handoff does not carry yet" in str(refused.value)
+
+
+# llama-cpp-python in a process of its own, each prompt alone in one context: the reference a recurrent model's
+# served tokens are held to (its llama.cpp takes the daemon's attention and kernels: SYSHAX_FA_TILED, GGML_CPU_TILED_MM)
+LLAMA_ALONE = """
+import ctypes, json, sys
+import llama_cpp, numpy as np
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=512, n_batch=512, n_threads=2, flash_attn=True, verbose=False)
+vocab = llama_cpp.llama_model_get_vocab(llm.model)
+def piece(t):  # llama-cpp-python's detokenize gives b"" for a piece over 32 bytes (SmolLM2's runs of spaces)
+    buf = ctypes.create_string_buffer(512)
+    n = llama_cpp.llama_token_to_piece(vocab, t, buf, 512, 0, False)
+    return buf.raw[:max(n, 0)]
+out = []
+for p in json.loads(sys.argv[2]):
+    llm.reset()
+    llm.eval(llm.tokenize(p.encode(), special=True))
+    ids = []
+    while len(ids) < int(sys.argv[3]):
+        t = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), (llm.n_vocab(),))))
+        if llama_cpp.llama_vocab_is_eog(vocab, t):
+            break
+        ids.append(t)
+        llm.eval([t])
+    out.append(b"".join(piece(t) for t in ids).decode("utf-8", "replace"))
+print(json.dumps(out))
+"""
+RECURRENT_PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,",
+                     "Les fleurs du mal est", "Q: What is the largest planet?\nA:"]
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen35", "mamba"])
+def test_recurrent_families_serve_in_cpu_mode_with_llama_cpps_own_tokens(family, tmp_path_factory):
+    """LFM2 (short convolutions beside attention), Qwen 3.5 (gated delta-net beside attention, M-RoPE's cell
+    extension) and Mamba (recurrent only, no KV cache) serve in cpu mode with continuous batching: each prompt's state,
+    its recurrent part whole, moves from the prompt context into a stream of the batch context (codec.widen_streams),
+    and requests arriving while others decode get the very text llama.cpp gives each prompt alone in one context.
+    There is no prefix cache (a recurrent state stands for all its tokens, not blocks of them) and no speculation (a
+    refused guess cannot leave a recurrent state); the handoff does not carry the state, so hetero is refused at
+    start."""
+    cpu = _serve(tmp_path_factory, family, "cpu")
+    try:
+        status = cpu.status()
+        assert status["exact"] == {"hetero_equals_cpu": None, "resume_exact": True, "why": []}, status["exact"]
+        assert status["prefix_cache"] is None, status["prefix_cache"]
+        assert {w["speculative_tokens"] for w in status["workers"]} == {0}
+        client = client_of(cpu)
+
+        def ask(i: int) -> str:
+            time.sleep(0.03 * i)  # staggered: each joins a batch already decoding
+            return client.completions.create(model=MODEL_NAME, prompt=RECURRENT_PROMPTS[i], max_tokens=MAX_TOKENS,
+                                             temperature=0).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(RECURRENT_PROMPTS)) as pool:
+            got = list(pool.map(ask, range(len(RECURRENT_PROMPTS))))
+        stats = cpu.status()["workers"][0]["stats"]
+        assert stats["steps"] < len(RECURRENT_PROMPTS) * MAX_TOKENS / 2, stats  # they shared decode steps
+        # the q4_0 copy the daemon made at first load (its model_dir, _serve's)
+        quantized = next((tmp_path_factory.getbasetemp() / f"cache-{family}").glob("*.q4_0.gguf"))
+    finally:
+        assert cpu.stop() == 0, cpu.log()
+    run = subprocess.run([sys.executable, "-c", LLAMA_ALONE, str(quantized), json.dumps(RECURRENT_PROMPTS),
+                          str(MAX_TOKENS)], env=os.environ | {"SYSHAX_FA_TILED": "1", "GGML_CPU_TILED_MM": "0"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    alone = json.loads(run.stdout.splitlines()[-1])
+    assert all(alone), alone  # each prompt gave text, or the comparison would prove little
+    differ = [i for i, (g, a) in enumerate(zip(got, alone)) if g != a]
+    assert not differ, f"{family}: prompt {differ[0]}:\nserved {got[differ[0]]!r}\nalone  {alone[differ[0]]!r}"
+    with pytest.raises(RuntimeError) as refused:
+        _serve(tmp_path_factory, family, "hetero")
+    assert f"is a {family} model, whose recurrent state the handoff does not carry yet" in str(refused.value)
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

@@ -4,8 +4,9 @@ the model and what to do: the daemon exits with status 2, as systemd shows it, n
 refused the model.
 
 The models are tiny real ones of each layout (tests/families.py, written by llama.cpp's own converter): gemma 2 and 3
-and gpt-oss (sliding windows), DeepSeek V3 (deepseek2, MLA), LFM2 (a hybrid: short-convolution layers), and phi 3,
-whose file carries a window llama.cpp does not use.
+and gpt-oss (sliding windows), DeepSeek V3 (deepseek2, MLA), LFM2 and Qwen 3.5 (hybrids: short-convolution and gated
+delta-net layers beside attention), Mamba (recurrent only), and phi 3, whose file carries a window llama.cpp does not
+use.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 from conftest import MODEL_DIR, MODEL_NAME
 from families import make_family_model
+from syshax_llamacpp.codec import StateShape
 
 from syshaxd.config import Config
 from syshaxd.engine.plan import PlanError, plan_engines, plan_node
@@ -39,6 +41,8 @@ LAYOUTS = {
     "gpt-oss": KVLayout("gpt-oss", 64, False, False),
     "deepseek3": KVLayout("deepseek2", 0, False, True),
     "lfm2": KVLayout("lfm2", 0, True, False),
+    "qwen35": KVLayout("qwen35", 0, True, False),
+    "mamba": KVLayout("mamba", 0, True, False),
 }
 
 
@@ -90,14 +94,19 @@ def _config(mode: str) -> Config:
     return Config(mode=mode, prefill_cpu_affinity="0")
 
 
-@pytest.mark.parametrize("mode", ["cpu", "hetero", "auto", "gpu"])
-def test_a_model_with_a_recurrent_state_is_refused_in_every_mode(mode):
-    path = _model("lfm2")
-    with pytest.raises(PlanError) as refused:
-        plan_engines(_config(mode), path, MODEL_NAME, {}, instance="plan-only")
-    says = str(refused.value)
-    assert says.startswith(f"{mode} mode: {path.name} is a lfm2 model, whose recurrent state"), says
-    assert "serve a transformer model" in says and "llama-server" in says, says
+@pytest.mark.parametrize("family", ["lfm2", "qwen35", "mamba"])
+def test_a_model_with_a_recurrent_state_is_refused_outside_cpu_mode_and_served_in_it(family):
+    path = _model(family)
+    for mode in ("hetero", "auto", "gpu"):
+        with pytest.raises(PlanError) as refused:
+            plan_engines(_config(mode), path, MODEL_NAME, {}, instance="plan-only")
+        says = str(refused.value)
+        assert says.startswith(f"{mode} mode: {path.name} is a {LAYOUTS[family].arch} model, whose recurrent state"), says
+        assert "serve it in cpu mode (--mode cpu)" in says, says
+    # cpu mode serves it, without the prefix cache: a recurrent state stands for all its tokens, not blocks of them
+    planned = plan_engines(_config("cpu"), path, MODEL_NAME, {}, instance="plan-only")
+    assert planned.workers and planned.prefix is None and planned.ring is None
+    assert {(spec.prefix_store, spec.keep_generated) for _, spec in planned.workers} == {("", False)}
 
 
 @pytest.mark.parametrize("family, why", [("gemma2", "sliding-window layers keep a second KV cache"),
@@ -122,7 +131,7 @@ def test_a_plain_model_keeps_its_prefix_cache_in_cpu_mode(default_model):
     assert planned.prefix is not None and {spec.prefix_store for _, spec in planned.workers} == {"plan-only"}
 
 
-@pytest.mark.parametrize("family", ["lfm2", "gpt-oss", "deepseek3"])
+@pytest.mark.parametrize("family", ["lfm2", "qwen35", "gpt-oss", "deepseek3"])
 def test_a_decode_node_refuses_what_the_handoff_does_not_carry(family):
     path = _model(family)
     with pytest.raises(PlanError, match=f"a decode node: {path.name} is a {LAYOUTS[family].arch} model"):
@@ -133,7 +142,7 @@ def test_a_decode_node_refuses_what_the_handoff_does_not_carry(family):
 
 
 @pytest.mark.parametrize("family, mode, says", [
-    ("lfm2", "cpu", "is a lfm2 model, whose recurrent state this engine cannot move between its contexts yet"),
+    ("qwen35", "hetero", "is a qwen35 model, whose recurrent state the handoff does not carry yet"),
     ("gpt-oss", "hetero", "is a gpt-oss model, whose sliding-window layers keep a second KV cache"),
 ])
 def test_the_daemon_exits_with_status_2_and_the_reason(family, mode, says, tmp_path):
@@ -143,3 +152,76 @@ def test_the_daemon_exits_with_status_2_and_the_reason(family, mode, says, tmp_p
     assert done.returncode == 2, done.stderr
     assert f"{mode} mode: {path.name} {says}" in done.stderr, done.stderr
     assert "Worker" not in done.stderr and "worker" not in done.stderr  # refused before any worker started
+
+
+# --- the state: what llama.cpp writes for one sequence, moved whole between contexts -------------------------------
+
+
+@pytest.mark.parametrize("family, shape", [
+    ("llama", StateShape(None, False, False)),
+    ("gemma3", StateShape(None, False, False)),  # two KV caches, found by reading them (state_sections)
+    ("lfm2", StateShape(1, False, True)),
+    ("qwen35", StateShape(1, True, True)),  # M-RoPE: 12 more bytes per KV cell
+    ("mamba", StateShape(0, False, True)),  # no KV cache at all
+])
+def test_a_sequences_state_moves_whole_into_any_stream_of_the_batch_context(family, shape):
+    """What the engine does with every prompt: its state exported from a 1-sequence context, re-addressed for a context
+    of 4 streams (codec.widen_streams, which must leave a recurrent state as it is and find each KV cache's part), set
+    into stream 2 there, and the next token decoded in both contexts: the very same logits."""
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+    from syshax_llamacpp.codec import StateBuffer, export_seq, shape_of, widen_streams
+    from syshax_llamacpp.contexts import add_row
+
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(str(_model(family)).encode(), llama_cpp.llama_model_default_params())
+    contexts, batch = [], llama_cpp.llama_batch_init(64, 0, 1)
+    try:
+        assert shape_of(model) == shape
+
+        def context(n_seq: int):
+            p = llama_cpp.llama_context_default_params()
+            p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = 128 * n_seq, 64, 64, n_seq
+            p.kv_unified, p.flash_attn_type, p.n_threads, p.n_threads_batch = False, 1, 1, 1
+            contexts.append(llama_cpp.llama_init_from_model(model, p))
+            return contexts[-1]
+
+        def next_logits(ctx, seq_id: int, pos: int) -> np.ndarray:
+            batch.n_tokens = 0
+            add_row(batch, 77, pos, seq_id, True)
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+            return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, 0), (n_vocab,)).copy()
+
+        alone, wide = context(1), context(4)
+        prompt = [(11 + 37 * i) % 1000 for i in range(40)]
+        for pos, token in enumerate(prompt):
+            add_row(batch, token, pos, 0, pos == len(prompt) - 1)
+        assert llama_cpp.llama_decode(alone, batch) == 0
+        scratch = StateBuffer()
+        size = llama_cpp.llama_state_seq_get_size(alone, 0)
+        buf = scratch.ensure(size + 8 * 4)
+        export_seq(alone, 0, scratch)
+        size = widen_streams(buf, size, 4, shape)
+        got = llama_cpp.llama_state_seq_set_data(wide, ctypes.cast(buf.ctypes.data, ctypes.POINTER(ctypes.c_uint8)),
+                                                 size, 2)
+        assert got == size
+        assert np.array_equal(next_logits(wide, 2, len(prompt)), next_logits(alone, 0, len(prompt)))
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        for ctx in contexts:
+            llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+
+
+def test_a_recurrent_state_the_codec_does_not_know_is_refused_by_name():
+    """A state whose recurrent part is not one sequence's (a whole-context export) is a StateFormatError: the warm-up
+    fails with it, as the model's, never blamed on the kernels."""
+    import numpy as np
+    from syshax_llamacpp.codec import STATE_MAGIC, StateFormatError, StateShape, state_sections
+
+    state = np.frombuffer(np.array([STATE_MAGIC, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 2], np.uint32).tobytes(), np.uint8)
+    with pytest.raises(StateFormatError, match="a recurrent state of 3 cells"):
+        state_sections(state, len(state), StateShape(0, False, True))

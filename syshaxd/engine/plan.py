@@ -127,16 +127,16 @@ def _layout(model_path: Path) -> KVLayout | None:
         return None  # the engines say what is wrong with the file
 
 
-def _refuse_what_the_engines_cannot_carry(model_path: Path, where: str, handoff: bool) -> None:
+def _refuse_what_the_engines_cannot_carry(model_path: Path, where: str, handoff: bool, cpu_mode: bool = False) -> None:
     """What a model keeps beside one plain KV cache (sdk/gguf/layout.py), refused at start where the engines cannot
-    carry it, so that the daemon exits saying why instead of answering 503: a recurrent state everywhere (the
-    llama.cpp engine moves each prompt's KV between its two contexts), sliding-window layers and MLA's compressed KV
-    where prompts are handed between engines (`handoff`: the KV record carries K and V rows per head of one cache).
-    `where` starts the message ("hetero mode")."""
+    carry it, so that the daemon exits saying why instead of answering 503: a recurrent state outside cpu mode (only
+    the llama.cpp engine, moving a sequence's whole state between its own contexts, is proven on it), sliding-window
+    layers and MLA's compressed KV where prompts are handed between engines (`handoff`: the KV record carries K and V
+    rows per head of one cache). `where` starts the message ("hetero mode")."""
     layout = _layout(model_path)
     if layout is None:
         return
-    if layout.recurrent:
+    if layout.recurrent and not cpu_mode:
         raise PlanError(f"{where}: {recurrent_refusal(model_path.name, layout.arch)}")
     if not handoff:
         return
@@ -194,8 +194,10 @@ def _with_prefix_store(engines: Engines, cfg: Config, model_path: Path, instance
     """Every worker may use the prefix cache; the engines that implement it (llama.cpp) attach the store, and keep
     what requests generate where the plan says so (cpu mode) and their tiled attention proves it exact."""
     layout = _layout(model_path)
-    if layout is not None and (layout.sliding_window or layout.mla):
-        what = "sliding-window layers keep a second KV cache" if layout.sliding_window else "MLA keeps a compressed KV"
+    if layout is not None and not layout.plain:
+        what = ("a recurrent state stands for all its tokens" if layout.recurrent else
+                "sliding-window layers keep a second KV cache" if layout.sliding_window else
+                "MLA keeps a compressed KV")
         log.info("no prefix cache: %s's %s, which blocks of K and V rows per head do not carry", model_path.name, what)
         return engines
     store = plan_prefix_store(cfg, model_path, instance)
@@ -340,7 +342,8 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
         speculative_tokens=cfg.speculative_tokens, draft_model=_draft_model(cfg),
         gpu=GpuSettings(cfg.gpu_memory_utilization, cfg.max_num_seqs, cfg.tensor_parallel_size, cfg.preemption_mode),
     )
-    _refuse_what_the_engines_cannot_carry(model_path, f"{cfg.mode} mode", handoff=cfg.mode in ("hetero", "auto"))
+    _refuse_what_the_engines_cannot_carry(model_path, f"{cfg.mode} mode", handoff=cfg.mode in ("hetero", "auto"),
+                                          cpu_mode=cfg.mode == "cpu")
     topology = read_host_topology()
     try:
         if cfg.mode == "cpu":

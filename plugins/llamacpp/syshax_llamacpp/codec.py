@@ -12,6 +12,12 @@ state_seq_get_data, llama-kv-cache.cpp state_write / state_write_meta / state_wr
       v_trans=0, per layer: i32 v_type, u64 v_row_bytes, V[cell_count][n_head_kv * head_dim]
       v_trans=1, per layer: i32 v_type, u32 v_elem_bytes, u32 n_embd_v_gqa, V[n_embd_v_gqa][cell_count]
 
+After the KV caches' parts, a model with a recurrent state (hybrid: Qwen 3.5, LFM2, the mamba hybrids; recurrent:
+mamba, RWKV) writes that state, one cell per sequence and no stream count (llama-memory-recurrent.cpp state_write):
+
+    u32 cell_count (1), per cell: i32 pos, u32 n_seq_id (0)
+    u32 s_trans (0), u32 n_layer, then per recurrent layer its conv rows, then its SSM rows
+
 A K row of a cell is already `[kv_head, head_dim]`, so K and untransposed V map to the record's
 `[token, kv_head, head_dim]` rows one to one. v_trans is fixed when the context is created:
 `v_trans = flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED` (auto counts as flash attention then).
@@ -45,6 +51,42 @@ class StateImportError(RuntimeError):
 def v_trans_for(flash_attn_type: int) -> bool:
     """Whether a context created with this flash_attn_type keeps V transposed."""
     return flash_attn_type == _FLASH_ATTN_DISABLED
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """How llama.cpp writes one sequence's state for a model: what widen_streams and state_sections must know of it
+    beyond the bytes themselves (shape_of reads it off a loaded model)."""
+
+    kv_caches: int | None = None  # the KV caches' parts before a recurrent state; None: every part is a KV cache's
+    cell_ext: bool = False  # each KV cell carries a 12-byte extension (M-RoPE's 2D position and token: Qwen 3.5)
+    recurrent: bool = False  # a recurrent state follows the KV caches' parts
+
+    @property
+    def cell_meta(self) -> int:
+        """Bytes of one KV cell's metadata in a one-sequence state: pos, n_seq_id (1), [ext], seq_id."""
+        return 24 if self.cell_ext else 12
+
+    @property
+    def plain(self) -> bool:
+        """The layout parse_seq_state reads (KV records: the handoff, the prefix cache)."""
+        return not (self.cell_ext or self.recurrent)
+
+
+# llama.cpp's rope types whose KV cells carry 2D positions (llama_kv_cache::has_cell_ext: n_pos_per_embd() > 1)
+_CELL_EXT_ROPE_TYPES = (8, 24, 40)  # LLAMA_ROPE_TYPE_MROPE, _VISION, _IMROPE
+
+
+def shape_of(model) -> StateShape:
+    """The state shape of a loaded llama_model: its KV caches (two for sliding-window layers, none for a recurrent
+    model), whether its cells carry M-RoPE's extension, and whether a recurrent state follows."""
+    import llama_cpp
+
+    recurrent = bool(llama_cpp.llama_model_is_recurrent(model))
+    hybrid = bool(llama_cpp.llama_model_is_hybrid(model))
+    caches = 0 if recurrent else (2 if llama_cpp.llama_model_n_swa(model) > 0 else 1)
+    return StateShape(caches if recurrent or hybrid else None,
+                      llama_cpp.llama_model_rope_type(model) in _CELL_EXT_ROPE_TYPES, recurrent or hybrid)
 
 
 @dataclass(frozen=True)
@@ -291,23 +333,26 @@ def import_record(ctx, seq_id: int, record: KVRecord, *, v_trans: bool, scratch:
     return got
 
 
-def widen_streams(buf: np.ndarray, size: int, n_stream: int) -> int:
+def widen_streams(buf: np.ndarray, size: int, n_stream: int, shape: StateShape = StateShape()) -> int:
     """Re-address a one-stream state in place for a context with n_stream KV streams; returns its new size.
 
     A 1-sequence context exports one stream; a non-unified context with N sequences has N
     streams and refuses any other count. Only the count changes, and the other streams'
     (empty) cell counts follow the data, so buf needs 4 * (n_stream - 1) spare bytes per KV cache
     in the state: one for most models, two for a model with sliding-window layers (gemma 2 and 3:
-    llama.cpp's iswa cache writes its full cache, then its window cache), see state_sections.
+    llama.cpp's iswa cache writes its full cache, then its window cache), see state_sections. A recurrent
+    state after them has no streams: its one cell goes to whichever sequence the state is set into.
     """
     head = np.frombuffer(buf, np.uint32, 3)
-    if head[0] != STATE_MAGIC or head[2] != 1:
+    if head[0] != STATE_MAGIC or (shape.kv_caches != 0 and head[2] != 1):
         raise StateFormatError("not a one-stream sequence state")
     extra = 4 * (n_stream - 1)
-    sections = state_sections(buf, size)
+    sections = state_sections(buf, size, shape)
     if len(buf) < size + extra * len(sections):
         raise ValueError(f"need {size + extra * len(sections)} bytes of buffer, have {len(buf)}")
-    if len(sections) == 1:  # the common case: no copy
+    if not sections:  # a recurrent model's state alone: nothing to re-address
+        return size
+    if len(sections) == 1 and sections[0][1] == size:  # the common case: no copy
         np.frombuffer(buf, np.uint32, 3)[2] = n_stream
         buf[size:size + extra] = 0
         return size + extra
@@ -316,19 +361,22 @@ def widen_streams(buf: np.ndarray, size: int, n_stream: int) -> int:
         body = buf[start:end].copy()
         body[:4] = np.frombuffer(np.uint32(n_stream).tobytes(), np.uint8)
         parts += [body, np.zeros(extra, np.uint8)]
+    parts.append(buf[sections[-1][1]:size].copy())  # the recurrent state, as it is
     out = np.concatenate(parts)
     buf[:len(out)] = out
     return len(out)
 
 
-def state_sections(buf, size: int) -> list[tuple[int, int]]:
+def state_sections(buf, size: int, shape: StateShape = StateShape()) -> list[tuple[int, int]]:
     """Where each KV cache's part of a one-stream sequence state starts (its stream count) and ends: one part for
-    most models, two for llama.cpp's iswa cache (full-attention layers, then sliding-window layers). A part whose K
-    rows end the state has no V rows: MLA's cache (deepseek2) keeps only its compressed rows, in K's place."""
+    most models, two for llama.cpp's iswa cache (full-attention layers, then sliding-window layers), none for a
+    recurrent model. A part whose K rows end the state has no V rows: MLA's cache (deepseek2) keeps only its
+    compressed rows, in K's place. With shape.recurrent, the recurrent state follows the shape's KV caches and
+    ends the state; it is checked, not listed."""
     mv = memoryview(buf).cast("B")[:size]
     pos, sections = 8, []
     try:
-        while pos < size:
+        while pos < size and (shape.kv_caches is None or len(sections) < shape.kv_caches):
             start = pos
             (streams,) = struct.unpack_from("<I", mv, pos)
             pos += 4
@@ -337,7 +385,7 @@ def state_sections(buf, size: int) -> list[tuple[int, int]]:
                 pos += 4
                 if not cells:
                     continue
-                pos += 12 * cells  # pos, n_seq_id (1) and the seq id per cell, as parse_seq_state reads them
+                pos += shape.cell_meta * cells  # pos, n_seq_id (1), [ext] and the seq id per cell
                 v_trans, n_layer = struct.unpack_from("<II", mv, pos)
                 pos += 8
                 for _ in range(n_layer):  # K rows
@@ -353,6 +401,13 @@ def state_sections(buf, size: int) -> list[tuple[int, int]]:
                         _, row = struct.unpack_from("<iQ", mv, pos)
                         pos += 12 + row * cells
             sections.append((start, pos))
+        if shape.recurrent:
+            cells, = struct.unpack_from("<I", mv, pos)
+            s_trans, = struct.unpack_from("<I", mv, pos + 4 + 8 * cells)
+            if cells > 1 or s_trans != 0:
+                raise StateFormatError(f"a recurrent state of {cells} cells (s_trans {s_trans}) at byte {pos}: not one "
+                                       "sequence's")
+            pos = size
     except struct.error:
         raise StateFormatError(f"state ends early at byte {pos}") from None
     if pos != size:

@@ -17,6 +17,7 @@ from pathlib import Path
 import llama_cpp
 
 from syshax_llamacpp import kernels
+from syshax_llamacpp.codec import StateShape, shape_of
 from syshax_llamacpp.proofs import TILED_ATTENTION_ENV
 from syshaxd.sdk.gguf.layout import recurrent_refusal
 from syshaxd.sdk.gguf.quantize import ensure_quantized
@@ -53,6 +54,7 @@ class LoadedModel:
     tiled_attention: bool  # every query row's attention tiled (TILED_ATTENTION_ENV)
     arch: str
     sliding_window: bool  # sliding-window layers: a second KV cache that KV records do not carry
+    state: StateShape  # how llama.cpp writes a sequence's state: its KV caches, their cells, a recurrent state
 
 
 def load_model(spec: EngineSpec) -> LoadedModel:
@@ -86,17 +88,19 @@ def load_model(spec: EngineSpec) -> LoadedModel:
     if model is None:
         raise RuntimeError(f"llama.cpp could not load {path}")
     arch = _meta(model, b"general.architecture") or "this model"
-    # the plan refuses these at start from the GGUF's header (sdk/gguf/layout.py); this is llama.cpp's own word
-    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+    # a recurrent state (hybrid and recurrent models) moves whole between the engine's own contexts, but the KV
+    # record (ring handoffs, the prefix cache, remote nodes) does not carry it; the plan refuses such a model outside
+    # cpu mode at start from the GGUF's header (sdk/gguf/layout.py), this is llama.cpp's own word
+    state = shape_of(model)
+    if state.recurrent and spec.ring:
         raise ModelNotServable(recurrent_refusal(path.name, arch))
     # sliding-window layers (gemma 2 and 3): llama.cpp keeps them in a second KV cache (iswa), which the KV
-    # record (ring handoffs, the prefix cache, remote nodes) does not carry; such a model serves in cpu mode,
-    # each prompt computed whole
+    # record does not carry either; such a model serves in cpu mode, each prompt computed whole
     sliding_window = llama_cpp.llama_model_n_swa(model) > 0
     if sliding_window and spec.ring:
         raise ModelNotServable(f"{arch} has sliding-window attention layers, whose KV the handoff does not "
                                "carry yet: serve it in cpu mode (--mode cpu)")
-    return LoadedModel(path, model, choice, tiled_attention, arch, sliding_window)
+    return LoadedModel(path, model, choice, tiled_attention, arch, sliding_window, state)
 
 
 def add_row(b, token: int, pos: int, seq_id: int, logits: bool) -> int:

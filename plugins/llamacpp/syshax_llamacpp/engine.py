@@ -81,6 +81,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self.model_path, self.model, self.kernels = loaded.path, loaded.model, loaded.kernels
         self.tiled_attention = loaded.tiled_attention
         self.arch, self.sliding_window = loaded.arch, loaded.sliding_window
+        self.state = loaded.state  # how a sequence's state is laid out: widen_streams reads it
         self.weight_types = weight_types(self.model_path)  # what the kernels multiply: the proofs' warnings name them
         self.vocab = Vocab(model=self.model)  # tokenizing, chat template and pieces, as every engine does them
         self.n_vocab = self.vocab.n_vocab
@@ -93,6 +94,11 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         # reserves its compute buffer for the room (the default model: 1.6 MiB for 8 rows, 12.8 MiB for 64), though
         # a step takes no longer in a roomier context (bench/bench_verify_rows.py --room)
         self.speculative_tokens = spec.speculative_tokens if spec.role != "prefill" else 0
+        if self.speculative_tokens and self.state.recurrent:
+            # a guess refused must leave the KV: a recurrent state holds every token in one cell and cannot drop the
+            # last ones (llama_memory_seq_rm refuses a partial range)
+            log.info("speculative decoding off: %s's recurrent state cannot drop a refused guess", self.arch)
+            self.speculative_tokens = 0
         self.n_batch = max(self.max_seqs, 1 + self.speculative_tokens)
         if spec.guess_always:  # the tests' every guess of every sequence, checked
             self.n_batch = self.max_seqs * (1 + self.speculative_tokens)
@@ -145,8 +151,10 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         # where nothing decodes or one slot is all there is (a sequence is then always alone)
         self.pad_lone = self.decodes and self.max_seqs > 1
         self.store = None  # the daemon's prefix cache: blocks of prompt KV, shared by its workers
-        if spec.prefix_store and self.sliding_window:
-            log.info("no prefix cache for %s: its sliding-window layers' KV is not kept in blocks", self.arch)
+        if spec.prefix_store and (self.sliding_window or not self.state.plain):
+            what = ("recurrent state stands for all its tokens" if self.state.recurrent else
+                    "KV cells carry M-RoPE positions" if self.state.cell_ext else "sliding-window layers' KV")
+            log.info("no prefix cache for %s: its %s, which blocks of K and V rows do not keep", self.arch, what)
         elif spec.prefix_store:
             from syshaxd.sdk.kv.block_store import BlockStore
 

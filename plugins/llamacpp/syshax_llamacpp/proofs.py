@@ -69,8 +69,10 @@ class WarmUpProofs:
                 raise StateFormatError("fault injection (SYSHAX_FAULT=state): a state layout this codec does not know")
             reference = (buf[:size].copy(), np.ctypeslib.as_array(
                 llama_cpp.llama_get_logits_ith(self.prefill_ctx, n - 1), (self.n_vocab,)).copy())
+            rewound = None  # a recurrent state cannot drop its last token: _proves_lone sets the prompt's again
             if self.decodes:
-                size = widen_streams(buf, size, self.max_seqs)
+                size = widen_streams(buf, size, self.max_seqs, self.state)
+                rewound = buf[:size].copy() if self.state.recurrent else None
                 self.batch.n_tokens = 0
                 for stream in range(self.max_seqs):
                     got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, stream)
@@ -89,7 +91,7 @@ class WarmUpProofs:
                     self.exact_decode = (self._proves_decode_kv(tokens + [tokens[0]]) if self.decodes
                                          else self._proves_any_chunking(tokens, *reference))
                 if self.pad_lone:
-                    self.pad_lone = not self._proves_lone(tokens[0], n)
+                    self.pad_lone = not self._proves_lone(tokens[0], n, rewound)
                 if self.exact_decode:
                     self.exact_resume = 1  # a chunk of any size gives the bits, wherever it starts
                 elif self.store is not None:
@@ -148,7 +150,7 @@ class WarmUpProofs:
             size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
             buf = self._state.ensure(size + 8 * self.max_seqs)
             export_seq(self.prefill_ctx, 0, self._state)
-            size = widen_streams(buf, size, self.max_seqs)
+            size = widen_streams(buf, size, self.max_seqs, self.state)
             same = np.array_equal(logits, batched) and np.array_equal(buf[:size], decoded)
         finally:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
@@ -156,9 +158,10 @@ class WarmUpProofs:
             same = False
         if same:
             sizes = ", ".join(str(e - s) for s, e in zip(cuts, cuts[1:]))
-            log.info("a decode step and prompt chunks of %s tokens give the same bits: prefix hits resume after any "
-                     "block, and a resumed request gets the undisturbed run's tokens%s", sizes,
-                     ", and what a request generates is kept" if self.spec.keep_generated and self.store else "")
+            log.info("a decode step and prompt chunks of %s tokens give the same bits: a resumed request gets the "
+                     "undisturbed run's tokens%s", sizes,
+                     "" if self.store is None else ", prefix hits resume after any block" +
+                     (", and what a request generates is kept" if self.spec.keep_generated else ""))
         else:
             log.warning("a decode step gives other bits than a prompt chunk here (%s): nothing generated is kept, and "
                         "a resumed request may part from its undisturbed text at a near-tie", self._suspects())
@@ -185,19 +188,23 @@ class WarmUpProofs:
                         "may part from cpu mode's at a near-tie", sizes, self._suspects())
         return same
 
-    def _proves_lone(self, token: int, n: int) -> bool:
+    def _proves_lone(self, token: int, n: int, rewound: np.ndarray | None = None) -> bool:
         """Whether a row decoded alone gets the bits the same row got in the full batch just decoded (stream 0's,
         `token` at position n after n cells): true with a llama.cpp that never splits a lone row's attention among
         its threads (mk/llama-wheel.sh's build), false with a stock one. Only a KV past SPLIT_KV_FROM cells can
         tell the two apart; with a shorter warm-up prompt it is not proved, and a lone sequence keeps its padding
-        row."""
+        row. `rewound`: the prompt's state as stream 0 took it, set again where a recurrent state cannot drop the
+        decoded token."""
         if n + 1 <= SPLIT_KV_FROM:
             log.info("a lone sequence decodes beside a padding row (a %d-token warm-up cannot prove it need not)", n)
             return False
         batched = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, 0), (self.n_vocab,)).copy()
         for stream in range(1, self.max_seqs):
             llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
-        llama_cpp.llama_memory_seq_rm(self.memory, 0, n, -1)
+        if rewound is None:
+            llama_cpp.llama_memory_seq_rm(self.memory, 0, n, -1)
+        elif llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(rewound), len(rewound), 0) != len(rewound):
+            raise RuntimeError("warm-up: the prompt's state did not import into stream 0 again")
         self.batch.n_tokens = 0
         self._add(self.batch, token, n, 0, True)
         if llama_cpp.llama_decode(self.ctx, self.batch) != 0:

@@ -154,7 +154,7 @@ class Stepping:
         size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
         buf = self._state.ensure(size + 8 * self.max_seqs)  # widen_streams: 2 KV caches at most
         export_seq(self.prefill_ctx, 0, self._state)
-        size = widen_streams(buf, size, self.max_seqs)
+        size = widen_streams(buf, size, self.max_seqs, self.state)
         seq.seq_id = self.streams.take()  # it joins the decode batch now, next to the others
         got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, seq.seq_id)
         # the blocks are read from these bytes (the prompt's one stream, the others empty); nothing else uses the

@@ -116,7 +116,8 @@ def fingerprint_from_gguf(path: str | os.PathLike) -> ModelFingerprint:
         return value
 
     n_head = get("attention.head_count")
-    head_dim = get("attention.key_length", get("embedding_length") // n_head)
+    # a recurrent-only model (mamba, RWKV) has no attention heads: its KV rows are empty
+    head_dim = get("attention.key_length", get("embedding_length") // n_head if n_head else 0)
     scale = meta.get(f"{arch}.rope.scaling.factor") or 1.0
     table = xxhash.xxh3_64()
     for name, dims, ttype in tensors:

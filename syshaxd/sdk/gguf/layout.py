@@ -79,6 +79,7 @@ def kv_layout(path: str | os.PathLike) -> KVLayout:
 
 
 def recurrent_refusal(name: str, arch: str) -> str:
-    """Why a model with a recurrent state is not served, and what to do: the plan's words and the engine's."""
-    return (f"{name} is a {arch} model, whose recurrent state this engine cannot move between its contexts yet; "
-            "serve a transformer model (llama, qwen, mistral, gemma, phi), or this one with llama-server")
+    """Why a model with a recurrent state is not served outside cpu mode, and what to do: the plan's words and the
+    engine's."""
+    return (f"{name} is a {arch} model, whose recurrent state the handoff does not carry yet; serve it in cpu mode "
+            "(--mode cpu)")
