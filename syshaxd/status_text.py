@@ -51,6 +51,8 @@ def print_status(st: dict) -> None:
                   + ("; decode steps proved exact" if w.exact_decode else "")
                   + ("; keeps generated tokens" if w.keeps_generated else "")
                   + ("; a lone sequence decodes beside a padding row" if w.lone_padding else "")
+                  + (f"; prefix reuse from whole states after prompts (up to {w.state_checkpoints_mb} MiB)"
+                     if w.state_checkpoints_mb else "")
                   + (f"; guesses up to {w.speculative_tokens} tokens a step"
                      + (f" from {w.draft_model}" if w.draft_model else "")
                      + f" ({s.kept_guesses} of {s.guessed_tokens} guessed kept"

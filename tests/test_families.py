@@ -116,9 +116,9 @@ def piece(t):  # llama-cpp-python's detokenize gives b"" for a piece over 32 byt
     n = llama_cpp.llama_token_to_piece(vocab, t, buf, 512, 0, False)
     return buf.raw[:max(n, 0)]
 out = []
-for p in json.loads(sys.argv[2]):
+for p in json.loads(sys.argv[2]):  # a text, or token ids
     llm.reset()
-    llm.eval(llm.tokenize(p.encode(), special=True))
+    llm.eval(p if isinstance(p, list) else llm.tokenize(p.encode(), special=True))
     ids = []
     while len(ids) < int(sys.argv[3]):
         t = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), (llm.n_vocab(),))))
@@ -163,17 +163,54 @@ def test_recurrent_families_serve_in_cpu_mode_with_llama_cpps_own_tokens(family,
         quantized = next((tmp_path_factory.getbasetemp() / f"cache-{family}").glob("*.q4_0.gguf"))
     finally:
         assert cpu.stop() == 0, cpu.log()
-    run = subprocess.run([sys.executable, "-c", LLAMA_ALONE, str(quantized), json.dumps(RECURRENT_PROMPTS),
-                          str(MAX_TOKENS)], env=os.environ | {"SYSHAX_FA_TILED": "1", "GGML_CPU_TILED_MM": "0"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    alone = json.loads(run.stdout.splitlines()[-1])
+    alone = _llama_alone(quantized, RECURRENT_PROMPTS)
     assert all(alone), alone  # each prompt gave text, or the comparison would prove little
     differ = [i for i, (g, a) in enumerate(zip(got, alone)) if g != a]
     assert not differ, f"{family}: prompt {differ[0]}:\nserved {got[differ[0]]!r}\nalone  {alone[differ[0]]!r}"
     with pytest.raises(RuntimeError) as refused:
         _serve(tmp_path_factory, family, "hetero")
     assert f"is a {family} model, whose recurrent state the handoff does not carry yet" in str(refused.value)
+
+
+def _llama_alone(model, prompts: list) -> list[str]:
+    """Each prompt's greedy text from llama-cpp-python alone (LLAMA_ALONE), with the daemon's attention and kernels."""
+    run = subprocess.run([sys.executable, "-c", LLAMA_ALONE, str(model), json.dumps(prompts), str(MAX_TOKENS)],
+                         env=os.environ | {"SYSHAX_FA_TILED": "1", "GGML_CPU_TILED_MM": "0"}, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", ["qwen35", "mamba", "gpt-oss", "deepseek3"])
+def test_a_prompt_resumes_from_the_whole_state_of_one_it_starts_with(family, tmp_path_factory):
+    """A model whose KV the prefix cache's blocks do not carry (a recurrent state, sliding-window layers, MLA) reuses
+    prompts from whole-state checkpoints (checkpoints.py), as an agent's next turn repeats its last: the next prompt
+    starts from the state after the last one, says so in its usage, and gets the very text llama.cpp gives it computed
+    whole."""
+    first = [100 + (7 + 31 * i) % 1000 for i in range(150)]  # token ids: longer than gpt-oss's window (64)
+    turn = first + [100 + (11 + 17 * i) % 1000 for i in range(40)]
+    cpu = _serve(tmp_path_factory, family, "cpu")
+    try:
+        assert {w["state_checkpoints_mb"] for w in cpu.status()["workers"]} == {512}
+        client = client_of(cpu)
+
+        def complete(prompt: list[int]):
+            return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+
+        assert complete(first).usage.prompt_tokens_details.cached_tokens == 0
+        client.completions.create(model=MODEL_NAME, prompt="A side request between turns", max_tokens=4)
+        again = complete(turn)
+        assert again.usage.prompt_tokens_details.cached_tokens == len(first)
+        # the worker set the state into its prompt context (its counter, reported every STATS_INTERVAL)
+        deadline = time.monotonic() + 10
+        while cpu.status()["workers"][0]["stats"]["cached_tokens"] != len(first) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert cpu.status()["workers"][0]["stats"]["cached_tokens"] == len(first)
+        quantized = next((tmp_path_factory.getbasetemp() / f"cache-{family}").glob("*.q4_0.gguf"))
+    finally:
+        assert cpu.stop() == 0, cpu.log()
+    (whole,) = _llama_alone(quantized, [turn])
+    assert whole and again.choices[0].text == whole
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

@@ -103,10 +103,14 @@ def test_a_model_with_a_recurrent_state_is_refused_outside_cpu_mode_and_served_i
         says = str(refused.value)
         assert says.startswith(f"{mode} mode: {path.name} is a {LAYOUTS[family].arch} model, whose recurrent state"), says
         assert "serve it in cpu mode (--mode cpu)" in says, says
-    # cpu mode serves it, without the prefix cache: a recurrent state stands for all its tokens, not blocks of them
+    # cpu mode serves it, without the prefix cache's blocks (a recurrent state stands for all its tokens, not blocks
+    # of them): each worker keeps whole states after prompts instead, within prefix_cache_mb
     planned = plan_engines(_config("cpu"), path, MODEL_NAME, {}, instance="plan-only")
     assert planned.workers and planned.prefix is None and planned.ring is None
-    assert {(spec.prefix_store, spec.keep_generated) for _, spec in planned.workers} == {("", False)}
+    assert {(spec.prefix_store, spec.keep_generated, spec.state_checkpoints_mb)
+            for _, spec in planned.workers} == {("", False, Config().prefix_cache_mb)}
+    off = plan_engines(dataclasses.replace(_config("cpu"), prefix_cache_mb=0), path, MODEL_NAME, {}, instance="p")
+    assert {spec.state_checkpoints_mb for _, spec in off.workers} == {0}
 
 
 @pytest.mark.parametrize("family, why", [("gemma2", "sliding-window layers keep a second KV cache"),
@@ -120,10 +124,12 @@ def test_a_layout_the_handoff_does_not_carry_is_refused_in_hetero_and_auto_and_s
         says = str(refused.value)
         assert says.startswith(f"{mode} mode: {path.name} is a {LAYOUTS[family].arch} model"), says
         assert why in says and "serve it in cpu mode (--mode cpu)" in says, says
-    # cpu mode serves it, without the prefix cache: its blocks carry K and V rows per head of one cache
+    # cpu mode serves it, without the prefix cache's blocks (they carry K and V rows per head of one cache): whole
+    # states after prompts instead
     planned = plan_engines(_config("cpu"), path, MODEL_NAME, {}, instance="plan-only")
     assert planned.workers and planned.prefix is None and planned.ring is None
-    assert {(spec.prefix_store, spec.keep_generated) for _, spec in planned.workers} == {("", False)}
+    assert {(spec.prefix_store, spec.keep_generated, spec.state_checkpoints_mb)
+            for _, spec in planned.workers} == {("", False, Config().prefix_cache_mb)}
 
 
 def test_a_plain_model_keeps_its_prefix_cache_in_cpu_mode(default_model):

@@ -195,11 +195,17 @@ def _with_prefix_store(engines: Engines, cfg: Config, model_path: Path, instance
     what requests generate where the plan says so (cpu mode) and their tiled attention proves it exact."""
     layout = _layout(model_path)
     if layout is not None and not layout.plain:
-        what = ("a recurrent state stands for all its tokens" if layout.recurrent else
-                "sliding-window layers keep a second KV cache" if layout.sliding_window else
-                "MLA keeps a compressed KV")
-        log.info("no prefix cache: %s's %s, which blocks of K and V rows per head do not carry", model_path.name, what)
-        return engines
+        what = ("its recurrent state stands for all its tokens" if layout.recurrent else
+                "its sliding-window layers keep a second KV cache" if layout.sliding_window else
+                "MLA keeps its KV compressed")
+        if not cfg.prefix_cache_mb:
+            return engines
+        # each worker keeps whole states after prompts instead, in its own memory (checkpoints.py)
+        log.info("prefix cache for %s: %s, which blocks of K and V rows per head do not carry; each worker keeps "
+                 "whole states after prompts instead, up to prefix_cache_mb (%d MiB) in its own memory",
+                 model_path.name, what, cfg.prefix_cache_mb)
+        return Engines([(name, replace(spec, state_checkpoints_mb=cfg.prefix_cache_mb))
+                        for name, spec in engines.workers], engines.ring, engines.prefix)
     store = plan_prefix_store(cfg, model_path, instance)
     if store is None:
         return engines

@@ -43,6 +43,9 @@ class WorkerStatus:
     # speculative decoding: the most tokens a decode step guesses (its warm-up proved a guess's rows exact); 0: off
     speculative_tokens: int = 0
     draft_model: str = ""  # the draft model's file name, where its guesses come from one (config draft_model)
+    # MiB of whole states after prompts it keeps for prefix reuse, where the prefix cache's blocks do not carry the
+    # model's KV (a recurrent state, sliding-window layers, MLA); 0: none
+    state_checkpoints_mb: int = 0
 
 
 @dataclass(frozen=True)

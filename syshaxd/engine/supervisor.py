@@ -445,7 +445,8 @@ class WorkerHandle:
                             keeps_generated=bool(self.info.get("keeps_generated", False)),
                             lone_padding=bool(self.info.get("lone_padding", False)),
                             speculative_tokens=int(self.info.get("speculative_tokens", 0)),
-                            draft_model=str(self.info.get("draft_model", "")))
+                            draft_model=str(self.info.get("draft_model", "")),
+                            state_checkpoints_mb=int(self.info.get("state_checkpoints_mb", 0)))
 
 
 def _exit_words(code: int | None) -> str:

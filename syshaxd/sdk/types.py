@@ -111,6 +111,9 @@ class EngineSpec:
     cache_dir: str = ""
     gpu: GpuSettings = GpuSettings()  # read by the GPU engines (vLLM) only
     prefix_store: str = ""  # the prefix cache's block store instance (kv/block_store.py); empty: no cache
+    # MiB of whole-state checkpoints the worker keeps in its own memory, for a model whose KV the prefix cache's
+    # blocks do not carry (a recurrent state, sliding-window layers, MLA: the llama.cpp engine's checkpoints.py); 0: none
+    state_checkpoints_mb: int = 0
     # every query row's attention in tiles, a decode step's as a prompt chunk's (config tiled_attention; the llama.cpp
     # engine: SYSHAX_FA_TILED): then every route gives a token the same bits, and the prefix cache can keep generated
     # tokens' KV

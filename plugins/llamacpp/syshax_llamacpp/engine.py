@@ -26,6 +26,7 @@ from pathlib import Path
 import llama_cpp
 
 from syshax_llamacpp import drafting, prefix
+from syshax_llamacpp.checkpoints import Checkpoints
 from syshax_llamacpp.codec import StateBuffer
 from syshax_llamacpp.contexts import add_row, batch_params, load_model, prompt_params
 from syshax_llamacpp.draft_model import DraftModel
@@ -159,6 +160,12 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             from syshaxd.sdk.kv.block_store import BlockStore
 
             self.store = BlockStore.attach(spec.prefix_store)
+        # whole states after prompts, where the plan asks for them instead of the prefix cache's blocks
+        self.checkpoints: Checkpoints | None = None
+        if spec.state_checkpoints_mb and self.decodes and self.store is None:
+            self.checkpoints = Checkpoints(spec.state_checkpoints_mb << 20)
+            log.info("prefix reuse for %s from whole-state checkpoints: up to %d MiB in this worker", self.arch,
+                     spec.state_checkpoints_mb)
         # reads the KV out of a state (the proofs, the prefix cache)
         self.fingerprint = fingerprint_from_gguf(self.model_path)
 
@@ -197,6 +204,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             "threads": self.spec.threads,
             "chat_template": self.vocab.template.source,
             "prefix_cache": self.store is not None,
+            "state_checkpoints_mb": self.checkpoints.budget >> 20 if self.checkpoints is not None else 0,
             "repack": self.spec.repack,
             "kernels": self.kernels.kernels,
             "kernels_why": self.kernels.why,
@@ -244,6 +252,10 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             seq.found = prefix.find(self.store, self.fingerprint, plan, prompt, self.n_vocab, written_only=True)
             seq.cached = True
             seq.hit_tokens = sum(r.n_tokens for r in prefix.usable(seq.found, plan, len(prompt), self.exact_resume))
+        elif self.checkpoints is not None and seq.request.prompt_logprobs is None:
+            # a state taken where the rest then runs in chunks that give a whole run's bits (the warm-up's proof)
+            seq.checkpoint = self.checkpoints.find(prompt, 1 if self.exact_resume == 1 else self.chunk)
+            seq.hit_tokens = seq.checkpoint.n_tokens if seq.checkpoint is not None else 0
         accepted = Accepted(rid, len(prompt), max_tokens, cached_tokens=seq.hit_tokens)
         if not self._needs_slot(seq):
             # a prompt only handed on runs in the prompt context and holds no batch slot: it starts at once,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import llama_cpp
 import numpy as np
 
-from syshax_llamacpp.codec import StateImportError, export_seq
+from syshax_llamacpp.codec import StateBuffer, StateImportError, export_seq
 from syshax_llamacpp import prefix
 from syshaxd.sdk.types import Cached
 
@@ -52,6 +52,22 @@ class PrefixSide:
         seq.n_past = n
         self.counters["cached_tokens"] += n
         return found.whole[1] if found.whole is not None else None
+
+    def _import_checkpoint(self, seq: Sequence) -> None:
+        """Start seq's prompt from the whole state found for it at submit (checkpoints.py): set into the prompt
+        context, the rest still to run."""
+        checkpoint, seq.checkpoint = seq.checkpoint, None
+        state = checkpoint.state
+        if llama_cpp.llama_state_seq_set_data(self.prefill_ctx, StateBuffer.pointer(state), state.nbytes, 0) != state.nbytes:
+            llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
+            log.error("%s: a checkpoint of %d tokens could not be set into the prompt context; evaluating the whole "
+                      "prompt", seq.request.request_id, checkpoint.n_tokens)
+            seq.hit_tokens = 0
+            return
+        for _ in range(checkpoint.n_tokens):
+            seq.pending.popleft()
+        seq.n_past = checkpoint.n_tokens
+        self.counters["cached_tokens"] += checkpoint.n_tokens
 
     def _keep_blocks(self, seq: Sequence, state_bytes, logits) -> list:
         """Write the prompt's new blocks (and the whole prompt with its last logits) into the prefix cache as

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from syshax_llamacpp import prefix
+from syshax_llamacpp.checkpoints import Checkpoint
 from syshax_llamacpp.drafting import Acceptance, PromptLookup
 from syshaxd.sdk.output import SequenceOutput
 from syshaxd.sdk.types import GenerateRequest, Handling
@@ -34,6 +35,7 @@ class Sequence:
     cached: bool = False  # the prompt may start from blocks of the prefix cache (handling.prefix)
     found: prefix.Found | None = None  # the cached records checked when it was submitted
     hit_tokens: int = 0  # prompt tokens it took from the prefix cache
+    checkpoint: Checkpoint | None = None  # the whole state its prompt starts from (checkpoints.py), until set
     # request.prompt_logprobs: the prompt's logprobs as its chunks run (None for its first token), sent once
     prompt_lp: list | None = None
     fed: list[int] = field(default_factory=list)  # generated tokens evaluated: in the KV after the prompt

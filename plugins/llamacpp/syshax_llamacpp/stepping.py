@@ -109,6 +109,8 @@ class Stepping:
 
     def _prefill_chunk(self, seq: Sequence) -> list:
         """Feed the next chunk of seq's prompt to the prefill context; at its end, hand it over."""
+        if seq.checkpoint is not None:
+            self._import_checkpoint(seq)
         logits = self._import_hits(seq) if seq.cached and seq.n_past == 0 else None
         if logits is not None:  # the whole prompt came from the cache: nothing to evaluate
             try:
@@ -154,6 +156,8 @@ class Stepping:
         size = llama_cpp.llama_state_seq_get_size(self.prefill_ctx, 0)
         buf = self._state.ensure(size + 8 * self.max_seqs)  # widen_streams: 2 KV caches at most
         export_seq(self.prefill_ctx, 0, self._state)
+        if self.checkpoints is not None:
+            self.checkpoints.keep(seq.prompt, buf[:size])  # a later prompt starting with these tokens starts here
         size = widen_streams(buf, size, self.max_seqs, self.state)
         seq.seq_id = self.streams.take()  # it joins the decode batch now, next to the others
         got = llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(buf), size, seq.seq_id)
