@@ -270,6 +270,20 @@ SHAPE_SPECS: dict[str, Family] = {f.name: f for f in [
            dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                 intermediate_size=8960, max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
                 tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    Family("qwen35-2b-shape", "Qwen3_5ForCausalLM",
+           "Qwen 3.5 2B's shape: qwen35 arch, hidden 2048, 24 layers, three gated delta-net layers (16 key and 16 "
+           "value heads of 128, a 4-wide convolution) to each gated attention layer (8 heads, 2 KV heads of "
+           "head_dim 256, a quarter rotary), intermediate 6144, tied embeddings; SmolLM2's 49152-token vocabulary "
+           "(Qwen 3.5's own has 248320), Qwen3 template",
+           _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
+           dict(hidden_size=2048, num_hidden_layers=24,
+                layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                linear_num_value_heads=16, intermediate_size=6144, max_position_embeddings=32768,
+                initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25)),
+           convert_args=("--no-mtp",)),
 ]}
 
 
@@ -377,7 +391,7 @@ def make_shape_model(shape: str, out_dir: Path, layers: int | None = None, log=p
             log(f"  random bf16 weights written: {time.monotonic() - t0:.0f} s")
             t1 = time.monotonic()
             f16 = work / "model.f16.gguf"
-            _convert(work / "hf", f16, "f16")
+            _convert(work / "hf", f16, "f16", spec.convert_args)
             shutil.rmtree(work / "hf")
             log(f"  converted to f16 by convert_hf_to_gguf.py: {time.monotonic() - t1:.0f} s")
             t2 = time.monotonic()
@@ -395,7 +409,10 @@ def _shape_spec(shape: str, layers: int | None) -> Family:
     if layers is not None:
         if layers < 1:
             raise ValueError(f"layers: {layers} is not allowed; it must be at least 1")
-        spec = replace(spec, config={**spec.config, "num_hidden_layers": layers})
+        config = {**spec.config, "num_hidden_layers": layers}
+        if "layer_types" in config:  # a hybrid's pattern, cut to the layers kept
+            config["layer_types"] = (config["layer_types"] * layers)[:layers]
+        spec = replace(spec, config=config)
     return spec
 
 

@@ -65,12 +65,8 @@ def test_each_family_serves_in_cpu_mode_and_hetero_returns_its_tokens(family, tm
         _tool_turns_render_and_parse(cpu)
     finally:
         assert cpu.stop() == 0, cpu.log()
-    if family.startswith("gemma"):
-        with pytest.raises(RuntimeError) as refused:
-            _serve(tmp_path_factory, family, "hetero")
-        assert f"is a {family} model, whose sliding-window layers" in str(refused.value)
+    if family.startswith("gemma"):  # its KV records carry llama.cpp's whole state: two KV caches
         assert kv_layout(_model(family)).sliding_window == 64  # the spec's window, read from the header
-        return
     hetero = _serve(tmp_path_factory, family, "hetero")
     try:
         assert hetero.status()["exact"]["hetero_equals_cpu"] is True, hetero.status()["exact"]
@@ -86,8 +82,9 @@ def test_each_family_serves_in_cpu_mode_and_hetero_returns_its_tokens(family, tm
 def test_sliding_window_and_mla_families_serve_exactly_in_cpu_mode(family, tmp_path_factory):
     """gpt-oss (sliding windows beside full layers, attention sinks, MoE) and DeepSeek V3 (MLA: one compressed row per
     token and layer, no V) serve in cpu mode, without the prefix cache, and every worker proves its promises there
-    (the codec reads MLA's state, whose K rows end it: codec.state_sections). The handoff carries neither yet, so
-    hetero is refused at start, naming the layout (tests/test_model_layouts.py covers the refusals)."""
+    (the codec reads MLA's state, whose K rows end it: codec.state_sections). In hetero the prefill engine hands its
+    decoders llama.cpp's whole state of each prompt (a KV record of FLAG_LLAMA_STATE), and they return cpu mode's
+    tokens (tests/test_model_layouts.py covers the refusals where torch or vLLM is on the way)."""
     cpu = _serve(tmp_path_factory, family, "cpu")
     try:
         status = cpu.status()
@@ -99,9 +96,7 @@ def test_sliding_window_and_mla_families_serve_exactly_in_cpu_mode(family, tmp_p
         assert again == got
     finally:
         assert cpu.stop() == 0, cpu.log()
-    with pytest.raises(RuntimeError) as refused:
-        _serve(tmp_path_factory, family, "hetero")
-    assert "the handoff does not carry yet" in str(refused.value)
+    assert _hetero_answers(tmp_path_factory, family, _answers) == got
 
 
 # llama-cpp-python in a process of its own, each prompt alone in one context: the reference a recurrent model's
@@ -140,23 +135,15 @@ def test_recurrent_families_serve_in_cpu_mode_with_llama_cpps_own_tokens(family,
     its recurrent part whole, moves from the prompt context into a stream of the batch context (codec.widen_streams),
     and requests arriving while others decode get the very text llama.cpp gives each prompt alone in one context.
     There is no prefix cache (a recurrent state stands for all its tokens, not blocks of them) and no speculation (a
-    refused guess cannot leave a recurrent state); the handoff does not carry the state, so hetero is refused at
-    start."""
+    refused guess cannot leave a recurrent state). In hetero the prefill engine hands each prompt's whole state on as
+    a KV record, and the decoders return the same texts."""
     cpu = _serve(tmp_path_factory, family, "cpu")
     try:
         status = cpu.status()
         assert status["exact"] == {"hetero_equals_cpu": None, "resume_exact": True, "why": []}, status["exact"]
         assert status["prefix_cache"] is None, status["prefix_cache"]
         assert {w["speculative_tokens"] for w in status["workers"]} == {0}
-        client = client_of(cpu)
-
-        def ask(i: int) -> str:
-            time.sleep(0.03 * i)  # staggered: each joins a batch already decoding
-            return client.completions.create(model=MODEL_NAME, prompt=RECURRENT_PROMPTS[i], max_tokens=MAX_TOKENS,
-                                             temperature=0).choices[0].text
-
-        with concurrent.futures.ThreadPoolExecutor(len(RECURRENT_PROMPTS)) as pool:
-            got = list(pool.map(ask, range(len(RECURRENT_PROMPTS))))
+        got = _staggered(cpu)
         stats = cpu.status()["workers"][0]["stats"]
         assert stats["steps"] < len(RECURRENT_PROMPTS) * MAX_TOKENS / 2, stats  # they shared decode steps
         # the q4_0 copy the daemon made at first load (its model_dir, _serve's)
@@ -167,9 +154,34 @@ def test_recurrent_families_serve_in_cpu_mode_with_llama_cpps_own_tokens(family,
     assert all(alone), alone  # each prompt gave text, or the comparison would prove little
     differ = [i for i, (g, a) in enumerate(zip(got, alone)) if g != a]
     assert not differ, f"{family}: prompt {differ[0]}:\nserved {got[differ[0]]!r}\nalone  {alone[differ[0]]!r}"
-    with pytest.raises(RuntimeError) as refused:
-        _serve(tmp_path_factory, family, "hetero")
-    assert f"is a {family} model, whose recurrent state the handoff does not carry yet" in str(refused.value)
+    assert _hetero_answers(tmp_path_factory, family, _staggered) == got
+
+
+def _staggered(daemon) -> list[str]:
+    """RECURRENT_PROMPTS' greedy completions, sent 30 ms apart: each joins a batch already decoding."""
+    client = client_of(daemon)
+
+    def ask(i: int) -> str:
+        time.sleep(0.03 * i)
+        return client.completions.create(model=MODEL_NAME, prompt=RECURRENT_PROMPTS[i], max_tokens=MAX_TOKENS,
+                                         temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(RECURRENT_PROMPTS)) as pool:
+        return list(pool.map(ask, range(len(RECURRENT_PROMPTS))))
+
+
+def _hetero_answers(tmp_path_factory, family: str, answers):
+    """answers(daemon) from a hetero daemon whose llama.cpp prefill engine hands every prompt on as a KV record of
+    llama.cpp's whole state; each handed over and imported, none recomputed."""
+    hetero = _serve(tmp_path_factory, family, "hetero")
+    try:
+        assert hetero.status()["exact"]["hetero_equals_cpu"] is True, hetero.status()["exact"]
+        got = answers(hetero)
+        kv = hetero.status()["kv"]
+    finally:
+        assert hetero.stop() == 0, hetero.log()
+    assert kv["records_written"] >= 5 and kv["records_read"] == kv["records_written"], kv
+    return got
 
 
 def _llama_alone(model, prompts: list) -> list[str]:

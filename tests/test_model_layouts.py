@@ -1,6 +1,7 @@
 """What a model keeps beside one plain KV cache (sliding-window layers, a recurrent state, MLA's compressed KV) is read
-from its GGUF header as llama.cpp reads it, and what the engines cannot carry is refused at start by the plan, naming
-the model and what to do: the daemon exits with status 2, as systemd shows it, never answers 503 after a worker
+from its GGUF header as llama.cpp reads it, and what an engine on the way cannot carry (torch and vLLM take K and V
+rows per head; llama.cpp's engines move a sequence's whole state) is refused at start by the plan, naming the model
+and what to do: the daemon exits with status 2, as systemd shows it, never answers 503 after a worker
 refused the model.
 
 The models are tiny real ones of each layout (tests/families.py, written by llama.cpp's own converter): gemma 2 and 3
@@ -95,14 +96,16 @@ def _config(mode: str) -> Config:
 
 
 @pytest.mark.parametrize("family", ["lfm2", "qwen35", "mamba"])
-def test_a_model_with_a_recurrent_state_is_refused_outside_cpu_mode_and_served_in_it(family):
+def test_a_model_with_a_recurrent_state_is_refused_where_an_engine_other_than_llama_cpp_is_on_the_way(family):
     path = _model(family)
-    for mode in ("hetero", "auto", "gpu"):
+    for mode, backend in (("hetero", "torch"), ("auto", "vllm"), ("gpu", "vllm")):
         with pytest.raises(PlanError) as refused:
-            plan_engines(_config(mode), path, MODEL_NAME, {}, instance="plan-only")
+            plan_engines(dataclasses.replace(_config(mode), prefill_engine=backend), path, MODEL_NAME, {},
+                         instance="plan-only")
         says = str(refused.value)
-        assert says.startswith(f"{mode} mode: {path.name} is a {LAYOUTS[family].arch} model, whose recurrent state"), says
-        assert "serve it in cpu mode (--mode cpu)" in says, says
+        assert says.startswith(f"{mode} mode: {path.name} is a {LAYOUTS[family].arch} model whose recurrent state "
+                               f"prefill_engine {backend} does not carry"), says
+        assert 'serve it in cpu mode (--mode cpu), or with llama.cpp engines ("llamacpp")' in says, says
     # cpu mode serves it, without the prefix cache's blocks (a recurrent state stands for all its tokens, not blocks
     # of them): each worker keeps whole states after prompts instead, within prefix_cache_mb
     planned = plan_engines(_config("cpu"), path, MODEL_NAME, {}, instance="plan-only")
@@ -111,25 +114,30 @@ def test_a_model_with_a_recurrent_state_is_refused_outside_cpu_mode_and_served_i
             for _, spec in planned.workers} == {("", False, Config().prefix_cache_mb)}
     off = plan_engines(dataclasses.replace(_config("cpu"), prefix_cache_mb=0), path, MODEL_NAME, {}, instance="p")
     assert {spec.state_checkpoints_mb for _, spec in off.workers} == {0}
+    # llama.cpp's prefill engine hands its decoders the whole state (a KV record of llama.cpp's own state)
+    hetero = plan_engines(_config("hetero"), path, MODEL_NAME, {}, instance="plan-only")
+    assert hetero.ring is not None and {spec.backend for _, spec in hetero.workers} == {"llamacpp"}
 
 
-@pytest.mark.parametrize("family, why", [("gemma2", "sliding-window layers keep a second KV cache"),
-                                         ("gpt-oss", "sliding-window layers keep a second KV cache"),
-                                         ("deepseek3", "multi-head latent attention (MLA), whose compressed KV")])
-def test_a_layout_the_handoff_does_not_carry_is_refused_in_hetero_and_auto_and_served_in_cpu_mode(family, why):
+@pytest.mark.parametrize("family, why", [("gemma2", "whose sliding-window layers keep a second KV cache"),
+                                         ("gpt-oss", "whose sliding-window layers keep a second KV cache"),
+                                         ("deepseek3", "with multi-head latent attention (MLA), whose compressed KV")])
+def test_a_layout_torch_and_vllm_do_not_carry_is_refused_with_them_and_served_by_llama_cpp(family, why):
     path = _model(family)
-    for mode in ("hetero", "auto"):
+    for mode, backend in (("hetero", "torch"), ("auto", "vllm")):
         with pytest.raises(PlanError) as refused:
-            plan_engines(_config(mode), path, MODEL_NAME, {}, instance="plan-only")
+            plan_engines(dataclasses.replace(_config(mode), prefill_engine=backend), path, MODEL_NAME, {},
+                         instance="plan-only")
         says = str(refused.value)
-        assert says.startswith(f"{mode} mode: {path.name} is a {LAYOUTS[family].arch} model"), says
-        assert why in says and "serve it in cpu mode (--mode cpu)" in says, says
+        assert says.startswith(f"{mode} mode: {path.name} is a {LAYOUTS[family].arch} model {why}"), says
+        assert f"prefill_engine {backend} does not carry; serve it in cpu mode (--mode cpu)" in says, says
     # cpu mode serves it, without the prefix cache's blocks (they carry K and V rows per head of one cache): whole
     # states after prompts instead
     planned = plan_engines(_config("cpu"), path, MODEL_NAME, {}, instance="plan-only")
     assert planned.workers and planned.prefix is None and planned.ring is None
     assert {(spec.prefix_store, spec.keep_generated, spec.state_checkpoints_mb)
             for _, spec in planned.workers} == {("", False, Config().prefix_cache_mb)}
+    assert plan_engines(_config("hetero"), path, MODEL_NAME, {}, instance="plan-only").ring is not None
 
 
 def test_a_plain_model_keeps_its_prefix_cache_in_cpu_mode(default_model):
@@ -148,13 +156,16 @@ def test_a_decode_node_refuses_what_the_handoff_does_not_carry(family):
 
 
 @pytest.mark.parametrize("family, mode, says", [
-    ("qwen35", "hetero", "is a qwen35 model, whose recurrent state the handoff does not carry yet"),
-    ("gpt-oss", "hetero", "is a gpt-oss model, whose sliding-window layers keep a second KV cache"),
+    ("qwen35", "hetero", "is a qwen35 model whose recurrent state prefill_engine torch does not carry"),
+    ("gpt-oss", "auto", "is a gpt-oss model whose sliding-window layers keep a second KV cache that prefill_engine "
+                        "torch does not carry"),
 ])
 def test_the_daemon_exits_with_status_2_and_the_reason(family, mode, says, tmp_path):
     path = _model(family)
-    done = subprocess.run([sys.executable, "-m", "syshaxd", "--model", str(path), "--mode", mode, "--port", "0"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    config = tmp_path / "syshax.toml"
+    config.write_text('prefill_engine = "torch"\n')
+    done = subprocess.run([sys.executable, "-m", "syshaxd", "--config", str(config), "--model", str(path), "--mode",
+                           mode, "--port", "0"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert f"{mode} mode: {path.name} {says}" in done.stderr, done.stderr
     assert "Worker" not in done.stderr and "worker" not in done.stderr  # refused before any worker started

@@ -134,3 +134,30 @@ def test_bf16_conversions_round_to_nearest_and_widen_exactly():
     half = np.empty(5, np.float16)
     rec.convert_into(half, DType.F16, bf, DType.BF16)
     np.testing.assert_array_equal(half, back.astype(np.float16))
+
+
+def test_a_record_of_llama_cpps_whole_state_is_read_only_by_a_reader_that_takes_it():
+    """FLAG_LLAMA_STATE: the prompt's tokens and llama.cpp's own state bytes (a model whose KV is not rows per head of
+    one cache), checksummed like any record; a reader that takes K and V rows (torch, vLLM) refuses it by name."""
+    state = np.random.default_rng(1).integers(0, 256, 1001, dtype=np.uint8)  # any length, not a multiple of 64
+    size = rec.state_record_size(FP, 5, state.nbytes)
+    buf = bytearray(size + 64)
+    assert rec.encode_state_record_into(buf, FP, [7, 8, 9, 10, 11], state) == size
+    out = rec.decode(memoryview(buf).toreadonly(), expect=FP, llama_state=True)
+    assert out.n_tokens == 5 and out.nbytes == size and out.tokens.tolist() == [7, 8, 9, 10, 11]
+    np.testing.assert_array_equal(out.state, state)
+    assert out.kv.size == 0 and not out.state.flags.writeable
+    with pytest.raises(rec.RecordError, match="llama.cpp's own sequence state"):
+        rec.decode(buf, expect=FP)
+    bad = bytearray(buf)
+    bad[size - 1] ^= 0x01  # the state's last byte
+    with pytest.raises(RecordCorrupt, match="checksum mismatch"):
+        rec.decode(bad, llama_state=True)
+    other = ModelFingerprint(**{**FP.__dict__, "n_layer": 4})
+    with pytest.raises(FingerprintMismatch):
+        rec.decode(buf, expect=other, llama_state=True)
+    # a rows record reads as before with the flag allowed
+    tokens, positions, k, v = sample()
+    rows = bytearray(rec.record_size(FP, 5, "f16"))
+    rec.encode_into(rows, FP, tokens, positions, k, v)
+    assert rec.decode(rows, llama_state=True).state is None

@@ -15,7 +15,7 @@ from syshaxd.config import Config
 from syshaxd.sdk import faults
 from syshaxd.sdk.types import EngineSpec, GpuSettings, Pool, Role
 from syshaxd.sdk.gguf.header import GGUFError, read_gguf_header
-from syshaxd.sdk.gguf.layout import KVLayout, kv_layout, recurrent_refusal
+from syshaxd.sdk.gguf.layout import KVLayout, kv_layout
 from syshaxd.engine.numa import ENV_CPU_AFFINITY, plan_cpu_workers, plan_prefill_worker, read_host_topology
 from syshaxd.sdk.placement import ENV_THREADS, PlacementError, format_cpulist
 
@@ -127,25 +127,28 @@ def _layout(model_path: Path) -> KVLayout | None:
         return None  # the engines say what is wrong with the file
 
 
-def _refuse_what_the_engines_cannot_carry(model_path: Path, where: str, handoff: bool, cpu_mode: bool = False) -> None:
-    """What a model keeps beside one plain KV cache (sdk/gguf/layout.py), refused at start where the engines cannot
-    carry it, so that the daemon exits saying why instead of answering 503: a recurrent state outside cpu mode (only
-    the llama.cpp engine, moving a sequence's whole state between its own contexts, is proven on it), sliding-window
-    layers and MLA's compressed KV where prompts are handed between engines (`handoff`: the KV record carries K and V
-    rows per head of one cache). `where` starts the message ("hetero mode")."""
+def _refuse_what_the_engines_cannot_carry(model_path: Path, where: str, handoff: bool, others: str = "") -> None:
+    """What a model keeps beside one plain KV cache (sdk/gguf/layout.py), refused at start where an engine on the way
+    cannot carry it, so that the daemon exits saying why instead of answering 503. llama.cpp engines move a sequence's
+    whole state, between their own contexts and as a KV record of llama.cpp's state from a prefill engine to a decoder
+    (FLAG_LLAMA_STATE), so with llama.cpp engines alone every layout serves. `others` names what else is on the way
+    and takes K and V rows per head of one cache ("prefill_engine torch", "a decode node's handoff"; "": nothing):
+    a recurrent state is refused with it, sliding-window layers and MLA where prompts are handed between engines
+    (`handoff`). `where` starts the message ("hetero mode")."""
     layout = _layout(model_path)
-    if layout is None:
+    if layout is None or layout.plain or not others:
         return
-    if layout.recurrent and not cpu_mode:
-        raise PlanError(f"{where}: {recurrent_refusal(model_path.name, layout.arch)}")
-    if not handoff:
+    if layout.recurrent:
+        what = "whose recurrent state"
+    elif not handoff:
         return
-    if layout.sliding_window:
-        raise PlanError(f"{where}: {model_path.name} is a {layout.arch} model, whose sliding-window layers keep a "
-                        "second KV cache that the handoff does not carry yet; serve it in cpu mode (--mode cpu)")
-    if layout.mla:
-        raise PlanError(f"{where}: {model_path.name} is a {layout.arch} model with multi-head latent attention "
-                        "(MLA), whose compressed KV the handoff does not carry yet; serve it in cpu mode (--mode cpu)")
+    elif layout.sliding_window:
+        what = "whose sliding-window layers keep a second KV cache that"
+    else:
+        what = "with multi-head latent attention (MLA), whose compressed KV"
+    hint = "" if others.startswith("a decode node") else ', or with llama.cpp engines ("llamacpp")'
+    raise PlanError(f"{where}: {model_path.name} is a {layout.arch} model {what} {others} does not carry; serve it in "
+                    f"cpu mode (--mode cpu){hint}")
 
 
 def _warn_if_the_ring_is_small(model_path: Path, capacity: int, n_ctx: int) -> None:
@@ -348,15 +351,17 @@ def _plan_workers(cfg: Config, model_path: Path, model_name: str, env: dict, ins
         speculative_tokens=cfg.speculative_tokens, draft_model=_draft_model(cfg),
         gpu=GpuSettings(cfg.gpu_memory_utilization, cfg.max_num_seqs, cfg.tensor_parallel_size, cfg.preemption_mode),
     )
+    pool = split_pool(cfg.prefill_engine, cfg.prefill_cpu_affinity, cfg.gpu_devices) if cfg.mode != "cpu" else []
+    others = [f"prefill_engine {b}" for b in sorted({e.backend for e in pool} - {"llamacpp"})]
+    others += [f"cpu_engine {cfg.cpu_engine}"] if cfg.cpu_engine != "llamacpp" else []
     _refuse_what_the_engines_cannot_carry(model_path, f"{cfg.mode} mode", handoff=cfg.mode in ("hetero", "auto"),
-                                          cpu_mode=cfg.mode == "cpu")
+                                          others=" and ".join(others))
     topology = read_host_topology()
     try:
         if cfg.mode == "cpu":
             _cpu_backend(cfg.cpu_engine, cfg.mode)
             placements = plan_cpu_workers(topology, _overrides(cfg, env), role="generate")
             return Engines([(f"cpu{p.index}", replace(base, threads=p.threads, placement=p)) for p in placements])
-        pool = split_pool(cfg.prefill_engine, cfg.prefill_cpu_affinity, cfg.gpu_devices)
         _refuse_codecs_unproven_for(model_path, cfg.mode, {e.backend for e in pool} - {cfg.cpu_engine})
         if cfg.mode == "gpu":
             # the engines do both phases; on a host without a GPU they run on these CPUs
@@ -409,7 +414,8 @@ def plan_node(cfg: Config, model_path: Path, model_name: str, env: dict, instanc
         prefill_chunk_size=cfg.prefill_chunk_size, quantize=cfg.quantize, cache_dir=str(cfg.model_dir_path()),
         handoff_timeout=cfg.handoff_timeout, repack=cfg.repack, fault=_fault(env), tiled_attention=cfg.tiled_attention,
         speculative_tokens=cfg.speculative_tokens, draft_model=_draft_model(cfg))
-    _refuse_what_the_engines_cannot_carry(model_path, "a decode node", handoff=True)
+    _refuse_what_the_engines_cannot_carry(model_path, "a decode node", handoff=True,
+                                          others="a decode node's handoff")
     instance = instance or f"node-{os.getpid()}"
     try:
         placements = plan_cpu_workers(read_host_topology(), _overrides(cfg, env), role="decode")

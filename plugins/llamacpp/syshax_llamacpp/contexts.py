@@ -19,9 +19,10 @@ import llama_cpp
 from syshax_llamacpp import kernels
 from syshax_llamacpp.codec import StateShape, shape_of
 from syshax_llamacpp.proofs import TILED_ATTENTION_ENV
-from syshaxd.sdk.gguf.layout import recurrent_refusal
+from syshaxd.sdk.gguf.header import GGUFError
+from syshaxd.sdk.gguf.layout import kv_layout
 from syshaxd.sdk.gguf.quantize import ensure_quantized
-from syshaxd.sdk.types import EngineSpec, ModelNotServable
+from syshaxd.sdk.types import EngineSpec
 
 log = logging.getLogger("syshax_llamacpp.engine")
 
@@ -53,8 +54,9 @@ class LoadedModel:
     kernels: kernels.KernelChoice
     tiled_attention: bool  # every query row's attention tiled (TILED_ATTENTION_ENV)
     arch: str
-    sliding_window: bool  # sliding-window layers: a second KV cache that KV records do not carry
+    sliding_window: bool  # sliding-window layers: a second KV cache, which the prefix cache's blocks do not carry
     state: StateShape  # how llama.cpp writes a sequence's state: its KV caches, their cells, a recurrent state
+    whole_state: bool = False  # its KV records carry llama.cpp's whole state, not K and V rows (handoff.KVPort)
 
 
 def load_model(spec: EngineSpec) -> LoadedModel:
@@ -88,19 +90,18 @@ def load_model(spec: EngineSpec) -> LoadedModel:
     if model is None:
         raise RuntimeError(f"llama.cpp could not load {path}")
     arch = _meta(model, b"general.architecture") or "this model"
-    # a recurrent state (hybrid and recurrent models) moves whole between the engine's own contexts, but the KV
-    # record (ring handoffs, the prefix cache, remote nodes) does not carry it; the plan refuses such a model outside
-    # cpu mode at start from the GGUF's header (sdk/gguf/layout.py), this is llama.cpp's own word
+    # a recurrent state (hybrid and recurrent models), sliding-window layers (llama.cpp's iswa cache: gemma, gpt-oss),
+    # MLA's compressed KV (deepseek2) or M-RoPE's cells are not K and V rows per head of one cache: the engine moves
+    # such a sequence's whole state between its contexts, and its KV records carry that state (FLAG_LLAMA_STATE),
+    # which only a llama.cpp engine of this model reads; the plan refuses other engines on the way at start
     state = shape_of(model)
-    if state.recurrent and spec.ring:
-        raise ModelNotServable(recurrent_refusal(path.name, arch))
-    # sliding-window layers (gemma 2 and 3): llama.cpp keeps them in a second KV cache (iswa), which the KV
-    # record does not carry either; such a model serves in cpu mode, each prompt computed whole
     sliding_window = llama_cpp.llama_model_n_swa(model) > 0
-    if sliding_window and spec.ring:
-        raise ModelNotServable(f"{arch} has sliding-window attention layers, whose KV the handoff does not "
-                               "carry yet: serve it in cpu mode (--mode cpu)")
-    return LoadedModel(path, model, choice, tiled_attention, arch, sliding_window, state)
+    try:
+        plain = kv_layout(path).plain
+    except (GGUFError, OSError):
+        plain = not (state.recurrent or sliding_window)
+    return LoadedModel(path, model, choice, tiled_attention, arch, sliding_window, state,
+                       whole_state=not (plain and state.plain))
 
 
 def add_row(b, token: int, pos: int, seq_id: int, logits: bool) -> int:

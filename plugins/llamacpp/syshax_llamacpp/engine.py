@@ -136,7 +136,8 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.port = None
         if spec.ring:
-            self.port = KVPort(spec.ring, str(self.model_path), n_stream=self.max_seqs, timeout=spec.handoff_timeout)
+            self.port = KVPort(spec.ring, str(self.model_path), n_stream=self.max_seqs, timeout=spec.handoff_timeout,
+                               whole_state=loaded.whole_state, shape=self.state)
         # a prompt chunk of this many tokens or more gives the same bits wherever it starts (proved at the
         # warm-up; 0: not proved, so a prefix cache hit resumes only at a multiple of the chunk; 1: any chunk)
         self.exact_resume = 0

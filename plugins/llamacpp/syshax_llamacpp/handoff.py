@@ -20,15 +20,18 @@ from syshax_llamacpp.codec import (
     StateBuffer,
     StateFormatError,
     StateImportError,
+    StateShape,
     encode_state_into,
     export_seq,
     import_record,
     parse_seq_state,
+    widen_streams,
 )
 from syshax_llamacpp.sampling import accept
 from syshaxd.sdk.types import Fallback, Imported, KVHandle, Prefilled, TokenLogprob
 from syshaxd.sdk.gguf.header import fingerprint_from_gguf
-from syshaxd.sdk.kv.record import FingerprintMismatch, RecordCorrupt, RecordError, decode, record_size
+from syshaxd.sdk.kv.record import (FingerprintMismatch, RecordCorrupt, RecordError, decode,
+                                   encode_state_record_into, record_size, state_record_size)
 from syshaxd.sdk.kv.ring import KVRing, RingError
 
 if TYPE_CHECKING:
@@ -57,21 +60,32 @@ def _refusal(exc: Exception) -> Fallback:
 
 
 class KVPort:
-    def __init__(self, ring_instance: str, model_path: str, n_stream: int, timeout: float) -> None:
+    """whole_state: the model's KV is not rows per head of one cache (a recurrent state, sliding-window layers, MLA,
+    M-RoPE's cells), so a record carries llama.cpp's whole state of the sequence (FLAG_LLAMA_STATE), which only a
+    llama.cpp engine of the same model reads; `shape` says how to re-address it for the importing context."""
+
+    def __init__(self, ring_instance: str, model_path: str, n_stream: int, timeout: float,
+                 whole_state: bool = False, shape: StateShape = StateShape()) -> None:
         self.ring = KVRing.attach(ring_instance)
         self.fingerprint = fingerprint_from_gguf(model_path)
         self.n_stream = n_stream  # KV streams of the context records are imported into
         self.timeout = timeout
+        self.whole_state, self.shape = whole_state, shape
         self.scratch = StateBuffer()
 
     def export(self, ctx, seq_id: int, tokens: list[int], first_token: int) -> KVHandle:
         """Write seq_id's KV as one record; raises RingFull when no room frees in time."""
-        state = parse_seq_state(export_seq(ctx, seq_id, self.scratch), self.fingerprint)
-        size = record_size(self.fingerprint, len(tokens), state.dtype)
+        raw = export_seq(ctx, seq_id, self.scratch)
+        state = None if self.whole_state else parse_seq_state(raw, self.fingerprint)
+        size = (state_record_size(self.fingerprint, len(tokens), raw.nbytes) if state is None else
+                record_size(self.fingerprint, len(tokens), state.dtype))
         res = self.ring.reserve(size, self.timeout)
         try:
-            encode_state_into(res.view, self.fingerprint, state, tokens)
-            checksum = decode(res.view, verify=False).checksum
+            if state is None:
+                encode_state_record_into(res.view, self.fingerprint, tokens, raw)
+            else:
+                encode_state_into(res.view, self.fingerprint, state, tokens)
+            checksum = decode(res.view, verify=False, llama_state=True).checksum
         except BaseException:
             res.abort()
             raise
@@ -85,15 +99,29 @@ class KVPort:
         this worker is done with it, used or not.
         """
         try:
-            record = decode(self.ring.read(handle.offset, handle.seq), expect=self.fingerprint)
+            record = decode(self.ring.read(handle.offset, handle.seq), expect=self.fingerprint, llama_state=True)
             if record.checksum != handle.checksum:
                 raise RecordCorrupt(f"record checksum {record.checksum:#x} is not the {handle.checksum:#x} reported")
             if record.n_tokens != len(prompt) or record.tokens.tolist() != prompt:
                 raise ImportRefused(Fallback.TOKEN_MISMATCH, "the record holds other tokens than this request's prompt")
-            import_record(ctx, seq_id, record, v_trans=False, scratch=self.scratch, n_stream=self.n_stream)
+            if record.state is not None:
+                self._import_state(ctx, seq_id, record.state)
+            else:
+                import_record(ctx, seq_id, record, v_trans=False, scratch=self.scratch, n_stream=self.n_stream)
         except (RingError, RecordError, StateFormatError, StateImportError) as exc:
             raise ImportRefused(_refusal(exc), str(exc)) from exc
         return handle.length
+
+    def _import_state(self, ctx, seq_id: int, state) -> None:
+        """llama.cpp's own state of a sequence (a one-stream export by a prefill engine of this model) into seq_id."""
+        import llama_cpp
+
+        buf = self.scratch.ensure(state.nbytes + 8 * self.n_stream)  # widen_streams: 2 KV caches at most
+        buf[:state.nbytes] = state
+        size = widen_streams(buf, state.nbytes, self.n_stream, self.shape)
+        got = llama_cpp.llama_state_seq_set_data(ctx, StateBuffer.pointer(buf), size, seq_id)
+        if got != size:
+            raise StateImportError(f"llama_state_seq_set_data took {got} of {size} bytes for sequence {seq_id}")
 
     def close(self) -> None:
         self.ring.close()

@@ -76,10 +76,3 @@ def kv_layout(path: str | os.PathLike) -> KVLayout:
         return layout_of(meta)
     except GGUFError as exc:
         raise GGUFError(f"{Path(path).name}: {exc}") from None
-
-
-def recurrent_refusal(name: str, arch: str) -> str:
-    """Why a model with a recurrent state is not served outside cpu mode, and what to do: the plan's words and the
-    engine's."""
-    return (f"{name} is a {arch} model, whose recurrent state the handoff does not carry yet; serve it in cpu mode "
-            "(--mode cpu)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import IntEnum
 from typing import Sequence
 
@@ -25,6 +25,12 @@ _FP_VERSION = 1
 # magic, version, n_layer, n_head_kv, head_dim, rope_dim, rope_freq_base, rope_freq_scale,
 # tensor_table_hash, len(arch), len(rope_type)
 _FP = struct.Struct("<4sHIIIIddQHH")
+
+
+# flags: the payload after the positions is llama.cpp's own state of one sequence (llama_state_seq_get_data), not K
+# and V rows: a model whose KV the rows do not carry (a recurrent state, sliding-window layers, MLA), handed from a
+# llama.cpp engine to a llama.cpp engine of the same model
+FLAG_LLAMA_STATE = 1
 
 
 class RecordError(Exception):
@@ -137,6 +143,8 @@ class KVRecord:
     kv: np.ndarray  # [n_layer, 2 (K, V), n_tokens, n_head_kv, head_dim]
     nbytes: int
     checksum: int
+    # FLAG_LLAMA_STATE: llama.cpp's state bytes of the sequence (a one-stream export); kv then holds no rows
+    state: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -240,12 +248,42 @@ def encode_into(buf, fingerprint: ModelFingerprint | bytes, tokens, positions,
     return rec.nbytes
 
 
-def decode(buf, *, expect: ModelFingerprint | bytes | None = None, verify: bool = True) -> KVRecord:
-    """Views onto the record in buf; RecordCorrupt on bad bytes or checksum, FingerprintMismatch on model."""
+def state_record_size(fingerprint: ModelFingerprint | bytes, n_tokens: int, state_bytes: int) -> int:
+    """Bytes a FLAG_LLAMA_STATE record of n_tokens carrying state_bytes of llama.cpp state takes."""
+    fp = _as_fingerprint(fingerprint)
+    return _layout(fp, len(fp.to_bytes()), n_tokens, DType.F16).kv + state_bytes
+
+
+def encode_state_record_into(buf, fingerprint: ModelFingerprint | bytes, tokens, state: np.ndarray) -> int:
+    """A FLAG_LLAMA_STATE record into buf: the prompt's tokens and llama.cpp's state bytes after them, sealed;
+    returns its size."""
+    fp = _as_fingerprint(fingerprint)
+    fp_bytes = fp.to_bytes()
+    tokens = np.asarray(tokens)
+    lay = _layout(fp, len(fp_bytes), len(tokens), DType.F16)
+    total = lay.kv + state.nbytes
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes < total:
+        raise ValueError(f"buffer of {mv.nbytes} bytes is smaller than the {total}-byte record")
+    mv[:lay.kv] = bytes(lay.kv)
+    _HEADER.pack_into(mv, 0, MAGIC, 0, FORMAT_VERSION, HEADER_SIZE, int(DType.F16), len(tokens), len(fp_bytes),
+                      total, FLAG_LLAMA_STATE)
+    mv[HEADER_SIZE:HEADER_SIZE + len(fp_bytes)] = fp_bytes
+    np.frombuffer(mv, np.int32, len(tokens), lay.tokens)[:] = tokens
+    np.frombuffer(mv, np.int32, len(tokens), lay.positions)[:] = np.arange(len(tokens), dtype=np.int32)
+    np.frombuffer(mv, np.uint8, state.nbytes, lay.kv)[:] = np.ascontiguousarray(state).reshape(-1).view(np.uint8)
+    seal(buf)
+    return total
+
+
+def decode(buf, *, expect: ModelFingerprint | bytes | None = None, verify: bool = True,
+           llama_state: bool = False) -> KVRecord:
+    """Views onto the record in buf; RecordCorrupt on bad bytes or checksum, FingerprintMismatch on model.
+    llama_state: the reader takes FLAG_LLAMA_STATE records (a llama.cpp engine); any other reader refuses them."""
     mv = memoryview(buf).cast("B")
     if mv.nbytes < HEADER_SIZE:
         raise RecordCorrupt(f"{mv.nbytes} bytes is shorter than a record header")
-    magic, checksum, version, header_size, dtype_id, n_tokens, fp_len, total, _ = _HEADER.unpack_from(mv)
+    magic, checksum, version, header_size, dtype_id, n_tokens, fp_len, total, flags = _HEADER.unpack_from(mv)
     if magic != MAGIC:
         raise RecordCorrupt(f"bad magic {magic!r}")
     if version != FORMAT_VERSION or header_size != HEADER_SIZE:
@@ -264,10 +302,23 @@ def decode(buf, *, expect: ModelFingerprint | bytes | None = None, verify: bool 
         raise RecordCorrupt("fingerprint runs past the end of the record")
     fp = ModelFingerprint.from_bytes(mv[HEADER_SIZE:HEADER_SIZE + fp_len])
     lay = _layout(fp, fp_len, n_tokens, dtype)
-    if lay.total != total:
+    if flags & FLAG_LLAMA_STATE:
+        if not llama_state:
+            raise RecordError("a record of llama.cpp's own sequence state: only a llama.cpp engine of the same model "
+                              "reads it")
+        if total < lay.kv:
+            raise RecordCorrupt(f"record size {total} is shorter than its tokens ({lay.kv})")
+        lay = _Layout(lay.fp_len, lay.tokens, lay.positions, lay.kv, total)
+    elif lay.total != total:
         raise RecordCorrupt(f"record size {total} does not match its shape ({lay.total} expected)")
     if expect is not None:
         want = _as_fingerprint(expect)
         if want != fp:
             raise FingerprintMismatch("KV record is from another model: " + "; ".join(fp.differences(want)))
+    if flags & FLAG_LLAMA_STATE:
+        rows = _views(mv[:lay.kv], fp, _Layout(lay.fp_len, lay.tokens, lay.positions, lay.kv, lay.kv), 0, dtype,
+                      checksum)
+        return replace(rows, tokens=np.frombuffer(mv, np.int32, n_tokens, lay.tokens),
+                       positions=np.frombuffer(mv, np.int32, n_tokens, lay.positions), nbytes=total,
+                       state=np.frombuffer(mv, np.uint8, total - lay.kv, lay.kv))
     return _views(mv[:total], fp, lay, n_tokens, dtype, checksum)
