@@ -1,4 +1,4 @@
-"""syshaxd and llama-server on a q4_0 model of a real 1.5B shape: memory, decode, TTFT, hetero handoff, 32B on paper; writes bench/results/bench_real_shape.json.
+"""syshaxd and llama-server on a model of a real shape (1.5B dense, or Qwen 3.5 2B's hybrid): memory, decode, TTFT, hetero handoff, 32B on paper; writes bench/results/bench_real_shape.json.
 
 The model is made here, once (tests/families.py, make_shape_model): Qwen2-1.5B's shape (qwen2 arch, hidden
 1536, 28 layers, 12 heads, 2 KV heads of head_dim 128, intermediate 8960, tied embeddings) with random weights,
@@ -28,7 +28,11 @@ A decode step's, a prompt's and a handoff's cost do not depend on the weights' v
    256 KiB a token): the ring a number of concurrent --long-len handoffs needs, the handoff time of one such
    prompt scaled by bytes from the measured one, KV memory per sequence at 4k and 32k, the weights at q4_0.
 
+--shape qwen35-2b-shape makes Qwen 3.5 2B's shape instead (a hybrid: three gated delta-net layers to each gated
+attention layer, 24 layers, hidden 2048; tests/families.py says the rest), --quant q4_k_m the file a user downloads.
+
     .venv/bin/python bench/bench_real_shape.py            # about 10 minutes on 2 quiet cores (+2 to make the model)
+    .venv/bin/python bench/bench_real_shape.py --shape qwen35-2b-shape --quant q4_k_m --skip-hetero   # 6 minutes
     .venv/bin/python bench/bench_real_shape.py --quick    # fewer, shorter requests: a smoke test, not a measurement
     .venv/bin/python bench/bench_real_shape.py --quick --layers 2   # the pipeline on a 2-layer model of the same width
 """
@@ -109,9 +113,13 @@ R1_32B = PaperModel("DeepSeek-R1-Distill-Qwen-32B", layers=64, kv_heads=8, head_
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer and shorter requests: a smoke test")
-    p.add_argument("--layers", type=int, help=f"build {SHAPE} with this many layers instead of 28 (a smoke test "
-                   "of the pipeline; its figures are not the shape's)")
-    p.add_argument("--model", type=Path, help=f"a GGUF to serve instead of the {SHAPE} model made here")
+    p.add_argument("--shape", choices=sorted(SHAPE_SPECS), default=SHAPE,
+                   help=f"the real shape made here (tests/families.py SHAPE_SPECS; default: {SHAPE})")
+    p.add_argument("--quant", default="q4_0", help="its llama.cpp file type: q4_0 (default, made as syshaxd "
+                   "quantizes: output q8_0) or any other (q4_k_m, ...: as llama.cpp's quantizer makes it)")
+    p.add_argument("--layers", type=int, help="build the shape with this many layers instead of its own (a smoke "
+                   "test of the pipeline; its figures are not the shape's)")
+    p.add_argument("--model", type=Path, help="a GGUF to serve instead of the shape's model made here")
     p.add_argument("--threads", type=int, default=2, help="threads of syshaxd's cpu mode and llama-server (default: 2)")
     p.add_argument("--n-ctx", type=int, default=4096, help="context per sequence on every server; llama-server gets "
                    f"-c n_ctx x {PARALLEL} (default: 4096)")
@@ -178,11 +186,12 @@ def prepare_model(args: argparse.Namespace) -> tuple[Path, float | None]:
     if args.model is not None:
         return args.model.resolve(), None
     out_dir = REPO / "models" / "bench"
-    spec = SHAPE_SPECS[SHAPE]
-    print(f"model: {SHAPE}{f' with {args.layers} layers' if args.layers else ''} ({spec.note})", flush=True)
+    spec = SHAPE_SPECS[args.shape]
+    print(f"model: {args.shape} in {args.quant}{f' with {args.layers} layers' if args.layers else ''} ({spec.note})",
+          flush=True)
     t0 = time.monotonic()
     built = []
-    path = make_shape_model(SHAPE, out_dir, layers=args.layers,
+    path = make_shape_model(args.shape, out_dir, layers=args.layers, quant=args.quant,
                             log=lambda text: (built.append(text), print(text, flush=True)))
     return path.resolve(), (time.monotonic() - t0 if built else None)
 
@@ -579,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                      "ttft_repeats": args.ttft_repeats, "stagger_s": args.stagger, "repack": args.repack,
                      "quick": args.quick, "layers": args.layers, "seed": args.seed, "llama_server": binary,
                      "loads": [asdict(ld) for ld in loads]},
-        "model": shape | ({"shape": SHAPE, "note": SHAPE_SPECS[SHAPE].note, "build_s": build_s}
+        "model": shape | ({"shape": args.shape, "note": SHAPE_SPECS[args.shape].note, "build_s": build_s}
                           if made_here else {"shape": None}),
         "machine": describe_machine(),
         "servers": servers,
@@ -595,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(document, args.json)
     smoke = "--quick: a smoke test, " if args.quick else ""
     if args.layers:
-        smoke += f"{args.layers} layers, not the shape's 28: the pipeline only, "
+        smoke += f"{args.layers} layers, not the shape's own: the pipeline only, "
     print(f"\n{OURS} (cpu mode) / {PEER}, {args.threads} threads each ({smoke}ratios: tok/s higher is better for "
           "syshaxd, TTFT and TPOT lower is better):\n")
     print(format_table(rows))
