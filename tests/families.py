@@ -236,6 +236,17 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
                 tie_word_embeddings=True,
                 rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.25)),
            convert_args=("--no-mtp",)),  # Qwen 3.5's checkpoints carry a next-token (MTP) layer; this one has none
+    Family("qwen35moe", "Qwen3_5MoeForCausalLM",
+           "qwen35moe arch (Qwen 3.5/3.6 MoE), a hybrid: a gated delta-net layer then a gated attention layer, each "
+           "with MoE (8 experts, top 2, a shared expert), head_dim 64, GQA 2:1, Qwen3 template",
+           _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.25)),
+           convert_args=("--no-mtp",)),
     Family("mamba", "MambaForCausalLM",
            "mamba arch, recurrent only (no attention, no KV cache): each layer a short convolution and a selective "
            "scan (state 16), BPE, ChatML (Qwen2.5 template)",
@@ -252,7 +263,7 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
 
 # families whose KV layout this engine does not carry in every mode yet (a sliding window with sinks, MLA, a
 # recurrent state): the header and plan tests make them; test_families.py serves FAMILIES in cpu mode and hetero
-LAYOUT_FAMILIES: list[str] = ["gpt-oss", "deepseek3", "lfm2", "qwen35", "mamba"]
+LAYOUT_FAMILIES: list[str] = ["gpt-oss", "deepseek3", "lfm2", "qwen35", "qwen35moe", "mamba"]
 FAMILIES: list[str] = [name for name in FAMILY_SPECS if name not in LAYOUT_FAMILIES]
 NOTES: dict[str, str] = {name: f.note for name, f in FAMILY_SPECS.items()}
 

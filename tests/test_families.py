@@ -124,14 +124,14 @@ for p in json.loads(sys.argv[2]):  # a text, or token ids
     out.append(b"".join(piece(t) for t in ids).decode("utf-8", "replace"))
 print(json.dumps(out))
 """
-RECURRENT_PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,",
+STAGGERED_PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,",
                      "Les fleurs du mal est", "Q: What is the largest planet?\nA:"]
 
 
-@pytest.mark.parametrize("family", ["lfm2", "qwen35", "mamba"])
+@pytest.mark.parametrize("family", ["lfm2", "qwen35", "qwen35moe", "mamba"])
 def test_recurrent_families_serve_in_cpu_mode_with_llama_cpps_own_tokens(family, tmp_path_factory):
-    """LFM2 (short convolutions beside attention), Qwen 3.5 (gated delta-net beside attention, M-RoPE's cell
-    extension) and Mamba (recurrent only, no KV cache) serve in cpu mode with continuous batching: each prompt's state,
+    """LFM2 (short convolutions beside attention), Qwen 3.5 and its MoE (gated delta-net beside attention, M-RoPE's
+    cell extension) and Mamba (recurrent only, no KV cache) serve in cpu mode with continuous batching: each prompt's state,
     its recurrent part whole, moves from the prompt context into a stream of the batch context (codec.widen_streams),
     and requests arriving while others decode get the very text llama.cpp gives each prompt alone in one context.
     There is no prefix cache (a recurrent state stands for all its tokens, not blocks of them) and no speculation (a
@@ -145,29 +145,46 @@ def test_recurrent_families_serve_in_cpu_mode_with_llama_cpps_own_tokens(family,
         assert {w["speculative_tokens"] for w in status["workers"]} == {0}
         got = _staggered(cpu)
         stats = cpu.status()["workers"][0]["stats"]
-        assert stats["steps"] < len(RECURRENT_PROMPTS) * MAX_TOKENS / 2, stats  # they shared decode steps
+        assert stats["steps"] < len(STAGGERED_PROMPTS) * MAX_TOKENS / 2, stats  # they shared decode steps
         # the q4_0 copy the daemon made at first load (its model_dir, _serve's)
         quantized = next((tmp_path_factory.getbasetemp() / f"cache-{family}").glob("*.q4_0.gguf"))
     finally:
         assert cpu.stop() == 0, cpu.log()
-    alone = _llama_alone(quantized, RECURRENT_PROMPTS)
+    alone = _llama_alone(quantized, STAGGERED_PROMPTS)
     assert all(alone), alone  # each prompt gave text, or the comparison would prove little
     differ = [i for i, (g, a) in enumerate(zip(got, alone)) if g != a]
     assert not differ, f"{family}: prompt {differ[0]}:\nserved {got[differ[0]]!r}\nalone  {alone[differ[0]]!r}"
     assert _hetero_answers(tmp_path_factory, family, _staggered) == got
 
 
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+def test_a_mixture_of_experts_picks_a_sequences_experts_alone_or_beside_others(family, tmp_path_factory):
+    """A mixture of experts routes each token by an f32 matmul (ffn_gate_inp, which the quantizer keeps in f32): with
+    mk/patches 0016 a lone row takes the kernel several rows take, so a sequence's router logits, its experts and its
+    text are the ones llama.cpp gives its prompt alone, whoever shares its decode steps (qwen3moe parted from its
+    alone text on one prompt in six without it)."""
+    cpu = _serve(tmp_path_factory, family, "cpu")
+    try:
+        got = _staggered(cpu)
+        quantized = next((tmp_path_factory.getbasetemp() / f"cache-{family}").glob("*.q4_0.gguf"))
+    finally:
+        assert cpu.stop() == 0, cpu.log()
+    alone = _llama_alone(quantized, STAGGERED_PROMPTS)
+    differ = [i for i, (g, a) in enumerate(zip(got, alone)) if g != a]
+    assert not differ, f"{family}: prompt {differ[0]}:\nserved {got[differ[0]]!r}\nalone  {alone[differ[0]]!r}"
+
+
 def _staggered(daemon) -> list[str]:
-    """RECURRENT_PROMPTS' greedy completions, sent 30 ms apart: each joins a batch already decoding."""
+    """STAGGERED_PROMPTS' greedy completions, sent 30 ms apart: each joins a batch already decoding."""
     client = client_of(daemon)
 
     def ask(i: int) -> str:
         time.sleep(0.03 * i)
-        return client.completions.create(model=MODEL_NAME, prompt=RECURRENT_PROMPTS[i], max_tokens=MAX_TOKENS,
+        return client.completions.create(model=MODEL_NAME, prompt=STAGGERED_PROMPTS[i], max_tokens=MAX_TOKENS,
                                          temperature=0).choices[0].text
 
-    with concurrent.futures.ThreadPoolExecutor(len(RECURRENT_PROMPTS)) as pool:
-        return list(pool.map(ask, range(len(RECURRENT_PROMPTS))))
+    with concurrent.futures.ThreadPoolExecutor(len(STAGGERED_PROMPTS)) as pool:
+        return list(pool.map(ask, range(len(STAGGERED_PROMPTS))))
 
 
 def _hetero_answers(tmp_path_factory, family: str, answers):

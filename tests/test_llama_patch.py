@@ -61,6 +61,7 @@ TOUCHES = {
     "0013": {REPACK: {"ggml_gemv_q4_K_8x8_q8_K"}},
     "0014": {SGEMM: {"llamafile_sgemm"}},
     "0015": {SGEMM: {"syshax_hsum_float_8", "syshax_q6_K_rows", "syshax_q6_K_many_rows", "llamafile_sgemm"}},
+    "0016": {SGEMM: {"llamafile_sgemm"}},
 }
 # the patches that replaced mk/llama-patch.py: what they make is what it made
 SCRIPT_SERIES = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")

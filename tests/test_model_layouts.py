@@ -43,6 +43,7 @@ LAYOUTS = {
     "deepseek3": KVLayout("deepseek2", 0, False, True),
     "lfm2": KVLayout("lfm2", 0, True, False),
     "qwen35": KVLayout("qwen35", 0, True, False),
+    "qwen35moe": KVLayout("qwen35moe", 0, True, False),
     "mamba": KVLayout("mamba", 0, True, False),
 }
 
