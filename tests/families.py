@@ -247,6 +247,17 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
                 tie_word_embeddings=False,
                 rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.25)),
            convert_args=("--no-mtp",)),
+    Family("nemotron_h", "NemotronHForCausalLM",
+           "nemotron_h_moe arch (Nemotron 3 Nano's), a mamba hybrid: a Mamba2 layer, a MoE layer, an attention layer "
+           "and a MoE layer (Mamba2: 16 heads of 32, 2 groups, state 16; MoE: 4 experts, top 2, a shared one, relu2), "
+           "head_dim 64, GQA 2:1, ChatML (Qwen2.5 template). transformers 5 writes every Nemotron-H config with MoE "
+           "keys, and this converter then reads dense MLP layers as none: the MoE form is the one it converts",
+           _QWEN_BPE, "Qwen-Qwen2.5-7B-Instruct.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                layers_block_type=["linear_attention", "moe", "full_attention", "moe"], num_hidden_layers=4,
+                mamba_num_heads=16, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4, expand=2,
+                chunk_size=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                moe_shared_expert_intermediate_size=128, n_shared_experts=1, tie_word_embeddings=False)),
     Family("mamba", "MambaForCausalLM",
            "mamba arch, recurrent only (no attention, no KV cache): each layer a short convolution and a selective "
            "scan (state 16), BPE, ChatML (Qwen2.5 template)",
@@ -263,7 +274,7 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
 
 # families whose KV layout this engine does not carry in every mode yet (a sliding window with sinks, MLA, a
 # recurrent state): the header and plan tests make them; test_families.py serves FAMILIES in cpu mode and hetero
-LAYOUT_FAMILIES: list[str] = ["gpt-oss", "deepseek3", "lfm2", "qwen35", "qwen35moe", "mamba"]
+LAYOUT_FAMILIES: list[str] = ["gpt-oss", "deepseek3", "lfm2", "qwen35", "qwen35moe", "nemotron_h", "mamba"]
 FAMILIES: list[str] = [name for name in FAMILY_SPECS if name not in LAYOUT_FAMILIES]
 NOTES: dict[str, str] = {name: f.note for name, f in FAMILY_SPECS.items()}
 

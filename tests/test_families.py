@@ -128,10 +128,10 @@ STAGGERED_PROMPTS = ["The capital of France is", "Once upon a time", "def fibona
                      "Les fleurs du mal est", "Q: What is the largest planet?\nA:"]
 
 
-@pytest.mark.parametrize("family", ["lfm2", "qwen35", "qwen35moe", "mamba"])
+@pytest.mark.parametrize("family", ["lfm2", "qwen35", "qwen35moe", "nemotron_h", "mamba"])
 def test_recurrent_families_serve_in_cpu_mode_with_llama_cpps_own_tokens(family, tmp_path_factory):
     """LFM2 (short convolutions beside attention), Qwen 3.5 and its MoE (gated delta-net beside attention, M-RoPE's
-    cell extension) and Mamba (recurrent only, no KV cache) serve in cpu mode with continuous batching: each prompt's state,
+    cell extension), Nemotron-H (Mamba2 and MoE layers beside attention) and Mamba (recurrent only, no KV cache) serve in cpu mode with continuous batching: each prompt's state,
     its recurrent part whole, moves from the prompt context into a stream of the batch context (codec.widen_streams),
     and requests arriving while others decode get the very text llama.cpp gives each prompt alone in one context.
     There is no prefix cache (a recurrent state stands for all its tokens, not blocks of them) and no speculation (a

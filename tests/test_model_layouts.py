@@ -5,8 +5,8 @@ and what to do: the daemon exits with status 2, as systemd shows it, never answe
 refused the model.
 
 The models are tiny real ones of each layout (tests/families.py, written by llama.cpp's own converter): gemma 2 and 3
-and gpt-oss (sliding windows), DeepSeek V3 (deepseek2, MLA), LFM2 and Qwen 3.5 (hybrids: short-convolution and gated
-delta-net layers beside attention), Mamba (recurrent only), and phi 3, whose file carries a window llama.cpp does not
+and gpt-oss (sliding windows), DeepSeek V3 (deepseek2, MLA), LFM2, Qwen 3.5 and its MoE, Nemotron-H (hybrids:
+short-convolution, gated delta-net and Mamba2 layers beside attention), Mamba (recurrent only), and phi 3, whose file carries a window llama.cpp does not
 use.
 """
 
@@ -44,6 +44,7 @@ LAYOUTS = {
     "lfm2": KVLayout("lfm2", 0, True, False),
     "qwen35": KVLayout("qwen35", 0, True, False),
     "qwen35moe": KVLayout("qwen35moe", 0, True, False),
+    "nemotron_h": KVLayout("nemotron_h_moe", 0, True, False),
     "mamba": KVLayout("mamba", 0, True, False),
 }
 
