@@ -207,6 +207,16 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
                 original_max_position_embeddings=4096, sliding_window=2047, tie_word_embeddings=False,
                 rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
     # the KV layouts of 2026's architectures (issue 49): the plan reads them from the header (sdk/gguf/layout.py)
+    Family("gemma4", "Gemma4ForCausalLM",
+           "gemma4 arch (text only), head_dim 256 (512 on the global layer), GQA 2:1, SWA (window 64) on 5 of 6 "
+           "layers, per-layer input embeddings (64 wide), sentencepiece (Gemma's layout), Gemma 2 template",
+           _GEMMA_SPM, "google-gemma-2-2b-it.jinja",
+           dict(_DENSE, num_hidden_layers=6, hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=256, sliding_window=64, hidden_size_per_layer_input=64, vocab_size_per_layer_input=4096,
+                tie_word_embeddings=True,
+                layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                per_layer_config={"05": {"head_dim": 512}}),
+           embed_std=_GEMMA_EMBED_STD, final_norm_weight=_GEMMA_FINAL_NORM),
     Family("gpt-oss", "GptOssForCausalLM",
            "gpt-oss arch, head_dim 64, GQA 2:1, SWA (window 64) on layer 0 and global on layer 1, attention "
            "sinks, MoE (4 experts, top 2, biases), BPE, gpt-oss template",
@@ -274,7 +284,7 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
 
 # families whose KV layout this engine does not carry in every mode yet (a sliding window with sinks, MLA, a
 # recurrent state): the header and plan tests make them; test_families.py serves FAMILIES in cpu mode and hetero
-LAYOUT_FAMILIES: list[str] = ["gpt-oss", "deepseek3", "lfm2", "qwen35", "qwen35moe", "nemotron_h", "mamba"]
+LAYOUT_FAMILIES: list[str] = ["gemma4", "gpt-oss", "deepseek3", "lfm2", "qwen35", "qwen35moe", "nemotron_h", "mamba"]
 FAMILIES: list[str] = [name for name in FAMILY_SPECS if name not in LAYOUT_FAMILIES]
 NOTES: dict[str, str] = {name: f.note for name, f in FAMILY_SPECS.items()}
 
@@ -292,6 +302,16 @@ SHAPE_SPECS: dict[str, Family] = {f.name: f for f in [
            dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                 intermediate_size=8960, max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
                 tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    Family("qwen3moe-a3b-8l-shape", "Qwen3MoeForCausalLM",
+           "Qwen3-30B-A3B's layer shape, 8 of its 48 layers (to fit 24 GiB with two servers' repacked copies): qwen3moe "
+           "arch, hidden 2048, 32 heads and 4 KV heads of head_dim 128, q/k norms, 128 experts of intermediate 768, "
+           "top 8, every layer MoE; SmolLM2's 49152-token vocabulary (Qwen3's own has 151936), Qwen3 template",
+           _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
+           dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1,
+                intermediate_size=6144, norm_topk_prob=True, max_position_embeddings=32768, initializer_range=0.02,
+                rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
     Family("qwen35-2b-shape", "Qwen3_5ForCausalLM",
            "Qwen 3.5 2B's shape: qwen35 arch, hidden 2048, 24 layers, three gated delta-net layers (16 key and 16 "
            "value heads of 128, a 4-wide convolution) to each gated attention layer (8 heads, 2 KV heads of "

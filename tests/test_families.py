@@ -78,10 +78,11 @@ def test_each_family_serves_in_cpu_mode_and_hetero_returns_its_tokens(family, tm
                        f"{differ[0]}:\ngot      {got[differ[0]]!r}\nexpected {reference[differ[0]]!r}"
 
 
-@pytest.mark.parametrize("family", ["gpt-oss", "deepseek3"])
+@pytest.mark.parametrize("family", ["gemma4", "gpt-oss", "deepseek3"])
 def test_sliding_window_and_mla_families_serve_exactly_in_cpu_mode(family, tmp_path_factory):
-    """gpt-oss (sliding windows beside full layers, attention sinks, MoE) and DeepSeek V3 (MLA: one compressed row per
-    token and layer, no V) serve in cpu mode, without the prefix cache, and every worker proves its promises there
+    """gemma 4 (sliding windows, a wider global layer, per-layer input embeddings), gpt-oss (sliding windows beside full
+    layers, attention sinks, MoE) and DeepSeek V3 (MLA: one compressed row per token and layer, no V) serve in cpu
+    mode, without the prefix cache's blocks (whole-state checkpoints instead), and every worker proves its promises there
     (the codec reads MLA's state, whose K rows end it: codec.state_sections). In hetero the prefill engine hands its
     decoders llama.cpp's whole state of each prompt (a KV record of FLAG_LLAMA_STATE), and they return cpu mode's
     tokens (tests/test_model_layouts.py covers the refusals where torch or vLLM is on the way)."""
@@ -210,7 +211,7 @@ def _llama_alone(model, prompts: list) -> list[str]:
     return json.loads(run.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("family", ["qwen35", "mamba", "gpt-oss", "deepseek3"])
+@pytest.mark.parametrize("family", ["qwen35", "mamba", "gemma4", "gpt-oss", "deepseek3"])
 def test_a_prompt_resumes_from_the_whole_state_of_one_it_starts_with(family, tmp_path_factory):
     """A model whose KV the prefix cache's blocks do not carry (a recurrent state, sliding-window layers, MLA) reuses
     prompts from whole-state checkpoints (checkpoints.py), as an agent's next turn repeats its last: the next prompt

@@ -39,6 +39,7 @@ LAYOUTS = {
     "phi3": KVLayout("phi3", 0, False, False),  # sliding_window 2047 in the file: "Phi SWA is currently disabled"
     "gemma2": KVLayout("gemma2", 64, False, False),
     "gemma3": KVLayout("gemma3", 64, False, False),
+    "gemma4": KVLayout("gemma4", 64, False, False),
     "gpt-oss": KVLayout("gpt-oss", 64, False, False),
     "deepseek3": KVLayout("deepseek2", 0, False, True),
     "lfm2": KVLayout("lfm2", 0, True, False),
