@@ -6,7 +6,8 @@ it all (close). Its other jobs each live in a module of their own, a class whose
 
 * proofs.py (WarmUpProofs): the warm-up, and what it proves of this llama.cpp build;
 * stepping.py (Stepping): one step -- slots, the decode batch, prompt chunks, the KV streams;
-* prefix_side.py (PrefixSide): the prefix cache's hits and writes (prefix.py reads and writes its blocks);
+* prefix_side.py (PrefixSide): the prefix cache's hits and writes (prefix.py reads and writes its blocks), and a
+  prompt's start from a whole state that checkpoints.py kept, for a model those blocks do not carry;
 * handoff.py (HandoffSide): a KV record in from a prefill engine, or out to a decoder;
 * sampling.py (SamplingSide): the next token of a row, and a grammar's dead end.
 
@@ -253,7 +254,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             seq.found = prefix.find(self.store, self.fingerprint, plan, prompt, self.n_vocab, written_only=True)
             seq.cached = True
             seq.hit_tokens = sum(r.n_tokens for r in prefix.usable(seq.found, plan, len(prompt), self.exact_resume))
-        elif self.checkpoints is not None and seq.request.prompt_logprobs is None:
+        elif self.checkpoints is not None and seq.request.prompt_logprobs is None and handling.kv is None:
             # a state taken where the rest then runs in chunks that give a whole run's bits (the warm-up's proof)
             seq.checkpoint = self.checkpoints.find(prompt, 1 if self.exact_resume == 1 else self.chunk)
             seq.hit_tokens = seq.checkpoint.n_tokens if seq.checkpoint is not None else 0
