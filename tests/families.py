@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -379,23 +380,30 @@ def make_family_model(family: str, out_dir: Path, quant: str = "f16") -> Path:
     by the converter, any other llama.cpp file type (q4_0, q4_k_m, ...) is quantized from the f16 file."""
     if family not in FAMILY_SPECS:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    return _made_once(Path(out_dir), family_stem(family), quant, lambda: _ensure_hf(family, Path(out_dir)),
+                      FAMILY_SPECS[family].convert_args)
+
+
+def _made_once(out_dir: Path, stem: str, quant: str, hf: Callable[[], Path], convert_args: tuple[str, ...] = ()) -> Path:
+    """{stem}.{quant}.gguf in out_dir, made the first time under stem's lock (tests of several processes may ask at
+    once): the converter writes its own types from the HF folder hf() gives, llama.cpp's quantizer any other from the
+    f16 file, which is made first and kept."""
     quant = quant.lower()
     if quant not in CONVERTER_TYPES:
         _llama_ftype(quant)  # fail early on a type llama.cpp has not
-    out_dir = Path(out_dir)
-    target = out_dir / f"{family_stem(family)}.{quant}.gguf"
+    target = out_dir / f"{stem}.{quant}.gguf"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(out_dir, family):
+    with _locked(out_dir, stem):
         if target.is_file():
             return target
         if quant in CONVERTER_TYPES:
-            _convert(_ensure_hf(family, out_dir), target, quant, FAMILY_SPECS[family].convert_args)
+            _convert(hf(), target, quant, convert_args)
         else:
-            source = out_dir / f"{family_stem(family)}.f16.gguf"
+            source = out_dir / f"{stem}.f16.gguf"
             if not source.is_file():
-                _convert(_ensure_hf(family, out_dir), source, "f16", FAMILY_SPECS[family].convert_args)
+                _convert(hf(), source, "f16", convert_args)
             _quantize(source, target, quant)
     return target
 
@@ -546,26 +554,7 @@ def make_default_model_as(quant: str, out_dir: Path) -> Path:
         .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import families; \
             print(families.make_default_model_as('q4_k_m', 'models/bench'))"
     """
-    quant = quant.lower()
-    if quant not in CONVERTER_TYPES:
-        _llama_ftype(quant)  # fail early on a type llama.cpp has not
-    out_dir = Path(out_dir)
-    target = out_dir / f"SmolLM2-135M-Instruct.{quant}.gguf"
-    if target.is_file():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(out_dir, "SmolLM2-135M-Instruct"):
-        if target.is_file():
-            return target
-        f16 = out_dir / "SmolLM2-135M-Instruct.f16.gguf"
-        if not f16.is_file():
-            _convert(_smollm_tokenizer_dir(), f16, "f16")
-        if quant != "f16":
-            if quant in CONVERTER_TYPES:
-                _convert(_smollm_tokenizer_dir(), target, quant)
-            else:
-                _quantize(f16, target, quant)
-    return target
+    return _made_once(Path(out_dir), "SmolLM2-135M-Instruct", quant, _smollm_tokenizer_dir)
 
 
 def _smollm_tokenizer_dir() -> Path:
