@@ -304,8 +304,8 @@ SHAPE_SPECS: dict[str, Family] = {f.name: f for f in [
                 intermediate_size=8960, max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
                 tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
     Family("qwen3moe-a3b-8l-shape", "Qwen3MoeForCausalLM",
-           "Qwen3-30B-A3B's layer shape, 8 of its 48 layers (to fit 24 GiB with two servers' repacked copies): qwen3moe "
-           "arch, hidden 2048, 32 heads and 4 KV heads of head_dim 128, q/k norms, 128 experts of intermediate 768, "
+           "Qwen3-30B-A3B's layer shape, 8 of its 48 layers (to fit 24 GiB with two servers' repacked copies): "
+           "qwen3moe arch, hidden 2048, 32 heads and 4 KV heads of head_dim 128, q/k norms, 128 experts of intermediate 768, "
            "top 8, every layer MoE; SmolLM2's 49152-token vocabulary (Qwen3's own has 151936), Qwen3 template",
            _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
            dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -384,7 +384,8 @@ def make_family_model(family: str, out_dir: Path, quant: str = "f16") -> Path:
                       FAMILY_SPECS[family].convert_args)
 
 
-def _made_once(out_dir: Path, stem: str, quant: str, hf: Callable[[], Path], convert_args: tuple[str, ...] = ()) -> Path:
+def _made_once(out_dir: Path, stem: str, quant: str, hf: Callable[[], Path],
+               convert_args: tuple[str, ...] = ()) -> Path:
     """{stem}.{quant}.gguf in out_dir, made the first time under stem's lock (tests of several processes may ask at
     once): the converter writes its own types from the HF folder hf() gives, llama.cpp's quantizer any other from the
     f16 file, which is made first and kept."""

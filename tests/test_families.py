@@ -82,7 +82,8 @@ def test_each_family_serves_in_cpu_mode_and_hetero_returns_its_tokens(family, tm
 def test_sliding_window_and_mla_families_serve_exactly_in_cpu_mode(family, tmp_path_factory):
     """gemma 4 (sliding windows, a wider global layer, per-layer input embeddings), gpt-oss (sliding windows beside full
     layers, attention sinks, MoE) and DeepSeek V3 (MLA: one compressed row per token and layer, no V) serve in cpu
-    mode, without the prefix cache's blocks (whole-state checkpoints instead), and every worker proves its promises there
+    mode, without the prefix cache's blocks (whole-state checkpoints instead), and every worker proves its promises
+    there
     (the codec reads MLA's state, whose K rows end it: codec.state_sections). In hetero the prefill engine hands its
     decoders llama.cpp's whole state of each prompt (a KV record of FLAG_LLAMA_STATE), and they return cpu mode's
     tokens (tests/test_model_layouts.py covers the refusals where torch or vLLM is on the way)."""
@@ -132,12 +133,13 @@ STAGGERED_PROMPTS = ["The capital of France is", "Once upon a time", "def fibona
 @pytest.mark.parametrize("family", ["lfm2", "qwen35", "qwen35moe", "nemotron_h", "mamba"])
 def test_recurrent_families_serve_in_cpu_mode_with_llama_cpps_own_tokens(family, tmp_path_factory):
     """LFM2 (short convolutions beside attention), Qwen 3.5 and its MoE (gated delta-net beside attention, M-RoPE's
-    cell extension), Nemotron-H (Mamba2 and MoE layers beside attention) and Mamba (recurrent only, no KV cache) serve in cpu mode with continuous batching: each prompt's state,
-    its recurrent part whole, moves from the prompt context into a stream of the batch context (codec.widen_streams),
-    and requests arriving while others decode get the very text llama.cpp gives each prompt alone in one context.
-    There is no prefix cache (a recurrent state stands for all its tokens, not blocks of them) and no speculation (a
-    refused guess cannot leave a recurrent state). In hetero the prefill engine hands each prompt's whole state on as
-    a KV record, and the decoders return the same texts."""
+    cell extension), Nemotron-H (Mamba2 and MoE layers beside attention) and Mamba (recurrent only, no KV cache) serve
+    in cpu mode with continuous batching: each prompt's state, its recurrent part whole, moves from the prompt context
+    into a stream of the batch context (codec.widen_streams), and requests arriving while others decode get the very
+    text llama.cpp gives each prompt alone in one context. There are no prefix-cache blocks (a recurrent state stands
+    for all its tokens, not blocks of them: whole-state checkpoints instead) and no speculation (a refused guess
+    cannot leave a recurrent state). In hetero the prefill engine hands each prompt's whole state on as a KV record,
+    and the decoders return the same texts."""
     cpu = _serve(tmp_path_factory, family, "cpu")
     try:
         status = cpu.status()

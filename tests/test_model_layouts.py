@@ -4,10 +4,10 @@ rows per head; llama.cpp's engines move a sequence's whole state) is refused at 
 and what to do: the daemon exits with status 2, as systemd shows it, never answers 503 after a worker
 refused the model.
 
-The models are tiny real ones of each layout (tests/families.py, written by llama.cpp's own converter): gemma 2 and 3
-and gpt-oss (sliding windows), DeepSeek V3 (deepseek2, MLA), LFM2, Qwen 3.5 and its MoE, Nemotron-H (hybrids:
-short-convolution, gated delta-net and Mamba2 layers beside attention), Mamba (recurrent only), and phi 3, whose file carries a window llama.cpp does not
-use.
+The models are tiny real ones of each layout (tests/families.py, written by llama.cpp's own converter): gemma 2, 3
+and 4 and gpt-oss (sliding windows), DeepSeek V3 (deepseek2, MLA), LFM2, Qwen 3.5 and its MoE, Nemotron-H (hybrids:
+short-convolution, gated delta-net and Mamba2 layers beside attention), Mamba (recurrent only), and phi 3, whose file
+carries a window llama.cpp does not use.
 """
 
 from __future__ import annotations

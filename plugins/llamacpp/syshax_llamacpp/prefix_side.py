@@ -58,7 +58,8 @@ class PrefixSide:
         context, the rest still to run."""
         checkpoint, seq.checkpoint = seq.checkpoint, None
         state = checkpoint.state
-        if llama_cpp.llama_state_seq_set_data(self.prefill_ctx, StateBuffer.pointer(state), state.nbytes, 0) != state.nbytes:
+        got = llama_cpp.llama_state_seq_set_data(self.prefill_ctx, StateBuffer.pointer(state), state.nbytes, 0)
+        if got != state.nbytes:
             llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
             log.error("%s: a checkpoint of %d tokens could not be set into the prompt context; evaluating the whole "
                       "prompt", seq.request.request_id, checkpoint.n_tokens)

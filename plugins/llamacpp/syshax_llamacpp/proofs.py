@@ -203,7 +203,8 @@ class WarmUpProofs:
             llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
         if rewound is None:
             llama_cpp.llama_memory_seq_rm(self.memory, 0, n, -1)
-        elif llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(rewound), len(rewound), 0) != len(rewound):
+        elif (llama_cpp.llama_state_seq_set_data(self.ctx, StateBuffer.pointer(rewound), rewound.nbytes, 0)
+              != rewound.nbytes):
             raise RuntimeError("warm-up: the prompt's state did not import into stream 0 again")
         self.batch.n_tokens = 0
         self._add(self.batch, token, n, 0, True)
