@@ -169,6 +169,63 @@ def cmd_status(args: argparse.Namespace) -> int:
     return _live(args, lambda c, a: _show(a, c.call("status"), print_status))
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    if args.action == "warm":
+        if not args.file:
+            print("syshax: cache warm needs a FILE of prompts (JSON lines: {\"prompt\": ...} or "
+                  "{\"messages\": [...]})", file=sys.stderr)
+            return 2
+        try:
+            entries = _warm_entries(Path(args.file))
+        except (OSError, ValueError) as exc:
+            print(f"syshax: {exc}", file=sys.stderr)
+            return 2
+        return _live(args, _warm, entries)
+    if args.action == "clear":
+        return _live(args, lambda c, a: _show(a, c.call("cache.clear"), lambda r: print(
+            f"cleared {r['blocks']} blocks from shared memory and {r['files']} files from disk")))
+    return _live(args, lambda c, a: _show(a, c.call("cache.stats"), _print_cache))
+
+
+def _warm_entries(path: Path) -> list[dict]:
+    """The prompts of a warm file: one JSON object per line, {"prompt": ...} or {"messages": [...]}."""
+    entries = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not JSON ({exc.msg}); write one object per line, "
+                             '{"prompt": "..."} or {"messages": [...]}') from None
+        if not isinstance(entry, dict) or ("prompt" in entry) == ("messages" in entry):
+            raise ValueError(f'{path}:{n}: an object with "prompt" or "messages" (one of them), e.g. '
+                             '{"messages": [{"role": "system", "content": "..."}]}')
+        entries.append(entry)
+    if not entries:
+        raise ValueError(f"{path}: no prompts in it")
+    return entries
+
+
+def _warm(client, args: argparse.Namespace, entries: list[dict]) -> int:
+    client.set_timeout(None)  # a long prompt takes what its prefill takes; the daemon bounds it (request_timeout)
+    results = []
+    for n, entry in enumerate(entries, 1):
+        result = client.call("cache.warm", entry=entry)
+        results.append(result)
+        if not args.json:
+            print(f"{n}: {result['prompt_tokens']} prompt tokens, {result['cached_tokens']} of them cached already")
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+def _print_cache(status: dict) -> None:
+    from syshaxd.status_text import print_prefix_cache
+
+    print_prefix_cache(status)
+
+
 def _config_get(client, args: argparse.Namespace, key: str | None) -> int:
     result = client.call("config.get", **({"key": key} if key else {}))
     if args.json:
@@ -367,6 +424,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("mode", parents=[admin], help="switch where new requests run (cpu, gpu, hetero, auto)")
     s.add_argument("mode", choices=MODES)
     s.set_defaults(func=cmd_mode)
+    s = sub.add_parser("cache", parents=[admin], help="the prefix cache: stats, clear, or warm FILE (compute and "
+                       "keep its prompts ahead of traffic)",
+                       description="stats: the prefix cache in shared memory and on disk. clear: forget every block "
+                       "no request is using, in both tiers. warm FILE: run each prompt of FILE (JSON lines, "
+                       '{"prompt": "..."} or {"messages": [...]}) for one token, so that its blocks are kept.')
+    s.add_argument("action", choices=["stats", "clear", "warm"])
+    s.add_argument("file", nargs="?", help="warm: the prompts, one JSON object per line")
+    s.set_defaults(func=cmd_cache)
     s = sub.add_parser("version", parents=[admin], help="this tool's version and the running daemon's")
     s.set_defaults(func=cmd_version)
 

@@ -71,6 +71,11 @@ class Config:
     cpu_affinity: str = ""  # cpulists, ";" between workers ("0-3;4-7"); CUSTOM_CPU_AFFINITY overrides it
     prefill_chunk_size: int = 256  # prompt tokens per step, so a long prompt does not stall the batch
     prefix_cache_mb: int = 512  # prompt KV kept for reuse (automatic prefix caching) in /dev/shm; 0: off
+    # the prefix cache's disk tier: every block is copied to a file, so that a prompt seen before is a hit after
+    # shared memory evicted it or the daemon restarted (engine/prefix_disk.py); 0: off
+    prefix_cache_disk_gb: float = 8.0
+    # where its files go; "": $CACHE_DIRECTORY/prefix (systemd's CacheDirectory), else ~/.cache/syshax/prefix
+    prefix_cache_dir: str = ""
     prefix_block_tokens: int = 16  # a shared prefix is reused in steps of this many tokens (vLLM's block)
     keep_generated_tokens: int = 512  # of each answer, kept in the prefix cache for a chat's next turn; 0: none
     # every llama.cpp worker tiles every query row's attention: every route and a resume give the same tokens
@@ -165,6 +170,15 @@ class Config:
 
     def model_dir_path(self) -> Path:
         return Path(self.model_dir).expanduser()
+
+    def prefix_cache_dir_path(self, env: Mapping[str, str]) -> Path:
+        """The disk tier's folder: prefix_cache_dir, or systemd's CacheDirectory (/var/cache/syshax), or the user's
+        cache folder."""
+        if self.prefix_cache_dir:
+            return Path(self.prefix_cache_dir).expanduser()
+        if env.get("CACHE_DIRECTORY"):
+            return Path(env["CACHE_DIRECTORY"].split(":")[0]) / "prefix"
+        return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "syshax" / "prefix"
 
     def prefix_block(self) -> int:
         """The prefix cache's block: prefix_block_tokens, or the prefill chunk where that is smaller."""
@@ -267,6 +281,7 @@ def _validate(cfg: Config) -> None:
     at_least("prefill_chunk_size", 1)
     at_least("ring_size_mb", 1)
     at_least("prefix_cache_mb", 0)
+    at_least("prefix_cache_disk_gb", 0)
     at_least("prefix_block_tokens", 1)
     at_least("keep_generated_tokens", 0)
     if cfg.prefill_chunk_size % cfg.prefix_block():

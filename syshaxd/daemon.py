@@ -29,6 +29,7 @@ from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.plan import Engines, PlanError, plan_engines
 from syshaxd.engine.prefix_cache import PrefixCache
+from syshaxd.engine.prefix_disk import DiskTier
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.sdk.kv.ring import KVRing
 from syshaxd.engine.routing_rules import RuleError, check_served
@@ -36,7 +37,7 @@ from syshaxd.sdk.gguf.header import GGUFError
 from syshaxd.sdk.gguf.quantize import load_plan
 from syshaxd.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
-from syshaxd.startup import StartupError, create_ring, create_store
+from syshaxd.startup import StartupError, create_disk_tier, create_ring, create_store
 
 if TYPE_CHECKING:
     from syshaxd.remote.front import RemoteNode
@@ -95,11 +96,15 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
         raise StartupError(str(exc)) from None
     ring = create_ring(engines.ring) if engines.ring is not None else None
     store = create_store(engines.prefix) if engines.prefix is not None else None
+    disk = (create_disk_tier(cfg, engines.prefix, store, model_path, dict(os.environ))
+            if engines.prefix is not None and store is not None else None)
     try:
-        service = Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys)
+        service = Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys, disk)
         service.scheduler.model_file = model_file.to_json()
         return await service.run()
     finally:
+        if disk is not None:
+            disk.close()  # what is queued is written before the block store goes
         for segment in (ring, store):  # the shared-memory segments go with the daemon
             if segment is not None:
                 segment.unlink()
@@ -146,7 +151,8 @@ class Service:
     """
 
     def __init__(self, cfg: Config, engines: Engines, ring: KVRing | None, model_path: Path, model_name: str,
-                 notifier: Notifier, reload: Callable[[], Config] | None, keys: KeyCheck) -> None:
+                 notifier: Notifier, reload: Callable[[], Config] | None, keys: KeyCheck,
+                 disk: DiskTier | None = None) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.model_name = model_name
@@ -157,6 +163,8 @@ class Service:
                                                    chunk_tokens=prefix.chunk_tokens, n_wide=prefix.n_wide,
                                                    wide_bytes=prefix.wide_bytes, keep_tokens=prefix.keep_tokens)
                           if prefix is not None else None)
+        if ledger.prefix is not None:
+            ledger.prefix.disk = disk  # opened when the first engine reports its kernels (KVLedger.engine_ready)
         self.workers: list[EngineHandle] = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
                                      ledger, on_failed=self._worker_failed) for name, spec in engines.workers]
         self.workers += _remote_nodes(cfg, ring, ledger, model_path, model_name)

@@ -23,7 +23,8 @@ hetero mode — ring capacity/used bytes/occupancy, records written/read/failed,
 bytes moved, fallbacks by reason, handoff latency quantiles — and the prefix
 cache: prompt tokens looked up and found (vLLM's prefix_cache_queries and
 prefix_cache_hits, as syshax_prefix_cache_queries_total / _hits_total), blocks
-stored and evicted, bytes held. Engine state is
+stored and evicted, bytes held, and its disk tier (syshax_prefix_cache_disk_*: bytes held and
+its budget, blocks, bytes written and read back, hits, evictions, corrupt files). Engine state is
 read from ``Scheduler.status()`` (a typed SchedulerStatus) when Prometheus scrapes, never
 cached; the KV series read its ``kv`` part, and are zero (latency: absent) while there is none.
 
@@ -345,6 +346,25 @@ class _EngineCollector:
                 (GaugeMetricFamily, "syshax_prefix_cache_capacity_bytes", "Size of the prefix cache (prefix_cache_mb).",
                  cache and cache.capacity_bytes)):
             yield _single(family, name, doc, value)
+        disk = cache.disk if cache is not None else None
+        for family, name, doc, count in (
+                (GaugeMetricFamily, "syshax_prefix_cache_disk_used_bytes", "Bytes of block files in the prefix "
+                 "cache's disk tier.", disk and disk.bytes),
+                (GaugeMetricFamily, "syshax_prefix_cache_disk_capacity_bytes", "Size of the disk tier "
+                 "(prefix_cache_disk_gb, or half the free space where that is less).", disk and disk.capacity_bytes),
+                (GaugeMetricFamily, "syshax_prefix_cache_disk_blocks", "Blocks the disk tier holds.",
+                 disk and disk.blocks),
+                (CounterMetricFamily, "syshax_prefix_cache_disk_written_bytes", "Bytes written to the disk tier.",
+                 disk and disk.bytes_written),
+                (CounterMetricFamily, "syshax_prefix_cache_disk_read_bytes", "Bytes read back from the disk tier.",
+                 disk and disk.bytes_read),
+                (CounterMetricFamily, "syshax_prefix_cache_disk_hits", "Blocks read back from the disk tier into "
+                 "shared memory for a prompt.", disk and disk.loaded),
+                (CounterMetricFamily, "syshax_prefix_cache_disk_evictions", "Block files removed to stay within the "
+                 "disk tier's budget.", disk and disk.evictions),
+                (CounterMetricFamily, "syshax_prefix_cache_disk_corrupt", "Block files that failed their checksum or "
+                 "identity when read (deleted; their tokens computed again).", disk and disk.corrupt)):
+            yield _single(family, name, doc, count)
 
     def _auto(self, auto: AutoStatus):
         yield _labelled(CounterMetricFamily, "syshax_auto_decisions", "auto mode's offload decisions, by outcome "

@@ -120,16 +120,33 @@ def print_status(st: dict) -> None:
               f"orphans freed {kv.orphans_released}, {kv.bytes_moved} bytes moved; latency p50 {lat.p50 * 1000:.1f} ms "
               f"p99 {lat.p99 * 1000:.1f} ms over {lat.count}"
               + ("; fallbacks " + ", ".join(f"{k}={v}" for k, v in kv.fallbacks.items()) if kv.fallbacks else ""))
-    pc = sched.prefix_cache
-    if pc is not None:
-        rate = f"{pc.hits / pc.queries:.1%}" if pc.queries else "-"
-        print(f"prefix cache: {pc.blocks} of {pc.capacity_blocks} blocks of {pc.block_tokens} tokens "
-              f"({pc.bytes / 2**20:.0f} of {pc.capacity_bytes / 2**20:.0f} MiB), {pc.held} in use; "
-              f"{pc.hits} of {pc.queries} prompt tokens hit ({rate}); stored {pc.stored}, evicted {pc.evictions}"
-              + (f", refused {pc.refused}" if pc.refused else "")
-              + (f"; {pc.prompts} of {pc.capacity_prompts} whole prompts kept" if pc.capacity_prompts else ""))
+    if sched.prefix_cache is not None:
+        print_prefix_cache(sched.prefix_cache)
     shown = {f.name for f in dataclasses.fields(SchedulerStatus)} | {
         "version", "pid", "uptime_s", "draining", "drain_reason", "model", "listen", "config_source", "http_active"}
     for key, value in st.items():  # whatever else the daemon reports
         if key not in shown and value not in (None, {}, []):
             print(f"{key}: {json.dumps(value, default=str)}")
+
+
+def print_prefix_cache(pc) -> None:
+    """The prefix cache's lines of `syshax status` (and `syshax cache stats`); pc: a PrefixStatus or its JSON."""
+    from syshaxd.engine.prefix_cache import PrefixStatus
+    from syshaxd.engine.status import built
+
+    if isinstance(pc, dict):
+        pc = built(PrefixStatus, pc)
+    rate = f"{pc.hits / pc.queries:.1%}" if pc.queries else "-"
+    print(f"prefix cache: {pc.blocks} of {pc.capacity_blocks} blocks of {pc.block_tokens} tokens "
+          f"({pc.bytes / 2**20:.0f} of {pc.capacity_bytes / 2**20:.0f} MiB), {pc.held} in use; "
+          f"{pc.hits} of {pc.queries} prompt tokens hit ({rate}); stored {pc.stored}, evicted {pc.evictions}"
+          + (f", refused {pc.refused}" if pc.refused else "")
+          + (f"; {pc.prompts} of {pc.capacity_prompts} whole prompts kept" if pc.capacity_prompts else ""))
+    if pc.disk is not None:
+        d = pc.disk
+        print(f"prefix cache on disk ({d.state}): {d.blocks} blocks, {d.bytes / 2**20:.0f} of "
+              f"{d.capacity_bytes / 2**20:.0f} MiB in {d.directory}; written {d.written} "
+              f"({d.bytes_written / 2**20:.0f} MiB), read back {d.loaded} ({d.bytes_read / 2**20:.0f} MiB), "
+              f"evicted {d.evictions}"
+              + (f", corrupt {d.corrupt}" if d.corrupt else "")
+              + (f", discarded at open {d.discarded}" if d.discarded else ""))

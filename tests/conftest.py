@@ -131,7 +131,8 @@ def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), en
                  wait: bool = True, command: list[str] | None = None, tables: str = "") -> Daemon:
     """Run `python -m syshaxd` (or `command`) with a config file of its own, as a user would start it; `tables`:
     TOML tables after the keys ([[routing_rules]])."""
-    cfg = {"model_dir": str(MODEL_DIR), "log_level": "info"} | (config or {})
+    # the prefix cache's disk tier in the test's own folder: a daemon never finds another test's blocks
+    cfg = {"model_dir": str(MODEL_DIR), "log_level": "info", "prefix_cache_dir": str(tmp / "prefix-disk")} | (config or {})
     path = tmp / f"syshax-{time.monotonic_ns()}.toml"
     path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.items()) + tables)
     port = free_port()

@@ -31,6 +31,7 @@ root, /run/syshax/admin.sock; else ``admin.sock`` in ``model_dir``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import grp
 import json
 import logging
@@ -53,7 +54,8 @@ PROTOCOL = 1
 MAX_LINE = 1 << 20
 SYSTEM_SOCKET = Path("/run/syshax/admin.sock")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; Python does not name it
-COMMANDS = ("version", "status", "plugins", "config.get", "config.set", "drain", "resume", "mode", "help")
+COMMANDS = ("version", "status", "plugins", "config.get", "config.set", "drain", "resume", "mode", "cache.stats",
+            "cache.clear", "cache.warm", "help")
 
 
 class AdminError(Exception):
@@ -285,7 +287,7 @@ class AdminServer:
         except Exception as exc:
             log.exception("admin command %s failed", cmd)
             return _error("internal_error", f"{cmd} failed: {type(exc).__name__}: {exc}; see the daemon's log")
-        if cmd not in ("version", "status", "plugins", "config.get", "help") and not request.get("dry_run"):
+        if cmd not in ("version", "status", "plugins", "config.get", "cache.stats", "help") and not request.get("dry_run"):
             log.info("admin (uid %d): %s -> %s", uid, json.dumps(_masked(request)), json.dumps(_masked(result))[:300])
         return {"ok": True, "result": result}
 
@@ -353,6 +355,35 @@ class AdminServer:
         was = self.state.draining
         self.state.resume()
         return {"draining": False, "was_draining": was}
+
+    def _prefix_cache(self):
+        ledger = self.state.scheduler.ledger
+        if ledger.prefix is None:
+            raise AdminError("no_prefix_cache", "this daemon keeps no prefix cache: it needs cpu or hetero mode with "
+                             "llama.cpp engines and prefix_cache_mb above 0")
+        return ledger.prefix
+
+    async def cmd_cache_stats(self, request: dict) -> dict:
+        return dataclasses.asdict(self._prefix_cache().status())
+
+    async def cmd_cache_clear(self, request: dict) -> dict:
+        prefix = self._prefix_cache()
+        blocks = prefix.clear()
+        files = await asyncio.get_running_loop().run_in_executor(None, prefix.disk.clear) if prefix.disk else 0
+        return {"blocks": blocks, "files": files}
+
+    async def cmd_cache_warm(self, request: dict) -> dict:
+        from syshaxd.engine.prefix_warm import WarmError, warm
+        from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
+        from syshaxd.engine.supervisor import EngineUnavailable
+
+        self._prefix_cache()
+        try:
+            return await warm(self.state.scheduler, request.get("entry"), self.config.request_timeout)
+        except WarmError as exc:
+            raise AdminError("invalid_value", f"cache.warm: {exc}") from None
+        except (Overloaded, EngineUnavailable, RouteUnavailable) as exc:
+            raise AdminError("unavailable", f"cache.warm: {exc}") from None
 
     async def cmd_mode(self, request: dict) -> dict:
         mode = request.get("mode")
@@ -422,6 +453,10 @@ class AdminClient:
             raise AdminUnreachable(f"cannot connect to {self.path}: {exc.strerror or exc}") from None
         self._sock = sock
         self._file = sock.makefile("rb")
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """How long call() waits for an answer (None: as long as it takes, as `syshax cache warm` does)."""
+        self._sock.settimeout(seconds)
 
     def call(self, cmd: str, **args) -> object:
         try:

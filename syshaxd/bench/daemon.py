@@ -24,6 +24,9 @@ import aiohttp
 __all__ = ["DaemonStartFailed", "RunningDaemon", "daemon_command", "free_port", "start_daemon", "stop_daemon"]
 
 _REASON_LINES = 12
+# each daemon's prefix cache disk tier (unless its config names prefix_cache_dir): a folder of its own, removed when
+# it stops, so that no run finds the blocks of an earlier one
+_DISK_TIERS: dict[int, str] = {}
 
 
 class DaemonStartFailed(Exception):
@@ -104,14 +107,18 @@ async def start_daemon(
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"syshax-bench-{mode}-{port}.log")
     started = time.perf_counter()
+    disk_tier = tempfile.mkdtemp(prefix="syshax-bench-cache-")
     with open(log_path, "wb") as log:
         try:
             # stdout and stderr to a file, not a pipe: a chatty daemon must never block on a full pipe.
             process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env=os.environ | {"CACHE_DIRECTORY": disk_tier},
             )
         except OSError as exc:
+            shutil.rmtree(disk_tier, ignore_errors=True)
             raise DaemonStartFailed(f"could not run {shlex.join(argv)}: {exc}", log_path) from exc
+    _DISK_TIERS[process.pid] = disk_tier
     url = f"http://{host}:{port}"
     deadline = started + startup_timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
@@ -119,6 +126,7 @@ async def start_daemon(
             code = process.poll()
             if code is not None:
                 reason = _log_tail(log_path) or f"syshaxd exited with status {code} and said nothing"
+                await stop_daemon(process)  # gone already: only its disk tier's folder is left to remove
                 raise DaemonStartFailed(reason, log_path, code)
             try:
                 async with session.get(url + "/health") as resp:
@@ -153,4 +161,7 @@ async def stop_daemon(process: subprocess.Popen, grace_s: float = 30.0) -> int |
             except (ProcessLookupError, PermissionError):
                 process.kill()
             process.wait()
+    disk_tier = _DISK_TIERS.pop(process.pid, "")
+    if disk_tier:
+        shutil.rmtree(disk_tier, ignore_errors=True)
     return process.returncode

@@ -6,7 +6,8 @@
 * `journey` and `attempts`: one request's state machine across the engines, and its submissions;
 * `supervisor` (WorkerHandle), `channel`, `engine_handle`: the worker processes, their pipes, and the protocol
   the scheduler holds every engine by (a local worker or a decode node on another host);
-* `kv_ledger`, `prefix_cache`: the one owner of the KV records and the prefix cache's blocks;
+* `kv_ledger`, `prefix_cache`: the one owner of the KV records and the prefix cache's blocks; `prefix_disk`: the
+  prefix cache's disk tier (block files that outlive evictions and restarts); `prefix_warm`: `syshax cache warm`;
 * `prompts`: each prompt tokenized once; `plan`, `numa`: which workers to start and where;
 * `status`, `exactness`: what the daemon reports of itself, and which exact promises hold.
 

@@ -201,6 +201,36 @@ class KVLedger:
         if self.prefix is not None:
             self.prefix.release(request_id)
 
+    async def prefix_from_disk(self, tokens) -> None:
+        """Read back from the disk tier the blocks the prompt starts with that only the disk still holds, before
+        the prompt is planned (in a thread: the event loop and the engines' steps go on meanwhile)."""
+        prefix = self.prefix
+        if prefix is None or prefix.disk is None:
+            return
+        wanted = prefix.from_disk(tokens)
+        if not wanted:
+            return
+        disk = prefix.disk
+
+        def read() -> list:
+            return [(key, slot, disk.read_into(key, slot)) for key, slot in wanted]
+
+        def done(task: asyncio.Future) -> None:  # runs even if the request was cancelled: the slots come back
+            failed = task.cancelled() or task.exception() is not None
+            if failed and not task.cancelled():
+                log.error("prefix cache on disk: reading blocks back failed: %s", task.exception())
+            prefix.loaded([(key, slot, None) for key, slot in wanted] if failed else task.result())
+
+        task = asyncio.ensure_future(asyncio.to_thread(read))
+        task.add_done_callback(done)
+        await asyncio.shield(task)
+
+    def engine_ready(self, name: str, info: dict) -> None:
+        """An engine is ready: the disk tier opens for the kernels it names (in a thread; it scans its folder)."""
+        disk = self.prefix.disk if self.prefix is not None else None
+        if disk is not None and info.get("prefix_cache"):
+            asyncio.get_running_loop().run_in_executor(None, disk.open_for, info | {"name": name})
+
     def prefix_status(self) -> PrefixStatus | None:
         return self.prefix.status() if self.prefix is not None else None
 

@@ -23,6 +23,10 @@ The daemon's KV ledger owns this index; the engine workers only read and write t
 the engine reports (Cached) or the request ends; a held block is never evicted. Blocks nobody holds
 wait in LRU order and go when a slot of their size is needed. A hash matched by mistake costs nothing
 but time: the engine checks each record's checksum and token ids before using it.
+
+With a disk tier (engine/prefix_disk.py) every block written is copied to a file too, and before a prompt is
+planned the blocks it starts with that only the disk still holds are read back into slots (`from_disk`, then
+`loaded`), as blocks nobody holds: the plan then finds them as it finds any other.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from syshaxd.engine.prefix_disk import DiskStatus, DiskTier
 from syshaxd.sdk.kv.block_keys import block_keys
 from syshaxd.sdk.types import Cached, PrefixPlan
 
@@ -58,6 +63,7 @@ class PrefixStatus:
     capacity_prompts: int = 0  # wide slots: whole prompts' last chunks with their logits
     prompts: int = 0  # whole prompts kept
     generated: int = 0  # blocks of generated tokens written (of `stored`)
+    disk: DiskStatus | None = None  # the disk tier (prefix_cache_disk_gb), where there is one
 
 
 @dataclass(eq=False)
@@ -115,6 +121,8 @@ class PrefixCache:
         self._held: dict[str, list[_Block]] = {}  # request id -> the blocks its plan holds
         self._keeps: dict[str, list[int]] = {}  # request id -> slots held for blocks of what it generates
         self.queries = self.hits = self.stored_blocks = self.evictions = self.refused = self.generated = 0
+        self.disk: DiskTier | None = None  # block files, where prefix_cache_disk_gb asks for them
+        self._loading: set[int] = set()  # keys being read back from disk
 
     def plan(self, request_id: str, tokens, generate: int = 0) -> PrefixPlan:
         """The cached blocks the prompt starts with, and free slots for its other whole blocks (held for it).
@@ -188,6 +196,8 @@ class PrefixCache:
             if block is not None and event.request_id in block.holders and not block.ready:
                 block.ready, block.checksum = True, checksum
                 self.stored_blocks += 1
+                if self.disk is not None and not block.wide:
+                    self.disk.keep(block.key, slot, checksum)
         for slot in event.refused:
             block = self._by_slot.get(slot)
             if block is not None and not block.dead:
@@ -210,7 +220,54 @@ class PrefixCache:
             self._blocks.idle[key] = block
             self.stored_blocks += 1
             self.generated += 1
+            if self.disk is not None:
+                self.disk.keep(key, slot, checksum)
         self._blocks.free += slots
+
+    def from_disk(self, tokens) -> list[tuple[int, int]]:
+        """(key, slot) of each block the prompt starts with that only the disk tier holds, up to the first block
+        neither tier holds, with a slot taken for each: read them in (DiskTier.read_into), then report `loaded`.
+
+        The prompt's blocks in shared memory become the most recently used first, and the slots taken are at most
+        those free or idle beside them, so that reading the later blocks in never evicts the earlier ones."""
+        if self.disk is None or not self.disk.is_open:
+            return []
+        c = self.block_tokens
+        keys = block_keys(tokens, c)[:(len(tokens) - 1) // c]
+        wanted, mine = [], 0
+        for key in keys:
+            block = self._by_key.get(key)
+            if block is not None:
+                if block.key in self._blocks.idle:
+                    self._blocks.idle.move_to_end(block.key)
+                    mine += 1
+                continue
+            if key in self._loading or not self.disk.has(key):
+                break
+            wanted.append(key)
+        room = len(self._blocks.free) + len(self._blocks.idle) - mine
+        taken = []
+        for key in wanted[:max(0, room)]:
+            slot = self._take_slot(self._blocks)
+            if slot is None:
+                break
+            self._loading.add(key)
+            taken.append((key, slot))
+        return taken
+
+    def loaded(self, results) -> int:
+        """(key, slot, checksum or None) of blocks read back from disk: those read are indexed as idle blocks, the
+        slots of the others (and of blocks written meanwhile by a request) freed; how many were indexed."""
+        n = 0
+        for key, slot, checksum in results:
+            self._loading.discard(key)
+            if checksum is None or key in self._by_key:
+                self._blocks.free.append(slot)
+                continue
+            block = self._by_key[key] = self._by_slot[slot] = _Block(key, slot, True, checksum)
+            self._blocks.idle[key] = block
+            n += 1
+        return n
 
     def release(self, request_id: str) -> None:
         """The request holds none of its blocks any more (finished, cancelled, or its worker died): its keeps slots
@@ -231,6 +288,17 @@ class PrefixCache:
             else:  # never written (its writer did not report it), or unusable
                 self._drop(block)
 
+    def clear(self) -> int:
+        """Forget every block in shared memory that nobody holds; how many. Blocks a request is reading or writing stay
+        until it is done with them. (The disk tier's files: DiskTier.clear.)"""
+        dropped = 0
+        for pool in {id(self._blocks): self._blocks, id(self._wide): self._wide}.values():
+            while pool.idle:
+                _, block = pool.idle.popitem(last=False)
+                self._drop(block)
+                dropped += 1
+        return dropped
+
     def status(self) -> PrefixStatus:
         ready = [b for b in self._by_key.values() if b.ready]
         wide = sum(1 for b in ready if b.wide)
@@ -239,7 +307,8 @@ class PrefixCache:
         return PrefixStatus(self.block_tokens, self._blocks.n, sum(p.n * p.nbytes for p in pools),
                             len(ready) - wide, sum(self._pool(b).nbytes for b in ready), held, self.queries,
                             self.hits, self.stored_blocks, self.evictions, self.refused,
-                            self._wide.n if self._wide is not self._blocks else 0, wide, self.generated)
+                            self._wide.n if self._wide is not self._blocks else 0, wide, self.generated,
+                            self.disk.status() if self.disk is not None else None)
 
     # --- slots --------------------------------------------------------------------------------
 

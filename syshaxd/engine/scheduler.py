@@ -209,6 +209,8 @@ class Scheduler:
             tokenized = await self.prompts.tokenize(choices[first])
             if isinstance(tokenized, Rejected):
                 return tokenized
+            if choices[first].cache_prompt and choices[first].prompt_logprobs is None:
+                await self.ledger.prefix_from_disk(tokenized.prompt_tokens)  # its blocks only the disk still holds
             prepared += [replace(choice, prompt_tokens=tokenized.prompt_tokens, prompt=None, messages=None,
                                  chat_template_kwargs=None)
                          for choice in choices[first:first + n]]

@@ -142,20 +142,20 @@ class SchedulerStatus:
     @classmethod
     def from_json(cls, data: dict) -> "SchedulerStatus":
         """The status from its JSON form (the admin socket's answer); KeyError names a key that is missing."""
-        return _build(cls, data)
+        return built(cls, data)
 
 
-def _build(kind, value):
+def built(kind, value):
     """`value` (JSON) as `kind`: dataclasses field by field, optional ones None, the rest as they are."""
     if value is None:
         return None
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         kinds = [k for k in typing.get_args(kind) if k is not type(None)]
-        return _build(kinds[0], value) if len(kinds) == 1 else value
+        return built(kinds[0], value) if len(kinds) == 1 else value
     if dataclasses.is_dataclass(kind):
         hints = typing.get_type_hints(kind)
-        return kind(**{f.name: _build(hints[f.name], value[f.name]) for f in dataclasses.fields(kind)})
+        return kind(**{f.name: built(hints[f.name], value[f.name]) for f in dataclasses.fields(kind)})
     if typing.get_origin(kind) is list:
         (item,) = typing.get_args(kind)
-        return [_build(item, v) for v in value]
+        return [built(item, v) for v in value]
     return value

@@ -291,6 +291,7 @@ class WorkerHandle:
             self.state = "ready"
             self.error = ""
             self.ready.set()
+            self.ledger.engine_ready(self.name, self.info)
             log.info("%s: ready (%s, n_ctx=%s, batch=%s, cpus=%s)", self.name, self.info.get("model_name"),
                      self.info.get("n_ctx"), self.info.get("max_batch_size"), self.info.get("cpus"))
         elif isinstance(msg, WorkerFailed):

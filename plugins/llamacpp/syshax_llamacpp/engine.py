@@ -32,6 +32,7 @@ from syshax_llamacpp.codec import StateBuffer
 from syshax_llamacpp.contexts import add_row, batch_params, load_model, prompt_params
 from syshax_llamacpp.draft_model import DraftModel
 from syshax_llamacpp.handoff import HandoffSide, KVPort
+from syshax_llamacpp.kernels import library_build
 from syshax_llamacpp.prefix_side import PrefixSide
 from syshax_llamacpp.proofs import WarmUpProofs
 from syshax_llamacpp.sampling import GrammarError, SamplingSide, grammar_parses, make_sampler
@@ -170,6 +171,8 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
                      spec.state_checkpoints_mb)
         # reads the KV out of a state (the proofs, the prefix cache)
         self.fingerprint = fingerprint_from_gguf(self.model_path)
+        # the libraries' and CPU's hash: the prefix cache's disk tier keeps only blocks of this build
+        self.build = library_build() if self.store is not None else ""
 
         self.free_slots = self.max_seqs
         self.streams = StreamRun(self.max_seqs)  # a decoding sequence's KV stream: seq_id in the batch context
@@ -209,6 +212,7 @@ class LlamaCppEngine(WarmUpProofs, Stepping, PrefixSide, HandoffSide, SamplingSi
             "state_checkpoints_mb": self.checkpoints.budget >> 20 if self.checkpoints is not None else 0,
             "repack": self.spec.repack,
             "kernels": self.kernels.kernels,
+            "build": self.build,
             "kernels_why": self.kernels.why,
             "exact_resume_tokens": self.exact_resume,
             "attention": "tiled" if self.tiled_attention else "llama.cpp",

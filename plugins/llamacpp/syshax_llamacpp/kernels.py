@@ -116,3 +116,19 @@ def tiles_decode_cheaply(flags: frozenset[str]) -> bool:
     own row-at-a-time attention (bench/bench_decode_step.py). Elsewhere (ARM) K is packed a scalar at a time, and a
     decode step would pay for what the prefix cache saves."""
     return "avx512f" in flags or {"avx2", "f16c", "fma"} <= flags
+
+
+def library_build() -> str:
+    """A hash of the llama.cpp libraries this process loads (llama-cpp-python's lib/, or LLAMA_CPP_LIB_PATH) and of
+    the CPU's flags: another build or another CPU may give a block of KV other bits, so the prefix cache's disk
+    tier keeps blocks apart by it (syshaxd/engine/prefix_disk.py)."""
+    import xxhash
+    from llama_cpp import llama_cpp as lib
+
+    h = xxhash.xxh3_64()
+    for path in sorted(Path(lib._base_path).glob("lib*.so*")):
+        if path.is_file() and not path.is_symlink():
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    h.update(" ".join(sorted(read_cpu_flags())).encode())
+    return h.hexdigest()
