@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +22,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# a daemon started without a prefix_cache_dir (not by start_daemon) keeps its prefix cache's disk tier here, as
+# under systemd's CacheDirectory: never in the user's own cache, and gone after the run
+_CACHE = tempfile.mkdtemp(prefix="syshax-test-cache-")
+os.environ["CACHE_DIRECTORY"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
 
 
 @pytest.fixture(scope="session")
