@@ -106,10 +106,19 @@ def test_another_build_or_model_discards_the_old_blocks_and_says_how_many(tmp_pa
     same.open_for(ENGINE)
     assert same.status().blocks == 3 and same.discarded == 0
     same.close()
+    # what is not a folder of block files is never touched: prefix_cache_dir may be a folder of other things
+    (tmp_path / "disk" / "notes").mkdir()
+    (tmp_path / "disk" / "notes" / "keep.txt").write_text("mine")
+    (tmp_path / "disk" / "0123456789abcdef").mkdir()
+    (tmp_path / "disk" / "0123456789abcdef" / "report.pdf").write_text("mine too")
+    (tmp_path / "disk" / "readme").write_text("and this")
     rebuilt = DiskTier(tmp_path / "disk", 1 << 30, store, "model", 4, 4)
     rebuilt.open_for(ENGINE | {"build": "b2"})
     assert rebuilt.discarded == 3 and rebuilt.status().blocks == 0
     rebuilt.close()
+    assert (tmp_path / "disk" / "notes" / "keep.txt").read_text() == "mine"
+    assert (tmp_path / "disk" / "0123456789abcdef" / "report.pdf").exists() and (tmp_path / "disk" / "readme").exists()
+    assert len([p for p in (tmp_path / "disk").iterdir() if p.is_dir()]) == 3  # the old identity's folder went
     assert identity_of("model", 4, 4, ENGINE) != identity_of("other model", 4, 4, ENGINE)
     assert identity_of("model", 4, 4, ENGINE) != identity_of("model", 4, 8, ENGINE)
 

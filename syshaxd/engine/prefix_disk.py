@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import shutil
 import struct
 import threading
@@ -41,6 +42,7 @@ VERSION = 1
 _HEADER = struct.Struct("<8sQQQQ")  # magic, version, identity, block key, the record's checksum
 MODEL_SAMPLES = 64  # pieces of the model file hashed into its identity
 MODEL_SAMPLE_BYTES = 64 * 1024
+_KEY_NAME = re.compile(r"[0-9a-f]{16}")  # a block file's name (its key), and an identity folder's
 FREE_SHARE = 0.5  # of the file system's free space at open, the most the tier takes when that is under its budget
 
 
@@ -132,10 +134,15 @@ class DiskTier:
     def _open(self, identity: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         for entry in os.scandir(self.directory):
-            if entry.is_dir(follow_symlinks=False) and entry.name != identity:
-                n = sum(1 for _ in os.scandir(entry.path))
-                shutil.rmtree(entry.path, ignore_errors=True)
-                self.discarded += n
+            # only folders of block files go: prefix_cache_dir may be a folder that holds other things too
+            if entry.name != identity and entry.is_dir(follow_symlinks=False) and _block_folder(entry.path):
+                for block in os.scandir(entry.path):
+                    _unlink(Path(block.path))
+                    self.discarded += 1
+                try:
+                    os.rmdir(entry.path)
+                except OSError:
+                    pass
         if self.discarded:
             log.warning("prefix cache on disk: removed %d blocks of another model, build or block size from %s",
                         self.discarded, self.directory)
@@ -143,11 +150,15 @@ class DiskTier:
         folder.mkdir(exist_ok=True, mode=0o700)
         found = []
         for entry in os.scandir(folder):
+            if entry.name.endswith(".tmp"):  # a writer's temporary file, left by a crash
+                _unlink(Path(entry.path))
+                continue
+            if not _KEY_NAME.fullmatch(entry.name):
+                continue  # not ours: left alone
             try:
                 key = int(entry.name, 16)
                 st = entry.stat(follow_symlinks=False)
-            except (ValueError, OSError):  # a writer's temporary file left by a crash, or a stranger
-                _unlink(Path(entry.path))
+            except OSError:
                 continue
             found.append((st.st_mtime_ns, key, st.st_size))
         free = shutil.disk_usage(folder).free + sum(size for _, _, size in found)
@@ -297,6 +308,18 @@ class DiskTier:
             self.evictions += 1
             if self._folder is not None:
                 _unlink(self._folder / f"{key:016x}")
+
+
+def _block_folder(path: str) -> bool:
+    """Whether `path` is a folder this tier wrote: an identity's name, holding only block files (and temporary
+    ones)."""
+    if not _KEY_NAME.fullmatch(os.path.basename(path)):
+        return False
+    try:
+        return all(entry.is_file(follow_symlinks=False) and _KEY_NAME.fullmatch(entry.name.removesuffix(".tmp"))
+                   for entry in os.scandir(path))
+    except OSError:
+        return False
 
 
 def _check(data: bytes, identity: str, key: int) -> str:
