@@ -101,6 +101,7 @@ class KVLedger:
         self._written = self._read = self._failed = self._orphans = self._bytes = 0
         self._fallbacks: Counter = Counter()
         self._latency: deque = deque(maxlen=LATENCY_WINDOW)
+        self._reading: dict[int, asyncio.Future] = {}  # prefix cache block key -> the read bringing it back from disk
 
     # --- what producers and decoders report (through their worker handles) --------------------
 
@@ -208,22 +209,28 @@ class KVLedger:
         if prefix is None or prefix.disk is None:
             return
         wanted = prefix.from_disk(tokens)
-        if not wanted:
-            return
-        disk = prefix.disk
+        reads = {self._reading[key] for key in wanted.waits if key in self._reading}  # another prompt's, shared
+        if wanted.taken:
+            disk, taken = prefix.disk, wanted.taken
 
-        def read() -> list:
-            return [(key, slot, disk.read_into(key, slot)) for key, slot in wanted]
+            def read() -> list:
+                return [(key, slot, disk.read_into(key, slot)) for key, slot in taken]
 
-        def done(task: asyncio.Future) -> None:  # runs even if the request was cancelled: the slots come back
-            failed = task.cancelled() or task.exception() is not None
-            if failed and not task.cancelled():
-                log.error("prefix cache on disk: reading blocks back failed: %s", task.exception())
-            prefix.loaded([(key, slot, None) for key, slot in wanted] if failed else task.result())
+            def done(task: asyncio.Future) -> None:  # runs even if the request was cancelled: the slots come back
+                failed = task.cancelled() or task.exception() is not None
+                if failed and not task.cancelled():
+                    log.error("prefix cache on disk: reading blocks back failed: %s", task.exception())
+                for key, _ in taken:
+                    self._reading.pop(key, None)
+                prefix.loaded([(key, slot, None) for key, slot in taken] if failed else task.result())
 
-        task = asyncio.ensure_future(asyncio.to_thread(read))
-        task.add_done_callback(done)
-        await asyncio.shield(task)
+            task = asyncio.ensure_future(asyncio.to_thread(read))
+            task.add_done_callback(done)
+            for key, _ in taken:
+                self._reading[key] = task
+            reads.add(task)
+        if reads:
+            await asyncio.shield(asyncio.gather(*reads, return_exceptions=True))
 
     def engine_ready(self, name: str, info: dict) -> None:
         """An engine is ready: the disk tier opens for the kernels it names (in a thread; it scans its folder)."""

@@ -77,6 +77,14 @@ class _Block:
     wide: bool = False  # a whole prompt's last chunk and logits, in a wide slot
 
 
+@dataclass(frozen=True)
+class DiskRead:
+    """PrefixCache.from_disk's answer: the blocks to read back into their slots, and those being read already."""
+
+    taken: list[tuple[int, int]]  # (key, slot)
+    waits: list[int]  # keys another prompt's read is bringing back
+
+
 KEEPS_SHARE = 4  # the block slots held for what requests in flight generate: at most 1 / KEEPS_SHARE of them
 
 
@@ -224,27 +232,31 @@ class PrefixCache:
                 self.disk.keep(key, slot, checksum)
         self._blocks.free += slots
 
-    def from_disk(self, tokens) -> list[tuple[int, int]]:
-        """(key, slot) of each block the prompt starts with that only the disk tier holds, up to the first block
-        neither tier holds, with a slot taken for each: read them in (DiskTier.read_into), then report `loaded`.
+    def from_disk(self, tokens) -> DiskRead:
+        """What to read back from the disk tier for a prompt: (key, slot) of each block it starts with that only the
+        disk holds, up to the first block no tier holds, with a slot taken for each (read them in with
+        DiskTier.read_into, then report `loaded`); and the keys of its blocks another prompt is reading back now
+        (wait for those reads before planning: prompts that share a prefix arrive together).
 
         The prompt's blocks in shared memory become the most recently used first, and the slots taken are at most
         those free or idle beside them, so that reading the later blocks in never evicts the earlier ones."""
         if self.disk is None or not self.disk.is_open:
-            return []
+            return DiskRead([], [])
         c = self.block_tokens
         keys = block_keys(tokens, c)[:(len(tokens) - 1) // c]
-        wanted, mine = [], 0
+        wanted, waits, mine = [], [], 0
         for key in keys:
             block = self._by_key.get(key)
             if block is not None:
                 if block.key in self._blocks.idle:
                     self._blocks.idle.move_to_end(block.key)
                     mine += 1
-                continue
-            if key in self._loading or not self.disk.has(key):
+            elif key in self._loading:
+                waits.append(key)
+            elif self.disk.has(key):
+                wanted.append(key)
+            else:
                 break
-            wanted.append(key)
         room = len(self._blocks.free) + len(self._blocks.idle) - mine
         taken = []
         for key in wanted[:max(0, room)]:
@@ -253,7 +265,7 @@ class PrefixCache:
                 break
             self._loading.add(key)
             taken.append((key, slot))
-        return taken
+        return DiskRead(taken, waits)
 
     def loaded(self, results) -> int:
         """(key, slot, checksum or None) of blocks read back from disk: those read are indexed as idle blocks, the
