@@ -47,9 +47,19 @@ class Checkpoints:
 
     def find(self, tokens: list[int], grid: int) -> Checkpoint | None:
         """The longest state that holds the first tokens of `tokens`, leaving at least one to compute (its logits
-        give the first generated token), at a multiple of grid; None when none does."""
-        for n in sorted((n for n in self._lengths if n < len(tokens) and n % grid == 0), reverse=True):
-            key = _key(tokens[:n])
+        give the first generated token), at a multiple of grid; None when none does.
+
+        One pass over the prompt: the key of each held length is the running hash's digest at that length."""
+        lengths = sorted(n for n in self._lengths if n < len(tokens) and n % grid == 0)
+        if not lengths:
+            return None
+        ids = np.asarray(tokens[:lengths[-1]], np.int32)
+        running, at, keys = hashlib.blake2b(digest_size=16), 0, []
+        for n in lengths:
+            running.update(ids[at:n].tobytes())
+            at = n
+            keys.append(running.copy().digest())
+        for key in reversed(keys):
             found = self._by_key.get(key)
             if found is not None:
                 self._by_key.move_to_end(key)
