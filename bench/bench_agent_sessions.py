@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from syshaxd.bench.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.bench.daemon import daemon_command, free_port, start_daemon, stop_daemon, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path.home() / ".cache/syshax-peers/llama-server-0.3.36-noamx/bin/llama-server"
@@ -144,7 +143,7 @@ def peer(args, tmp: Path) -> dict:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(url)
+            wait_healthy(url)
             run_turns(sessions, turns, url, "m", out)
             if turns.stop == args.turns:
                 full = full_prefill(url, "m", sessions[0].prompt)
@@ -157,19 +156,6 @@ def peer(args, tmp: Path) -> dict:
 def _sessions(args) -> list[Session]:
     system = "You are an agent working in a repository. " + words(random.Random(1), args.system_words)
     return [Session(i, system, args) for i in range(args.sessions)]
-
-
-def _wait_healthy(url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.25)
 
 
 def by_turn(turns: list[dict], key: str) -> list[float]:

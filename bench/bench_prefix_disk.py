@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from syshaxd.bench.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.bench.daemon import daemon_command, free_port, start_daemon, stop_daemon, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path.home() / ".cache/syshax-peers/llama-server-0.3.36-noamx/bin/llama-server"
@@ -93,16 +93,7 @@ def peer(args, prompts: list[str], tmp: Path) -> dict:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                        if resp.status == 200:
-                            break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.25)
+            wait_healthy(url)
             for k in part:
                 out["turns"].append(turn(url, "m", prompts[k]))
             if part[0] == 2:  # after the turns: llama-server keeps even an uncached prompt in its slot

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import aiohttp
 
-__all__ = ["DaemonStartFailed", "RunningDaemon", "daemon_command", "free_port", "start_daemon", "stop_daemon"]
+__all__ = ["DaemonStartFailed", "RunningDaemon", "daemon_command", "free_port", "start_daemon", "stop_daemon",
+           "wait_healthy"]
 
 _REASON_LINES = 12
 # each daemon's prefix cache disk tier (unless its config names prefix_cache_dir): a folder of its own, removed when
@@ -58,6 +59,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 120.0) -> None:
+    """Block until GET url/health answers 200 (a peer server the bench started itself); TimeoutError after timeout."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass  # not listening yet, or 503 while it loads
+        time.sleep(0.25)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout:g} s")
 
 
 def daemon_command(override: str | None = None) -> list[str]:
