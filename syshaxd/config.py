@@ -8,7 +8,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 from syshaxd.engine.routing_rules import RoutingRule, RuleError, parse_rules, rules_to_json
 from syshaxd.sdk.types import REPACK_SETTINGS
@@ -47,117 +47,212 @@ class ConfigError(ValueError):
     """A configuration key has a bad value; the message names the key and what is allowed."""
 
 
+# The reference's sections (docs/reference/config.md), in the order syshaxd/etc/syshax.toml has them.
+_HTTP = "HTTP endpoint"
+_SERVE = "What to serve"
+_CPU_ENGINE = "CPU engine (llama.cpp)"
+_PREFIX = "Prefix cache"
+_SPECULATION = "Speculative decoding"
+_HETERO = "Hetero mode and the GPU engine"
+_AUTO = "Auto mode"
+_REQUESTS = "Requests"
+_SUPERVISION = "Worker supervision"
+_SECURITY = "Security and limits"
+_NODES = "Decode nodes"
+_OPERATIONS = "Operations"
+SECTIONS = (_HTTP, _SERVE, _CPU_ENGINE, _PREFIX, _SPECULATION, _HETERO, _AUTO, _REQUESTS, _SUPERVISION, _SECURITY,
+            _NODES, _OPERATIONS)
+
+_T = TypeVar("_T")
+
+
+def key(default: _T, section: str, doc: str) -> _T:
+    """A config key: its default, and the section and one or two sentences the reference prints for it
+    (python -m syshaxd.docs_reference; tests/test_docs_reference.py fails on a key without them)."""
+    return field(default=default, metadata={"section": section, "doc": doc})
+
+
 @dataclass(frozen=True)
 class Config:
-    """Every key of syshaxd/etc/syshax.toml; the file documents each one."""
+    """Every key of syshaxd/etc/syshax.toml, which documents each one at length; `doc` here is the reference's."""
 
-    # HTTP endpoint
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_body_bytes: int = 4 * 1024 * 1024
+    host: str = key("127.0.0.1", _HTTP, "The address the API listens on. 127.0.0.1 keeps it on this machine; use "
+                    "0.0.0.0 only behind a firewall or with API keys.")
+    port: int = key(8000, _HTTP, "The TCP port of the OpenAI-compatible API; 0 picks a free port and logs it.")
+    max_body_bytes: int = key(4 * 1024 * 1024, _HTTP, "The largest request body accepted, in bytes; a larger one "
+                              "gets HTTP 413. At least 1024.")
 
-    # what to serve
-    mode: str = "cpu"
-    model: str = ""  # a GGUF path; empty serves the prepared default model
-    model_name: str = ""  # the id clients send as "model"; empty: derived from the file
-    model_dir: str = "models"  # where the default model is prepared and quantized copies cached
-    quantize: str = "q4_0"  # an F32/F16/BF16 GGUF is quantized to this at first load (cached); quantized ones stay
+    mode: str = key("cpu", _SERVE, 'Where prefill and decode run: "cpu", "gpu", "hetero" or "auto". An auto daemon '
+                    "starts both engines and can switch among the modes while it runs (`syshax mode MODE`).")
+    model: str = key("", _SERVE, "The GGUF file to serve. Empty: the embedded default model, SmolLM2-135M-Instruct, "
+                     "prepared into model_dir at the first start.")
+    model_name: str = key("", _SERVE, 'The model id clients send as "model" and /v1/models lists. Empty: '
+                          '"SmolLM2-135M-Instruct" for the default model, else the GGUF file\'s name without ".gguf".')
+    model_dir: str = key("models", _SERVE, "The folder for the default model and for quantized copies of models; a "
+                         "relative path starts at the daemon's working directory (the service uses /var/lib/syshax).")
+    quantize: str = key("q4_0", _SERVE, 'The type an unquantized (F32, F16, BF16) GGUF is quantized to at its first '
+                        'load, cached in model_dir: "q4_0", "q8_0", or "" to load every file as it is. Files already '
+                        "quantized load as they are; SYSHAX_QUANTIZE overrides this key.")
 
-    # CPU engine (llama.cpp)
-    cpu_engine: str = "llamacpp"  # the backend plugin of the CPU workers ("syshax plugins" lists them)
-    n_ctx: int = 4096  # the most tokens one request may hold (prompt + completion), per sequence
-    cpu_max_batch_size: int = 8  # sequences decoded together in one llama_decode
-    threads: int = 0  # 0: OMP_NUM_THREADS, else the number of CPUs in the worker's set
-    cpu_affinity: str = ""  # cpulists, ";" between workers ("0-3;4-7"); CUSTOM_CPU_AFFINITY overrides it
-    prefill_chunk_size: int = 256  # prompt tokens per step, so a long prompt does not stall the batch
-    prefix_cache_mb: int = 512  # prompt KV kept for reuse (automatic prefix caching) in /dev/shm; 0: off
-    # the prefix cache's disk tier: every block is copied to a file, so that a prompt seen before is a hit after
-    # shared memory evicted it or the daemon restarted (engine/prefix_disk.py); 0: off
-    prefix_cache_disk_gb: float = 8.0
-    # where its files go; "": $CACHE_DIRECTORY/prefix (systemd's CacheDirectory), else ~/.cache/syshax/prefix
-    prefix_cache_dir: str = ""
-    prefix_block_tokens: int = 16  # a shared prefix is reused in steps of this many tokens (vLLM's block)
-    keep_generated_tokens: int = 512  # of each answer, kept in the prefix cache for a chat's next turn; 0: none
-    # every llama.cpp worker tiles every query row's attention: every route and a resume give the same tokens
-    tiled_attention: bool = True
-    repack: str = "auto"  # llama.cpp's repacked weight kernels (llama-server's --repack): auto, on, off
-    # speculative decoding: the most tokens of a request's own context a decode step guesses and checks; 0: off
-    speculative_tokens: int = 8
-    # a GGUF of a smaller model of the same vocabulary whose tokens are the guesses; "": the request's own context
-    draft_model: str = ""
+    cpu_engine: str = key("llamacpp", _CPU_ENGINE, "The backend plugin of the CPU workers (`syshax plugins` lists the "
+                          'installed ones); "llamacpp" is the built-in one.')
+    n_ctx: int = key(4096, _CPU_ENGINE, "The most tokens one request may hold, prompt plus completion (capped by the "
+                     "model's training context). Each batch slot gets this many KV cells, so memory grows with "
+                     "n_ctx times cpu_max_batch_size.")
+    cpu_max_batch_size: int = key(8, _CPU_ENGINE, "Sequences a CPU worker decodes together in one step (continuous "
+                                  "batching); further requests wait in the queue and join as others finish.")
+    threads: int = key(0, _CPU_ENGINE, "Threads per CPU worker. 0: OMP_NUM_THREADS if it is set, else one per CPU "
+                       "in the worker's set.")
+    cpu_affinity: str = key("", _CPU_ENGINE, 'The CPU workers\' CPUs as cpulists, one worker per set, separated by ";" '
+                            '(e.g. "0-3;4-7" gives two workers). Empty: one worker per NUMA node, pinned to its CPUs; '
+                            "CUSTOM_CPU_AFFINITY overrides this key.")
+    prefill_chunk_size: int = key(256, _CPU_ENGINE, "Prompt tokens evaluated per step: a long prompt is fed in "
+                                  "chunks of this size, so the sequences already decoding are not stalled for long.")
 
-    # hetero mode: a prefill worker hands each prompt's KV to the decode workers through a ring
-    prefill_cpu_affinity: str = ""  # the prefill worker's CPUs ("0-3;4-7": one GPU engine each); "": a quarter of
-    # the first node's
-    gpu_devices: str = ""  # "0;1": one GPU engine per device (CUDA_VISIBLE_DEVICES each); "": one engine
-    ring_size_mb: int = 256  # the shared-memory KV ring in /dev/shm
-    handoff_timeout: float = 2.0  # seconds a prefill waits for ring space before the decoder recomputes
-    prefill_engine: str = "llamacpp"  # the backend plugin of the prefill worker ("syshax plugins" lists them)
-    # the GPU engine (vLLM): prefill_engine in hetero mode, the one engine in gpu mode
-    gpu_memory_utilization: float = 0.8  # of the device's memory for weights and KV (vLLM-CPU: KV sized from n_ctx)
-    max_num_seqs: int = 16  # sequences the GPU engine runs at once
-    tensor_parallel_size: int = 1  # GPUs one model is split across (gpu mode; prefill takes 1)
-    preemption_mode: str = "recompute"  # what vLLM does to a sequence it must pause: only "recompute" (v1)
+    prefix_cache_mb: int = key(512, _PREFIX, "Automatic prefix caching: MiB of /dev/shm that keep prompts' KV in "
+                               "blocks, so that a prompt starting like an earlier one evaluates only the rest. "
+                               '0 turns it off; a request can opt out with "cache_prompt": false.')
+    prefix_cache_disk_gb: float = key(8.0, _PREFIX, "The prefix cache's disk tier, in GiB (at most half the free "
+                                      "space at start): every block is also written to a file, so a prompt evicted "
+                                      "from shared memory or seen before a restart is still a hit. 0 turns it off.")
+    prefix_cache_dir: str = key("", _PREFIX, "Where the disk tier's files go. Empty: $CACHE_DIRECTORY/prefix (the "
+                                "systemd unit's /var/cache/syshax/prefix), else ~/.cache/syshax/prefix.")
+    prefix_block_tokens: int = key(16, _PREFIX, "The prefix cache's block in tokens: a shared prefix is reused in "
+                                   "steps of this many tokens. It must divide prefill_chunk_size.")
+    keep_generated_tokens: int = key(512, _PREFIX, "Of each answer, the tokens kept in the prefix cache (cpu mode), "
+                                     "so that a chat's next turn resumes after the answer instead of evaluating it "
+                                     "again; 0 keeps none. It needs tiled_attention.")
 
-    # auto mode (sysHAX's auto_pd_offload): the GPU engine serves while it can; when it is saturated a
-    # new request's decode goes to the CPU workers
-    gpu_cache_threshold: float = 90.0  # percent of the GPU engine's KV cache in use past which it is saturated
-    cpu_throughput_threshold: float = 2.0  # tokens/s under which a busy CPU side takes no more offloaded decodes
-    token_limit_multiplier: float = 2.0  # an offloaded decode is reconsidered after CPU tokens/s times this tokens
-    token_limit_min: int = 16  # ... but after no fewer tokens than this
-    token_limit_max: int = 512  # ... and no more than this
-    # which decider places a new auto request: "thresholds" (sysHAX 0.2.0's: the GPU engine while it has room) or
-    # "measured" (v2: where its decode is expected faster, within tpot_target_ms and ttft_target_ms)
-    decider: str = "thresholds"
-    tpot_target_ms: float = 0.0  # decider v2 avoids a side whose expected time per output token is above it; 0: none
-    ttft_target_ms: float = 0.0  # ... or whose expected time to the first token is; 0: none
-    # [[routing_rules]]: sysHAX's soft rules on request fields, highest priority first (engine/routing_rules.py)
-    routing_rules: tuple[RoutingRule, ...] = ()
-    # a pool of engines that keep their own prefix caches (vLLM): a request goes where its prompt's prefix is
-    prefix_routing: bool = True
+    tiled_attention: bool = key(True, _CPU_ENGINE, "Every llama.cpp worker takes every query row's attention in "
+                                "tiles, so a token gets the same bits from a prompt chunk as from a decode step: "
+                                "hetero gives cpu mode's tokens and resumed requests their undisturbed text. false "
+                                "gives back llama.cpp's own attention; a front and its decode nodes must agree.")
+    repack: str = key("auto", _CPU_ENGINE, 'llama.cpp\'s repacked weight kernels (llama-server\'s --repack): "auto" '
+                      'takes the fastest kernels that run correctly on this CPU, "on" whatever the build offers '
+                      '(AMX included), "off" plain kernels.')
 
-    # requests
-    default_max_tokens: int = 1024  # chat requests without max_tokens
-    max_messages: int = 2048  # messages in one chat request (OpenAI's limit); past it 400 naming "messages"
-    max_string_bytes: int = 1 << 20  # UTF-8 bytes of any one string in a request; past it 400 naming the field
-    client_timeout: float = 30.0  # seconds a client may take to send its body, take a piece of its stream,
-    # send a request head, or send the first byte on a new connection
-    max_queue_size: int = 64  # requests waiting for a batch slot before 429
-    request_timeout: float = 600.0  # seconds a request may wait for a slot before 503
+    speculative_tokens: int = key(8, _SPECULATION, "The most tokens a decode step guesses from the request's own "
+                                  "context (prompt lookup) and checks in the same step; texts stay the same, guesses "
+                                  "are taken only where they are expected to pay. 0 turns it off; at most 16.")
+    draft_model: str = key("", _SPECULATION, "A GGUF of a smaller model with the served model's vocabulary whose "
+                           "greedy tokens are the guesses, loaded in every CPU worker. Empty: guesses come from the "
+                           "request's own context only.")
 
-    # worker supervision
-    worker_start_timeout: float = 300.0
-    worker_restart_delay: float = 1.0
+    prefill_cpu_affinity: str = key("", _HETERO, 'The prefill worker\'s CPUs as a cpulist; several sets separated by '
+                                    '";" make a pool of prefill engines, one on each. Empty: a quarter of the first '
+                                    "NUMA node's CPUs (at least one).")
+    gpu_devices: str = key("", _HETERO, 'The GPUs of each engine of the prefill pool, ";" between engines ("0;1": '
+                           "one engine per GPU), set as its CUDA_VISIBLE_DEVICES. Empty: one engine, which sees the "
+                           "daemon's devices.")
+    ring_size_mb: int = key(256, _HETERO, "The size of the shared-memory KV ring in /dev/shm, in MiB, through which "
+                            "the prefill worker hands each prompt's KV to the decode workers.")
+    handoff_timeout: float = key(2.0, _HETERO, "Seconds a finished prefill waits for ring space; past it the decode "
+                                 "worker recomputes the prompt itself (slower, never wrong).")
+    prefill_engine: str = key("llamacpp", _HETERO, 'The backend that runs prefill in hetero mode and both phases in '
+                              'gpu mode: "llamacpp", "torch", "npu" or "vllm"; several separated by commas make a '
+                              "pool of engines side by side.")
+    gpu_memory_utilization: float = key(0.8, _HETERO, "The GPU engine's (vLLM's) share of the device's memory for "
+                                        "weights and KV cache, above 0 and at most 1. vLLM's CPU build ignores it "
+                                        "and sizes its KV from n_ctx.")
+    max_num_seqs: int = key(16, _HETERO, "Sequences the GPU engine generates at once (vLLM's max_num_seqs).")
+    tensor_parallel_size: int = key(1, _HETERO, "GPUs one model is split across in gpu mode (vLLM's tensor "
+                                    "parallelism); hetero mode needs 1.")
+    preemption_mode: str = key("recompute", _HETERO, 'What vLLM does with a sequence it must pause when its KV cache '
+                               'is full; only "recompute" (vLLM\'s v1 engine drops the KV and recomputes it later).')
 
-    log_level: str = "info"
+    gpu_cache_threshold: float = key(90.0, _AUTO, "Percent of the GPU engine's KV cache in use above which it counts "
+                                     "as saturated, so that a new request's decode goes to the CPU workers.")
+    cpu_throughput_threshold: float = key(2.0, _AUTO, "Tokens/s (all CPU workers together) below which a busy CPU "
+                                          "side takes no more offloaded decodes; an idle one always may.")
+    token_limit_multiplier: float = key(2.0, _AUTO, "An offloaded decode is reconsidered after the CPU side's "
+                                        "tokens/s times this many tokens (rounded to tens); if the GPU engine has "
+                                        "room then, the rest of the decode moves back to it.")
+    token_limit_min: int = key(16, _AUTO, "The fewest tokens after which an offloaded decode is reconsidered.")
+    token_limit_max: int = key(512, _AUTO, "The most tokens after which an offloaded decode is reconsidered; at least "
+                               "token_limit_min.")
+    decider: str = key("thresholds", _AUTO, 'What places a new auto request: "thresholds" (sysHAX 0.2.0\'s rule: '
+                       'the GPU engine while it has room) or "measured" (decider v2: the side where its decode is '
+                       "expected faster, within tpot_target_ms and ttft_target_ms).")
+    tpot_target_ms: float = key(0.0, _AUTO, "Decider v2 avoids a side whose expected time per output token is above "
+                                "this many ms while another meets it. 0: no target.")
+    ttft_target_ms: float = key(0.0, _AUTO, "Decider v2 avoids a side whose expected time to the first token is "
+                                "above this many ms while another meets it. 0: no target.")
+    routing_rules: tuple[RoutingRule, ...] = key((), _AUTO, "sysHAX's routing rules, written as `[[routing_rules]]` "
+                                                 "tables (name, priority, conditions, action): the highest-priority "
+                                                 "rule that matches a request sends it to its device when that has "
+                                                 "room; otherwise the decider decides.")
+    prefix_routing: bool = key(True, _AUTO, "In a pool of engines that keep their own prefix caches (vLLM), a request "
+                               "goes to the engine that was sent its prompt's prefix before; false: to the least "
+                               "loaded one.")
 
-    # --- security and limits: API keys, connections, hung workers ---
-    api_keys: tuple[str, ...] = ()  # when any key is set (here or in api_key_file), /v1/* needs one as a Bearer token
-    api_key_file: str = ""  # one key per line (# comments); $VARS expand, e.g. "$CREDENTIALS_DIRECTORY/api-keys"
-    metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
-    web_ui: bool = True  # GET / serves the status page and chat playground (api/web_routes.py)
-    max_connections: int = 1024  # open HTTP connections; past it a new one gets 503 and is closed
-    worker_heartbeat_timeout: float = 30.0  # seconds a ready worker may send nothing before it is killed; 0: off
+    default_max_tokens: int = key(1024, _REQUESTS, "The completion length of chat requests that send no max_tokens "
+                                  "(completions default to 16, as OpenAI's).")
+    max_messages: int = key(2048, _REQUESTS, 'Messages one chat request may hold (OpenAI\'s limit); past it HTTP 400 '
+                            'naming "messages".')
+    max_string_bytes: int = key(1 << 20, _REQUESTS, "UTF-8 bytes any one string of a request may hold (a prompt, a "
+                                "message's content, a stop sequence); past it HTTP 400 naming the field. At least "
+                                "1024.")
+    client_timeout: float = key(30.0, _REQUESTS, "Seconds a client may take to send its request head or body, to "
+                                "take each piece of a streamed answer, or to send its first byte on a new "
+                                "connection; past it the request gets HTTP 408 or is cancelled, or the connection is "
+                                "closed.")
+    max_queue_size: int = key(64, _REQUESTS, "Requests allowed to wait for a batch slot; past it new requests get "
+                              "HTTP 429.")
+    request_timeout: float = key(600.0, _REQUESTS, "Seconds a request may wait for its first token before it gets "
+                                 "HTTP 503.")
 
-    # --- decode nodes on other hosts (syshaxd/remote/): the front writes each prompt's KV into a node's ring ---
-    node_listen: str = ""  # "host:port": this daemon is a decode node that serves its front there; "": not a node
-    remote_nodes: tuple[str, ...] = ()  # a front's decode nodes, "host:port" each (their node_listen)
-    node_secret_file: str = ""  # the secret a front and its nodes share (at least 16 bytes); $VARS expand
-    node_link_timeout: float = 3.0  # seconds a node may say nothing before its link is dropped
-    node_transfer_protocol: str = "tcp"  # the transfer engine's transport: tcp, or rdma where NICs have it
-    node_transfer_device: str = ""  # rdma: the NIC's device name (e.g. "mlx5_0"); tcp: unused
-    local_decoders: bool = True  # false: the front decodes only on its remote nodes (hetero and auto modes)
-    node_front_slots: int = 0  # on a node: the requests each front may run on its decoders at once; 0: no cap
-    # TLS on the control channel, off when all three are empty: this host's certificate and key (PEM), and the CA
-    # that signed its peers' (a front and its nodes each check the other's; $VARS expand)
-    node_tls_cert: str = ""
-    node_tls_key: str = ""
-    node_tls_ca: str = ""
+    worker_start_timeout: float = key(300.0, _SUPERVISION, "Seconds a worker may take to load its model before the "
+                                      "daemon reports it failed.")
+    worker_restart_delay: float = key(1.0, _SUPERVISION, "Seconds to wait before restarting a worker that died.")
 
-    # --- operations: shutdown drain, admin socket. Keep this block last. ---
-    drain_timeout: float = 30.0  # seconds SIGTERM waits for accepted requests before stopping workers
-    admin_socket: str = ""  # the admin Unix socket; empty: $RUNTIME_DIRECTORY, else a default (api/admin.py)
-    admin_group: str = "syshax"  # members may use the admin socket (besides root and the daemon's user)
+    log_level: str = key("info", _OPERATIONS, 'The log level: "debug", "info", "warning" or "error".')
+
+    api_keys: tuple[str, ...] = key((), _SECURITY, 'API keys: when any is set (here or in api_key_file), every /v1/* '
+                                    'request must send one as "Authorization: Bearer KEY", else HTTP 401; /health '
+                                    "stays open. Prefer api_key_file.")
+    api_key_file: str = key("", _SECURITY, "A file with one API key per line (lines starting with # are comments); "
+                            '$VARIABLES expand, e.g. "$CREDENTIALS_DIRECTORY/api-keys". An unreadable or empty file '
+                            "stops the daemon from starting.")
+    metrics_require_key: bool = key(False, _SECURITY, "Whether /metrics needs an API key too (when keys are set); "
+                                    "/health never does.")
+    web_ui: bool = key(True, _SECURITY, "The web page at / (live status and a chat playground); false: / is a 404.")
+    max_connections: int = key(1024, _SECURITY, "The most HTTP connections open at once (idle keep-alive ones count); "
+                               "past it a new connection gets HTTP 503 and is closed.")
+    worker_heartbeat_timeout: float = key(30.0, _SECURITY, "Seconds a loaded worker may send nothing before the "
+                                          "daemon kills it as hung and starts a new one (a worker still computing "
+                                          "gets up to 4 times as long). Must exceed handoff_timeout; 0 turns the "
+                                          "check off.")
+
+    node_listen: str = key("", _NODES, '"host:port": this daemon is a decode node for a front on another host and '
+                           "listens there (never on every interface). Empty: not a node.")
+    remote_nodes: tuple[str, ...] = key((), _NODES, 'On a front: its decode nodes\' node_listen addresses, e.g. '
+                                        '["10.0.0.2:7070", "10.0.0.3:7070"]; a finished prefill goes to the least '
+                                        "loaded decoder, local or remote.")
+    node_secret_file: str = key("", _NODES, "The file holding the secret a front and its nodes share (at least 16 "
+                                "bytes; $VARIABLES expand); only a front that proves it holds it may use a node.")
+    node_link_timeout: float = key(3.0, _NODES, "Seconds a node may say nothing (it reports every 0.5 s) before the "
+                                   "front drops its link; at least 0.5.")
+    node_transfer_protocol: str = key("tcp", _NODES, 'The transport of the transfer engine that moves KV to the nodes: '
+                                      '"tcp", or "rdma" where both hosts have NICs for it.')
+    node_transfer_device: str = key("", _NODES, 'With rdma: the NIC\'s device name (e.g. "mlx5_0"); unused with tcp.')
+    local_decoders: bool = key(True, _NODES, "false: the front runs no decoders of its own and decodes on its remote "
+                               "nodes alone (hetero and auto modes).")
+    node_front_slots: int = key(0, _NODES, "On a node: the requests each front may run on its decoders at once, so "
+                                "one busy front cannot take every slot. 0: no cap.")
+    node_tls_cert: str = key("", _NODES, "TLS on the nodes' control channel: this host's certificate (PEM). Set "
+                             "node_tls_cert, node_tls_key and node_tls_ca on the front and every node, or none.")
+    node_tls_key: str = key("", _NODES, "TLS on the nodes' control channel: this host's private key (PEM).")
+    node_tls_ca: str = key("", _NODES, "TLS on the nodes' control channel: the CA that signed the peers' "
+                           "certificates; a front checks that a node's certificate names the address it dials.")
+
+    drain_timeout: float = key(30.0, _OPERATIONS, "On SIGTERM the daemon stops admitting requests (new ones get HTTP "
+                               "503) and waits up to this many seconds for those it accepted before it stops its "
+                               "workers.")
+    admin_socket: str = key("", _OPERATIONS, "The Unix socket `syshax status`, `config get/set`, `drain`, `resume`, "
+                            "`mode` and `version` talk to. Empty: $RUNTIME_DIRECTORY/admin.sock under systemd, else "
+                            "$XDG_RUNTIME_DIR/syshax/admin.sock, else a default; at most 107 bytes.")
+    admin_group: str = key("syshax", _OPERATIONS, "Besides root and the daemon's own user, members of this group may "
+                           "use the admin socket.")
 
     # where this config came from (not a TOML key)
     source: str = field(default="", compare=False)

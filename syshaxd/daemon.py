@@ -24,6 +24,7 @@ from syshaxd.api.limits import CappedTCPSite
 from syshaxd.api.state import ServiceState
 from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, load
 from syshaxd.engine.scheduler import Scheduler
+from syshaxd.environment import hook_warnings
 from syshaxd.engine.engine_handle import EngineHandle
 from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.engine.kv_ledger import KVLedger
@@ -56,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--mode", choices=MODES, help="where prefill and decode run")
     p.add_argument("--model", metavar="PATH", help="GGUF file to serve (default: the prepared SmolLM2-135M-Instruct)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="how much the daemon logs (log_level; default info)")
     p.add_argument("--node", metavar="HOST:PORT",
                    help="run as a decode node for a front daemon on another host, listening at HOST:PORT "
                    "(node_listen; the front lists it in remote_nodes; both need node_secret_file)")
@@ -366,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, cfg.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for warning in hook_warnings(os.environ):  # a test hook left in a production unit must not go unnoticed
+        log.warning("%s", warning)
     # Before any worker is spawned: they must not inherit NOTIFY_SOCKET (NotifyAccess=main).
     notifier = Notifier.from_env(os.environ, unset_environment=True)
     reload = (lambda: load_checked(path, overrides)) if path is not None else None
