@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 STAMP := $(VENV)/.installed-test
 
-.PHONY: run test install install-gpu install-test model bench clean help system-deps llama-wheel
+.PHONY: run test install install-gpu install-test model bench clean help system-deps llama-wheel docs docs-serve
 
 help:
 	@echo "make run          create .venv, install the core and the llama.cpp backend, prepare the default model,"
@@ -18,6 +18,8 @@ help:
 	@echo "make install-gpu  add the torch and vLLM backends (gpu, hetero and auto modes with those engines)"
 	@echo "make llama-wheel  build llama-cpp-python for this CPU (once per CPU; print the wheel)"
 	@echo "make bench        run the comparisons under bench/ (slow; prints tables)"
+	@echo "make docs         build the documentation site into site/ (docs/, mkdocs.yml)"
+	@echo "make docs-serve   serve the documentation on http://127.0.0.1:8001 while you edit it"
 	@echo "make rpm          build the RPM into rpm/build/"
 
 $(VENV)/bin/python:
@@ -59,6 +61,21 @@ $(STAMP): $(GPU_STAMP) pyproject.toml
 	$(PIP) install --no-deps "instructor==1.17.0"
 	touch $@
 
+# The documentation: MkDocs with the Material theme (the core's [docs] extra). The reference pages under
+# docs/reference/ are written from the code first (syshaxd/docs_reference.py), so they cannot drift from it.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(CORE_STAMP) pyproject.toml
+	$(PIP) install -e ".[docs]"
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(PY) -m syshaxd.docs_reference --write docs/reference
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	$(PY) -m syshaxd.docs_reference --write docs/reference
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+
 llama-wheel: | $(VENV)/bin/python
 	@mk/llama-wheel.sh $(PY)
 
@@ -95,6 +112,6 @@ bench: install-test
 	$(PY) bench/bench_serving.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info rpm/build
+	rm -rf $(VENV) build dist *.egg-info rpm/build site
 
 include mk/rpm.mk

@@ -1,4 +1,4 @@
-"""Retake the README's pictures of the web page: docs/web-ui.png (a desktop) and docs/web-ui-phone.png (390 px).
+"""Retake the README's pictures of the web page: docs/images/web-ui.png (a desktop) and docs/images/web-ui-phone.png (390 px).
 
 A hetero daemon on the default model serves a little load (so the charts, the ring and the prefix cache have
 something to show), then the page, in Debian's headless Chromium driven by Playwright (what `make test` installs),
@@ -75,17 +75,17 @@ def main() -> int:
                 page.click("#send")
                 page.locator(".turn.assistant .meta.valid, .turn.assistant .meta.invalid").first.wait_for(timeout=120_000)
                 time.sleep(2.5)  # the next status poll draws the charts with the answers in them
-                page.screenshot(path=str(REPO / "docs" / "web-ui.png"), full_page=True)
+                page.screenshot(path=str(REPO / "docs" / "images" / "web-ui.png"), full_page=True)
                 phone = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True,
                                             has_touch=True).new_page()
                 phone.goto(f"{url}/")
                 phone.locator("#workers tbody tr").first.wait_for(timeout=30_000)
-                phone.screenshot(path=str(REPO / "docs" / "web-ui-phone.png"), full_page=True)
+                phone.screenshot(path=str(REPO / "docs" / "images" / "web-ui-phone.png"), full_page=True)
                 browser.close()
         finally:
             daemon.terminate()
             daemon.wait(30)
-    print("wrote docs/web-ui.png and docs/web-ui-phone.png")
+    print("wrote docs/images/web-ui.png and docs/images/web-ui-phone.png")
     return 0
 
 
