@@ -29,7 +29,7 @@ none is given. `--set all` runs both sets. Found on 2026-12-06 (AMD EPYC with AV
 model, one run of 696 s, llama.cpp patches 0008 and 0009), syshaxd / llama-server: tok/s 1.18x to 2.27x at every
 level (1.09x to 1.79x the day before, without them); TTFT p50 0.46x (medium c=8) to 1.00x (short c=8), but long c=2
 1.11x (the p50 of 4 requests: 0.90x and 1.61x in earlier runs); a 2,048-token prompt alone 3.68 s against 3.64 s
-(README: the table).
+(docs/performance.md: the table).
 
 Per load and server: output tokens/s, TTFT p50, TPOT p50, and the ratio syshaxd / llama-server
 (throughput: higher is better for syshaxd; latency: lower is); with rounds, the median of the rounds'

@@ -12,8 +12,8 @@ sampling rule) and the answer would break it without a word. Three kinds of fiel
 
 This module checks names; validate.py checks values, with the limits declared here, and api/openapi.py
 writes chat's and completions' request schemas from these declarations (each value's type, enum and range,
-each object's required keys); tests/test_request_schemas.py holds the two to what validation does. The
-README lists all three kinds.
+each object's required keys); tests/test_request_schemas.py holds the two to what validation does.
+docs/api.md lists all three kinds.
 """
 
 from __future__ import annotations
@@ -399,8 +399,8 @@ def _check_value(value: Any, spec: Spec, where: str) -> None:
 
 def _unknown(path: str, known: dict | None = None):
     """The 400 for an undeclared field; inside an object it lists the keys that object takes."""
-    where = f"{path.rsplit('.', 1)[0]} takes {', '.join(sorted(known))}" if known else "see the README for the " \
-        "fields each endpoint takes"
+    where = f"{path.rsplit('.', 1)[0]} takes {', '.join(sorted(known))}" if known else "GET /openapi.json " \
+        "lists the fields each endpoint takes"
     return invalid(f"Unrecognized request argument supplied: {path}. This server refuses a field it does not read "
                    f"rather than ignore it (an ignored constraint would break the answer without a word); {where}.",
                    param=path, code="unknown_parameter")

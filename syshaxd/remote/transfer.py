@@ -25,7 +25,7 @@ and maps it (costly per record) and the peer writes with a key from the registra
 
 What is left is the window of the record in flight, writable by anyone who reaches the node's data port while it
 is open; the MAC catches what they write before the Submit, not a write they start inside the window and hold
-open past it. Hence the firewall rule in the README ("Decode nodes: the ports to open"): the node's ports
+open past it. Hence the firewall rule in docs/operations.md ("Ports to open"): the node's ports
 15000-17000 open to its front(s) alone, the front's to its nodes alone.
 """
 

@@ -410,7 +410,8 @@ def read_secret(path: str) -> bytes:
     """The shared secret from its file (surrounding whitespace dropped); OSError or ValueError say what is wrong."""
     if not path:
         raise ValueError("node_secret_file is not set: the front and its nodes need a shared secret "
-                         "(e.g. `openssl rand -hex 32 > /etc/syshax/node.secret; chmod 600 /etc/syshax/node.secret`)")
+                         "(e.g. `openssl rand -hex 32 > /etc/syshax/node.secret; chown root:syshax /etc/syshax/node.secret; "
+                         "chmod 640 /etc/syshax/node.secret`: the daemon's user must read it)")
     secret = Path(os.path.expandvars(path)).expanduser().read_bytes().strip()
     if len(secret) < 16:
         raise ValueError(f"node_secret_file {path}: the secret is {len(secret)} bytes; use at least 16 "
