@@ -370,7 +370,69 @@ def http_page() -> str:
            "| Method | Path | Key | What it does |\n| --- | --- | --- | --- |\n"]
     for r in routes():
         out.append(f"| {r.method} | `{r.path}` | {r.key} | {_cell(r.summary)} |\n")
+    out.append("\n## Request bodies\n\nThe OpenAPI document's request schemas, rendered: every field each endpoint "
+               "takes (any other field is a 400 `unknown_parameter`), its type and what it allows. A field sent as "
+               "`null` counts as absent. [The API](../api.md) has examples.\n\n")
+    document = openapi_document()
+    schemas = document["components"]["schemas"]
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            ref = (operation.get("requestBody", {}).get("content", {}).get("application/json", {})
+                   .get("schema", {}).get("$ref", ""))
+            if not ref:
+                continue
+            schema = schemas[ref.rsplit("/", 1)[-1]]
+            out.append(f"### {method.upper()} {path}\n\n")
+            if schema.get("description"):
+                out.append(f"{schema['description']}\n\n")
+            out.append("| Field | Type | What it takes |\n| --- | --- | --- |\n")
+            required = set(schema.get("required", ()))
+            for name, field_schema in sorted(schema.get("properties", {}).items(),
+                                             key=lambda kv: _rank(kv[0] in required, _allowed(kv[1]))):
+                shown = f"`{name}` (required)" if name in required else f"`{name}`"
+                out.append(f"| {shown} | {_cell(_type_of(field_schema))} | {_cell(_allowed(field_schema))} |\n")
+            out.append("\n")
     return "".join(out)
+
+
+def _rank(required: bool, allowed: str) -> int:
+    """Required fields first, then what the server reads, then peers' switches held at a value, then fields taken
+    and not used (a stable sort keeps the declarations' order within each)."""
+    if required:
+        return 0
+    return 3 if allowed.startswith("Accepted and not used") else 2 if allowed.startswith("Only the value") else 1
+
+
+def _type_of(schema: dict) -> str:
+    """A field's type as a reader says it: string, integer, array of ..., one of ..., a named object."""
+    if "$ref" in schema:
+        return schema["$ref"].rsplit("/", 1)[-1]
+    if "anyOf" in schema or "oneOf" in schema:
+        kinds = [_type_of(s) for s in schema.get("anyOf", schema.get("oneOf", ())) if s.get("type") != "null"]
+        return " or ".join(dict.fromkeys(k for k in kinds if k)) or "any"
+    if "enum" in schema:
+        return " or ".join(json.dumps(v) for v in schema["enum"])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return " or ".join(k for k in kind if k != "null")
+    if kind == "array":
+        return f"array of {_type_of(schema.get('items', {}))}"
+    return kind or "any"
+
+
+def _allowed(schema: dict) -> str:
+    """The description and the bounds of a field's schema (or of its non-null alternatives)."""
+    parts = [schema.get("description", "")]
+    for alternative in (schema, *schema.get("anyOf", ()), *schema.get("oneOf", ())):
+        if alternative is not schema and alternative.get("description"):
+            parts.append(alternative["description"])
+        for key, word in (("minimum", "at least"), ("maximum", "at most"), ("exclusiveMinimum", "above"),
+                          ("exclusiveMaximum", "below"), ("minItems", "at least N items"), ("maxItems", "at most N items"),
+                          ("maxLength", "at most N characters")):
+            if key in alternative:
+                value = alternative[key]
+                parts.append(word.replace("N", str(value)) if "N" in word else f"{word} {value}")
+    return "; ".join(dict.fromkeys(p.rstrip(".") for p in parts if p))
 
 
 # --- the pages -------------------------------------------------------------------------------
