@@ -376,8 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     admin = argparse.ArgumentParser(add_help=False)
     admin.add_argument("--socket", metavar="PATH",
-                       help="the daemon's admin socket (default: $SYSHAX_ADMIN_SOCKET, the config's admin_socket, "
-                            "/run/syshax/admin.sock)")
+                       help="the daemon's admin socket, which it logs at start (default: $SYSHAX_ADMIN_SOCKET; "
+                            "else the admin_socket of the config file found as the daemon finds it without --config "
+                            "($SYSHAX_CONFIG, ./etc/syshax.toml, /etc/syshax/syshax.toml); else the first that "
+                            "exists of /run/syshax/admin.sock, $XDG_RUNTIME_DIR/syshax/admin.sock and "
+                            "MODEL_DIR/admin.sock)")
     admin.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     s = sub.add_parser("plugins", help="list installed backends, their roles and whether they run here")

@@ -448,7 +448,17 @@ def test_tls_needs_all_three_keys_or_none():
 
 
 def test_a_node_whose_tls_files_are_wrong_says_which(tmp_path):
+    (node_cert, node_key), (front_cert, front_key), ca = _certificates(tmp_path)
     missing = str(tmp_path / "nothing.pem")
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=r"node_tls_cert: \S*nothing.pem does not exist"):
         wire.tls_context(True, missing, missing, missing)
+    with pytest.raises(OSError, match=r"node_tls_key: \S*nothing.pem does not exist"):
+        wire.tls_context(True, node_cert, missing, ca)
+    with pytest.raises(OSError, match=r"node_tls_ca: \S*nothing.pem does not exist"):
+        wire.tls_context(True, node_cert, node_key, missing)
+    with pytest.raises(OSError, match=r"node_tls_cert \S*node.pem with node_tls_key \S*front.key: .*is the key"):
+        wire.tls_context(True, node_cert, front_key, ca)  # another certificate's key
+    with pytest.raises(OSError, match=r"node_tls_ca \S*node.key: "):
+        wire.tls_context(True, node_cert, node_key, node_key)  # a key where the CA goes
     assert wire.tls_context(False, "", "", "") is None
+    assert wire.tls_context(False, front_cert, front_key, ca) is not None

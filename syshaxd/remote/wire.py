@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import hashlib
 import hmac
 import os
@@ -429,8 +430,18 @@ def tls_context(server: bool, cert: str, key: str, ca: str) -> ssl.SSLContext | 
     path = lambda p: os.path.expanduser(os.path.expandvars(p))  # noqa: E731
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.load_cert_chain(path(cert), path(key))
-    context.load_verify_locations(cafile=path(ca))
+    for name, given in (("node_tls_cert", cert), ("node_tls_key", key), ("node_tls_ca", ca)):
+        if not os.path.isfile(path(given)):  # say which of the three, where ssl says only "No such file"
+            raise FileNotFoundError(errno.ENOENT, f"{name}: {given} does not exist or is not a file")
+    try:
+        context.load_cert_chain(path(cert), path(key))
+    except ssl.SSLError as exc:
+        raise OSError(f"node_tls_cert {cert} with node_tls_key {key}: {exc} (is the key this certificate's, "
+                           "both PEM?)") from None
+    try:
+        context.load_verify_locations(cafile=path(ca))
+    except ssl.SSLError as exc:
+        raise OSError(f"node_tls_ca {ca}: {exc} (a PEM certificate of the CA is expected)") from None
     context.verify_mode = ssl.CERT_REQUIRED  # the client's check_hostname stays on (PROTOCOL_TLS_CLIENT's default)
     return context
 
