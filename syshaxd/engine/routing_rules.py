@@ -19,6 +19,7 @@ and < 50; a model this daemon does not serve) is a config error at start, naming
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -94,7 +95,8 @@ class Condition:
         return {"gte": actual >= want, "lte": actual <= want, "gt": actual > want, "lt": actual < want}[op]
 
     def words(self) -> str:
-        return f"{self.field} {self.operator} {self.value!r}"
+        """The condition as the status and an answer's reason show it, its value as the config wrote it (true, "a")."""
+        return f"{self.field} {self.operator} {json.dumps(self.value)}"
 
 
 @dataclass(frozen=True)
