@@ -39,6 +39,7 @@ from syshaxd.sdk.gguf.quantize import load_plan
 from syshaxd.model import ModelError, resolve_model, served_name
 from syshaxd.notify import Notifier
 from syshaxd.startup import StartupError, create_disk_tier, create_ring, create_store
+from syshaxd.engine.lifecycle import HandleState
 
 if TYPE_CHECKING:
     from syshaxd.remote.front import RemoteNode
@@ -250,11 +251,11 @@ class Service:
             if line != shown:
                 self.notifier.status(line)
                 shown = line
-            if self.scheduler.is_ready() and all(w.state == "ready" for w in self.workers):
+            if self.scheduler.is_ready() and all(w.state == HandleState.READY for w in self.workers):
                 break
             # a remote node still loading is waited for; one that cannot be reached is dialled on in the background
-            settled = all(w.state in ("ready", "failed") for w in self.workers if not w.remote) and not any(
-                w.state in ("connecting", "loading") for w in self.workers if w.remote)
+            settled = all(w.state in (HandleState.READY, HandleState.FAILED) for w in self.workers if not w.remote) \
+                and not any(w.state in (HandleState.CONNECTING, HandleState.LOADING) for w in self.workers if w.remote)
             if settled or loop.time() >= deadline:
                 break
             try:
@@ -271,7 +272,7 @@ class Service:
             self.notifier.ready(self._serving_line())
             self._ready_sent = True
         else:
-            failed = "; ".join(f"{w.name}: {w.error or w.state}" for w in self.workers if w.state != "ready")
+            failed = "; ".join(f"{w.name}: {w.error or w.state}" for w in self.workers if w.state != HandleState.READY)
             log.error("engines did not become ready (%s); the daemon keeps answering /health with 503", failed)
             # READY all the same: the service is up (admin socket, /health say why), and exiting
             # would only make systemd restart into the same failure every RestartSec.
@@ -284,7 +285,7 @@ class Service:
             self.notifier.status(f"degraded: {worker.name} failed: {worker.error}; /health answers 503")
 
     def _serving_line(self) -> str:
-        n = sum(w.state == "ready" for w in self.workers)
+        n = sum(w.state == HandleState.READY for w in self.workers)
         return f"serving {self.model_name} on {self.url} (mode {self.state.config.mode}, {n} engine workers)"
 
     # --- signals ----------------------------------------------------------------------------
@@ -341,7 +342,8 @@ class Service:
         warned = False
         while True:
             now = time.monotonic()
-            stale = [w for w in self.workers if not w.remote and w.state == "ready" and now - w.last_heartbeat > limit]
+            stale = [w for w in self.workers
+                     if not w.remote and w.state == HandleState.READY and now - w.last_heartbeat > limit]
             if stale:
                 if not warned:
                     log.error("withholding the watchdog ping: %s sent nothing for over %.0fs",

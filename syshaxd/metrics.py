@@ -50,6 +50,7 @@ from syshaxd.engine.kv_ledger import KVStatus
 from syshaxd.engine.prefix_cache import PrefixStatus
 from syshaxd.engine.status import AutoStatus, SchedulerStatus
 from syshaxd.recent import Recent
+from syshaxd.engine.lifecycle import HandleState
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ class _EngineCollector:
                 weight = stats.max_batch_size * stats.n_ctx
                 cells += weight
                 used += weight * stats.kv_usage
-            up.add_metric([w.name, w.role, w.backend, w.state], 1.0 if w.state == "ready" else 0.0)
+            up.add_metric([w.name, w.role, w.backend, w.state], 1.0 if w.state == HandleState.READY else 0.0)
             restarts.add_metric([w.name], float(w.restarts))
         running.add_metric(m, n_run)
         waiting.add_metric(m, n_wait)

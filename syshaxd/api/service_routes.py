@@ -6,6 +6,7 @@ from aiohttp import web
 
 from syshaxd.api.errors import APIError
 from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE
+from syshaxd.engine.lifecycle import HandleState
 
 routes = web.RouteTableDef()
 
@@ -38,7 +39,7 @@ async def health(request: web.Request) -> web.Response:
                                   "workers": workers}, status=503)
     if scheduler.is_ready():
         return web.json_response({"status": "ok", "mode": scheduler.mode, "workers": workers})
-    failed = any(w.state == "failed" for w in scheduler.workers)
+    failed = any(w.state == HandleState.FAILED for w in scheduler.workers)
     return web.json_response({"status": "failed" if failed else "loading", "mode": scheduler.mode,
                               "workers": workers}, status=503)
 

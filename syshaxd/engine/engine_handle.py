@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Protocol
 
+from syshaxd.engine.lifecycle import HandleState
 from syshaxd.sdk.types import EngineSpec, EngineStats, GenerateRequest, Handling
 
 if TYPE_CHECKING:
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
 class EngineHandle(Protocol):
     name: str  # for logs and the status: "decode0", "node 10.0.0.2:8701"
     spec: EngineSpec  # what it was started with (its role, pool, model, slots)
-    state: str  # stopped, starting/connecting, warming, loading, ready, restarting, failed
     error: str  # why it is not ready, "" while it is
     info: dict  # what its engine said of itself at warm-up (cpus, kernels, exact_decode, ...)
     stats: EngineStats  # its engine's latest figures
@@ -30,6 +30,10 @@ class EngineHandle(Protocol):
     last_heartbeat: float  # when it last said anything (the daemon's watchdog reads it)
     streams: dict[str, WorkerStream]  # by attempt id (engine/attempts.py): what it runs for us
     ready: asyncio.Event  # set while it takes requests
+
+    @property
+    def state(self) -> HandleState:
+        """Where it is in its lifecycle (engine/lifecycle.py: the states and the moves between them)."""
 
     @property
     def remote(self) -> bool:

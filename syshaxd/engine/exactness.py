@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from syshaxd.sdk.gguf.quantize import ROW_EXACT_TYPES
 from syshaxd.sdk.types import Pool
+from syshaxd.engine.lifecycle import HandleState
 
 if TYPE_CHECKING:
     from syshaxd.engine.engine_handle import EngineHandle
@@ -41,7 +42,7 @@ def _proved(worker) -> bool | None:
 def _why_not(worker, file_type: str = "") -> str:
     attention = worker.info.get("attention")
     if _proved(worker) is None and not attention:
-        if worker.state != "ready":
+        if worker.state != HandleState.READY:
             return f"{worker.name} is {worker.state}: it has proved nothing yet"
         return (f"{worker.name} runs {worker.spec.backend}, which computes KV its own way (its handoffs are judged "
                 "teacher-forced: top-1 agreement and KL)")

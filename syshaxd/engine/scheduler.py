@@ -17,6 +17,7 @@ from syshaxd.engine.exactness import exactness
 from syshaxd.engine.routing_rules import RoutingRule
 from syshaxd.engine.journey import Journey, JourneyCounts, SchedulerCalls
 from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.lifecycle import HandleState
 from syshaxd.engine.prefix_routing import PrefixRouting
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
@@ -135,13 +136,13 @@ class Scheduler:
         """Every worker of this host is ready, and a decoder (of this host or a remote node) where there are any:
         a remote node that is down costs capacity, not readiness, while another decoder serves."""
         local = [w for w in self.workers if not w.remote]
-        return bool(self.workers) and all(w.state == "ready" for w in local) and (
-            not self.decoders or any(w.state == "ready" for w in self.decoders))
+        return bool(self.workers) and all(w.state == HandleState.READY for w in local) and (
+            not self.decoders or any(w.state == HandleState.READY for w in self.decoders))
 
     # --- admission ----------------------------------------------------------------------------
 
     def slots(self, pool: Pool) -> int:
-        return sum(w.spec.max_batch_size for w in self.pools[pool] if w.state == "ready")
+        return sum(w.spec.max_batch_size for w in self.pools[pool] if w.state == HandleState.READY)
 
     def capacity(self) -> int:
         """Requests the daemon holds at once: every batch slot of the CPU and GPU engines plus the queue."""
@@ -156,7 +157,7 @@ class Scheduler:
 
     @classmethod
     def _least_loaded(cls, workers: list[EngineHandle], what: str) -> EngineHandle:
-        ready = [w for w in workers if w.state == "ready"]
+        ready = [w for w in workers if w.state == HandleState.READY]
         if not ready:
             raise cls._unready(workers, f"no {what}")
         return min(ready, key=lambda w: w.in_flight)
@@ -164,7 +165,7 @@ class Scheduler:
     @classmethod
     def _unready(cls, workers: list[EngineHandle], what: str) -> EngineUnavailable:
         """Why none of `workers` can take a request: retry shortly, unless every one of them failed for good."""
-        if workers and all(w.state == "failed" for w in workers):
+        if workers and all(w.state == HandleState.FAILED for w in workers):
             return EngineUnavailable(f"{what} can serve: {cls._states(workers)}", final=True)
         return EngineUnavailable(f"{what} is ready ({cls._states(workers)}); retry shortly")
 
@@ -174,9 +175,9 @@ class Scheduler:
         for the worker's restart rather than fail at once."""
         deadline = time.monotonic() + self.config.request_timeout
         while time.monotonic() < deadline:
-            if any(w.state == "ready" for w in workers):
+            if any(w.state == HandleState.READY for w in workers):
                 return True
-            if all(w.state in ("failed", "stopped") for w in workers):
+            if all(w.state in (HandleState.FAILED, HandleState.STOPPED) for w in workers):
                 return False
             await asyncio.sleep(0.1)
         return False
@@ -186,7 +187,7 @@ class Scheduler:
         pool of engines with their own prefix caches the one holding the request's prefix (engine/prefix_routing)."""
         workers = self.pools[pool]
         least = self._least_loaded(workers, "GPU engine" if pool == Pool.GPU else "CPU worker")
-        return self._by_prefix([w for w in workers if w.state == "ready"], request) or least
+        return self._by_prefix([w for w in workers if w.state == HandleState.READY], request) or least
 
     def _by_prefix(self, ready: list[EngineHandle], request: GenerateRequest | None) -> EngineHandle | None:
         """The engine holding the request's prompt prefix, where the engines keep their own prefix caches; None:
@@ -237,7 +238,7 @@ class Scheduler:
         if why:
             raise RouteUnavailable(f"this daemon cannot serve route {mode!r}: {why}")
         needed = self.gpu if mode == Mode.GPU else self.decoders
-        if not any(w.state == "ready" for w in needed):
+        if not any(w.state == HandleState.READY for w in needed):
             self.refused["unavailable"] += 1
             raise self._unready(needed, "no engine")
 
@@ -286,7 +287,7 @@ class Scheduler:
                 f"queue of {self.config.max_queue_size} full); retry later"
             )
         decision = None
-        if mode == Mode.AUTO and not any(w.state == "ready" for w in self.gpu):
+        if mode == Mode.AUTO and not any(w.state == HandleState.READY for w in self.gpu):
             # the GPU engine is loading or being restarted: the CPU workers serve meanwhile
             decision = self._count(Decision(Route.CPU, f"the GPU engine is not ready ({self._states(self.gpu)}); "
                                             "serving on the CPU", by="gpu_not_ready"))
@@ -311,7 +312,7 @@ class Scheduler:
         if route != Route.HETERO:
             return Journey(request, route, self.calls, self.ledger, reason=reason, decided_by=by)
         # a pool: the ready engine holding the request's prefix (engines with their own caches), else the least loaded
-        ready = [w for w in self.prefill or self.gpu if w.state == "ready"]
+        ready = [w for w in self.prefill or self.gpu if w.state == HandleState.READY]
         prefill = (self._by_prefix(ready, request) or min(ready, key=lambda w: w.in_flight)) if ready else None
         if prefill is None:
             # every prefill engine is restarting (or dropped): decode it on the CPU meanwhile, and say so
@@ -335,7 +336,7 @@ class Scheduler:
         (exact the moment a request is sent, where a worker's report is up to one step old), waiting also
         from the workers' reports (an engine may queue below its batch size: vLLM preempts sequences when
         its KV cache runs out); KV usage and recent tokens/s from the reports."""
-        workers = [w for w in self.pools[pool] if w.state == "ready"]
+        workers = [w for w in self.pools[pool] if w.state == HandleState.READY]
         held = sum(w.generating for w in workers)  # an offloaded prompt on the GPU engine takes no slot there
         slots = sum(w.spec.max_batch_size for w in workers)
         reported_waiting = sum(w.stats.waiting for w in workers)
@@ -434,7 +435,7 @@ class Scheduler:
                             file_type=self.served_type()),
             prefix_routing=self.prefix_routing.to_json(),
             model_file=self.model_file,
-            pools={str(pool): {"serving": [w.name for w in workers if w.state == "ready"],
-                               "out": [f"{w.name} ({w.state})" for w in workers if w.state != "ready"]}
+            pools={str(pool): {"serving": [w.name for w in workers if w.state == HandleState.READY],
+                               "out": [f"{w.name} ({w.state})" for w in workers if w.state != HandleState.READY]}
                    for pool, workers in self.pools.items() if workers},
         )

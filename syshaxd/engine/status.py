@@ -20,7 +20,7 @@ class WorkerStatus:
     backend: str
     role: str
     pool: str
-    state: str  # stopped, starting, warming (proving its kernels), ready, restarting, failed
+    state: str  # a HandleState (engine/lifecycle.py): stopped, starting, warming, ready, restarting, failed, ...
     pid: int | None
     error: str
     restarts: int

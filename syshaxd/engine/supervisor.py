@@ -18,6 +18,7 @@ import psutil
 from syshaxd.engine.attempts import new_attempt, request_of
 from syshaxd.engine.channel import ChannelClosed, ChannelFull, WorkerChannel
 from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.lifecycle import WORKER_MOVES, HandleState, Lifecycle
 from syshaxd.engine.status import WorkerStatus
 from syshaxd.sdk.types import (
     Accepted,
@@ -117,7 +118,7 @@ class WorkerHandle:
         self.restart_delay = restart_delay
         self.heartbeat_timeout = heartbeat_timeout  # 0: never declared hung
         self.hangs = 0  # workers killed for silence
-        self.state = "stopped"
+        self.lifecycle = Lifecycle(name, WORKER_MOVES)
         self.info: dict = {}
         self.stats = EngineStats()
         self.error = ""
@@ -151,7 +152,7 @@ class WorkerHandle:
             target=worker_main, args=(child, self.spec, self.name, self.log_level), name=self.name, daemon=True
         )
         self._process = process
-        self.state = "starting"
+        self.state = HandleState.STARTING
         self.ready.clear()
         process.start()
         child.close()
@@ -183,7 +184,15 @@ class WorkerHandle:
             proc.kill()
             proc.join(2)
         self._detach()
-        self.state = "stopped"
+        self.state = HandleState.STOPPED
+
+    @property
+    def state(self) -> HandleState:
+        return self.lifecycle.state
+
+    @state.setter
+    def state(self, new: HandleState) -> None:
+        self.lifecycle.move(new)
 
     @property
     def pid(self) -> int | None:
@@ -214,7 +223,7 @@ class WorkerHandle:
         proc = self._process
         if proc is None or self._stopping:
             return
-        if self.state == "ready" and self._channel is not None:
+        if self.state == HandleState.READY and self._channel is not None:
             self._channel.drain()  # our own loop may have been the slow one: read what is there first
             silent = time.monotonic() - self.last_heartbeat
             if silent <= self.heartbeat_timeout:
@@ -279,7 +288,7 @@ class WorkerHandle:
         elif isinstance(msg, WorkerWarming):
             self.info = msg.info
             self.safer_kernels, self.safer_kernels_lose = dict(msg.safer_kernels), msg.safer_kernels_lose
-            self.state = "warming"
+            self.state = HandleState.WARMING
             log.info("%s: engine built; warming up (kernels: %s, %s)", self.name, msg.info.get("kernels", "?"),
                      msg.info.get("kernels_why", ""))
         elif isinstance(msg, WorkerFailed) and msg.during == "warm-up" and msg.kernels_suspect and self.safer_kernels:
@@ -288,7 +297,7 @@ class WorkerHandle:
             self.info = msg.info
             if msg.proofs is not None:  # its restarts run on this CPU and build too: they need not prove it again
                 self.spec = replace(self.spec, proven=msg.proofs)
-            self.state = "ready"
+            self.state = HandleState.READY
             self.error = ""
             self.ready.set()
             self.ledger.engine_ready(self.name, self.info)
@@ -296,7 +305,7 @@ class WorkerHandle:
                      self.info.get("n_ctx"), self.info.get("max_batch_size"), self.info.get("cpus"))
         elif isinstance(msg, WorkerFailed):
             self.error = msg.message if msg.during == "build" else f"its warm-up failed: {msg.message}"
-            self.state = "failed"
+            self.state = HandleState.FAILED
             log.error("%s: engine failed to start: %s", self.name, self.error)
             if self._on_failed is not None:
                 self._on_failed(self)
@@ -321,8 +330,8 @@ class WorkerHandle:
         code, pid = self._process.exitcode, self._process.pid
         if self._channel is not None:
             self._channel.drain()  # events it sent just before dying still count
-        was_failed = self.state == "failed"
-        warming = self.state == "warming"
+        was_failed = self.state == HandleState.FAILED
+        warming = self.state == HandleState.WARMING
         self._detach()
         self.ready.clear()
         lost = list(self.streams.values())
@@ -346,7 +355,7 @@ class WorkerHandle:
             self.ledger.worker_gone(self.name, pid)
         if self._stopping or was_failed or verdict == "failed":
             return  # the engine cannot be built or keeps dying; restarting would fail the same way
-        self.state = "restarting"
+        self.state = HandleState.RESTARTING
         self.restarts += 1
         if verdict != "safer":
             log.error("%s: worker exited (%s%s) with %d requests in flight; restarting in %.1fs", self.name,
@@ -380,7 +389,7 @@ class WorkerHandle:
                       "correctly, prompts run slower. Set that in the config to skip this on later starts.",
                       self.name, cause, loses, settings)
             return "safer"
-        self.state = "failed"
+        self.state = HandleState.FAILED
         self.error = f"the engine {cause}; not restarted (it has no safer kernels to try)"
         log.error("%s: %s", self.name, self.error)
         if self._on_failed is not None:
@@ -395,7 +404,7 @@ class WorkerHandle:
     # --- requests -------------------------------------------------------------------------
 
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> WorkerStream:
-        if self.state != "ready" or self._channel is None:
+        if self.state != HandleState.READY or self._channel is None:
             raise EngineUnavailable(f"{self.name} is {self.state}")
         attempt = new_attempt(request.request_id)  # what the worker knows this submission by
         try:

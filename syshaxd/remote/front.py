@@ -29,6 +29,7 @@ from dataclasses import replace
 from syshaxd.config import split_address
 from syshaxd.engine.attempts import new_attempt, request_of
 from syshaxd.engine.kv_ledger import KVLedger, Quantiles
+from syshaxd.engine.lifecycle import NODE_MOVES, HandleState, Lifecycle
 from syshaxd.engine.status import NodeDecoderStatus, RemoteNodeStatus, WorkerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerStream
 from syshaxd.remote import wire
@@ -137,7 +138,7 @@ class RemoteNode:
         self.fingerprint = fingerprint
         self.transfer = transfer
         self.link_timeout, self.retry, self.transfer_timeout = link_timeout, retry, transfer_timeout
-        self.state = "stopped"
+        self.lifecycle = Lifecycle(self.name, NODE_MOVES)
         self.link = "connecting"
         self.error = ""
         self.since = time.time()
@@ -163,7 +164,7 @@ class RemoteNode:
 
     def start(self) -> None:
         self._stopping = False
-        self.state = "connecting"
+        self.state = HandleState.CONNECTING
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -174,7 +175,15 @@ class RemoteNode:
         for task in list(self._tasks):
             task.cancel()
         self.transfer.executor.shutdown(wait=False, cancel_futures=True)
-        self.state, self.link = "stopped", "stopped"
+        self.state, self.link = HandleState.STOPPED, "stopped"
+
+    @property
+    def state(self) -> HandleState:
+        return self.lifecycle.state
+
+    @state.setter
+    def state(self, new: HandleState) -> None:
+        self.lifecycle.move(new)
 
     @property
     def pid(self) -> int | None:
@@ -244,7 +253,8 @@ class RemoteNode:
             self.since = time.time()
         self.link, self.error = link, error
         if link != "up":
-            self.state = "unreachable" if link == "down" else "failed" if link == "refused" else self.state
+            self.state = (HandleState.UNREACHABLE if link == "down" else HandleState.FAILED if link == "refused"
+                          else self.state)
             self.ready.clear()
 
     def _up(self, hello: NodeHello, writer, sealed: wire.Session) -> None:
@@ -308,11 +318,12 @@ class RemoteNode:
                      "attention": ",".join(sorted({d.attention for d in ready if d.attention})),
                      "exact_decode": bool(ready) and all(d.exact_decode for d in ready)}
         if ready:
-            self.state = "ready"
+            self.state = HandleState.READY
             self.ready.set()
         else:
             failed = message.decoders and all(d.state == "failed" for d in message.decoders)
-            self.state = "failed" if failed else "loading"  # failed: nothing will come back there by itself
+            # failed: nothing will come back there by itself
+            self.state = HandleState.FAILED if failed else HandleState.LOADING
             self.error = "every decoder of the node failed: " + "; ".join(
                 f"{d.name}: {d.error}" for d in message.decoders) if failed else ""
             self.ready.clear()
@@ -339,7 +350,7 @@ class RemoteNode:
             self._writer.write(self._sealed.frame(message))
 
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> WorkerStream:
-        if self.state != "ready" or self._writer is None:
+        if self.state != HandleState.READY or self._writer is None:
             raise EngineUnavailable(f"{self.name} is {self.state}" + (f" ({self.error})" if self.error else ""))
         attempt = new_attempt(request.request_id)  # what the node knows this submission by
         stream = WorkerStream(request.request_id, self, attempt)

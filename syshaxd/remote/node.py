@@ -48,6 +48,7 @@ from syshaxd.remote.wire import (
 )
 from syshaxd.sdk.kv.ring import RECORD_HEADER, KVRing, RingError
 from syshaxd.sdk.types import Cancel, Refusal, Rejected, Submit, WorkerLost
+from syshaxd.engine.lifecycle import HandleState
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class NodeServer:
                                   bool(w.info.get("exact_decode", False))) for w in self.workers)
 
     def pick(self) -> WorkerHandle | None:
-        ready = [w for w in self.workers if w.state == "ready"]
+        ready = [w for w in self.workers if w.state == HandleState.READY]
         return min(ready, key=lambda w: w.in_flight) if ready else None
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

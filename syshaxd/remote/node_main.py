@@ -17,6 +17,7 @@ from syshaxd.remote import wire
 from syshaxd.remote.node import NodeServer
 from syshaxd.remote.transfer import TransferEngine, TransferUnavailable
 from syshaxd.startup import StartupError, create_ring
+from syshaxd.engine.lifecycle import HandleState
 
 log = logging.getLogger("syshaxd.remote.node")  # the node's log lines keep their logger's name
 
@@ -95,7 +96,7 @@ async def _watchdog(notifier, workers: list[WorkerHandle]) -> None:
     limit = max(2 * interval, 5.0)
     while True:
         now = time.monotonic()
-        if not any(w.state == "ready" and now - w.last_heartbeat > limit for w in workers):
+        if not any(w.state == HandleState.READY and now - w.last_heartbeat > limit for w in workers):
             notifier.watchdog()
         await asyncio.sleep(interval)
 
@@ -103,9 +104,9 @@ async def _watchdog(notifier, workers: list[WorkerHandle]) -> None:
 async def _ready_when_loaded(workers, notifier, server: NodeServer, timeout: float) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while loop.time() < deadline and not all(w.state in ("ready", "failed") for w in workers):
+    while loop.time() < deadline and not all(w.state in (HandleState.READY, HandleState.FAILED) for w in workers):
         await asyncio.sleep(0.25)
-    ready = sum(w.state == "ready" for w in workers)
+    ready = sum(w.state == HandleState.READY for w in workers)
     line = f"decode node on {server.host}:{server.port}: {ready} of {len(workers)} decoders ready"
     log.info("%s", line)
     print(f"syshaxd node ready on {server.host}:{server.port}", flush=True)
