@@ -117,6 +117,20 @@ def test_the_page_loads_with_no_console_errors_and_shows_the_real_worker(page, d
     assert all(urllib.parse.urlsplit(u).netloc == own for u in page.requests), page.requests  # nothing leaves
 
 
+def test_the_prefix_cache_card_shows_its_memory_and_its_disk_tier(page, daemon):
+    disk = daemon.status()["prefix_cache"]["disk"]
+    assert disk["state"] == "open", disk  # the daemon's tier, in its own folder (tests/conftest.py)
+    card = page.page.locator("#prefix")
+    card.locator("dt", has_text="on disk").wait_for(timeout=15_000)
+    terms = card.locator("dt").all_inner_texts()
+    assert terms[:2] == ["blocks", "memory"] and terms[-2:] == ["on disk", "read back"], terms
+    values = dict(zip(terms, card.locator("dd").all_inner_texts()))
+    assert re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB) of [\d.]+ (B|KiB|MiB|GiB), [\d,]+ blocks", values["on disk"])
+    assert re.fullmatch(r"[\d,]+ blocks \([\d.]+ (B|KiB|MiB|GiB)\)", values["read back"])
+    assert values["memory"].endswith(("MiB", "GiB"))  # of 512 MiB by default
+    assert page.errors == []
+
+
 def test_a_chat_message_streams_an_answer(page, daemon):
     page.page.locator("#ready", has_text="ready").wait_for(timeout=15_000)
     # count the answer's text as it grows: a streamed answer shows in several steps

@@ -119,9 +119,17 @@ function render(st) {
   }
   const p = st.prefix_cache;
   if (p) {
-    fill($("prefix"), [["blocks", `${p.blocks} of ${p.capacity_blocks} (${p.block_tokens} tokens each)`],
+    const rows = [["blocks", `${p.blocks} of ${p.capacity_blocks} (${p.block_tokens} tokens each)`],
+      ["memory", `${bytes(p.bytes)} of ${bytes(p.capacity_bytes)}`],
       ["hit rate", p.queries ? `${(100 * p.hits / p.queries).toFixed(1)}% of ${num(p.queries)} prompt tokens` : "no lookups yet"],
-      ["stored", p.stored], ["evictions", p.evictions]]);
+      ["stored", p.stored], ["evictions", p.evictions]];
+    const d = p.disk;  // the disk tier: blocks kept across restarts
+    if (d) {
+      rows.push(["on disk", d.state === "open"
+        ? `${bytes(d.bytes)} of ${bytes(d.capacity_bytes)}, ${num(d.blocks)} blocks` : d.state]);
+      if (d.state === "open") rows.push(["read back", `${num(d.loaded)} blocks (${bytes(d.bytes_read)})`]);
+    }
+    fill($("prefix"), rows);
   } else {
     fill($("prefix"), [["prefix cache", "off"]]);
   }
