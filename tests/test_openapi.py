@@ -54,6 +54,11 @@ def test_the_document_describes_this_daemon(daemon):
     schemathesis.openapi.from_dict(doc).validate()  # against the OpenAPI 3.1 meta-schema
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics",
             "/v1/syshax/status", "/openapi.json", "/tokenize", "/detokenize"} <= set(doc["paths"])
+    # every route the daemon serves but its web page's (docs/reference/http.md lists those)
+    from syshaxd.docs_reference import routes  # the daemon's app's router, built without engines
+
+    served = {route.path for route in routes()}
+    assert served - set(doc["paths"]) == {"/", "/ui/{name}", "/favicon.ico"}
     for path in ("/v1/completions", "/v1/chat/completions"):
         op = doc["paths"][path]["post"]
         assert set(op["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503"}

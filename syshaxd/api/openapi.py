@@ -16,8 +16,8 @@ from typing import Any
 
 from syshaxd import __version__
 from syshaxd.api import messages, responses
-from syshaxd.api.fields import (CHAT, CHAT_ROLES, COMPLETIONS, DEFAULT_ONLY, HARMLESS, MESSAGES, RESPONSES, Each, Obj,
-                                OneOf, Spec, Val)
+from syshaxd.api.fields import (CHAT, CHAT_ROLES, COMPLETIONS, DEFAULT_ONLY, HARMLESS, MESSAGES, MESSAGES_COUNT,
+                                RESPONSES, Each, Obj, OneOf, Spec, Val)
 
 ERROR_STATUSES = {
     "400": "The body is invalid: the error's `param` names the field and its message says what is allowed.",
@@ -113,6 +113,10 @@ def _other_api_schemas(model_name: str, n_ctx: int) -> dict:
     """/v1/responses and /v1/messages: the fields their modules declare; their own shapes answer."""
     model = {"type": "string", "enum": [model_name]}
     tokens = {"type": "integer", "minimum": 1, "maximum": n_ctx}
+    messages_schema = {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"enum": list(messages.ROLES)},
+                       "content": {"anyOf": [{"type": "string"}, {"type": "array"}]}}}}
     return {
         "ResponseRequest": {
             "type": "object", "required": ["model", "input"], "additionalProperties": False,
@@ -134,11 +138,14 @@ def _other_api_schemas(model_name: str, n_ctx: int) -> dict:
             "description": "Anthropic's Messages API.",
             "properties": _declared(MESSAGES, {
                 "model": model, "max_tokens": tokens, "stream": _nullable({"type": "boolean"}),
-                "messages": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["role", "content"],
-                    "properties": {"role": {"enum": list(messages.ROLES)},
-                                   "content": {"anyOf": [{"type": "string"}, {"type": "array"}]}}}},
+                "messages": messages_schema,
                 "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 1})})},
+        "CountTokensRequest": {
+            "type": "object", "required": ["model", "messages"], "additionalProperties": False,
+            "description": "A Messages request's prompt, to count: no max_tokens, nothing generated.",
+            "properties": _declared(MESSAGES_COUNT, {"model": model, "messages": messages_schema})},
+        "TokenCount": {"type": "object", "required": ["input_tokens"],
+                       "properties": {"input_tokens": {"type": "integer", "minimum": 0}}},
         "Message": {"type": "object", "required": ["id", "type", "role", "content", "stop_reason", "usage"],
                     "properties": {"id": {"type": "string"}, "type": {"const": "message"},
                                    "role": {"const": "assistant"}, "content": {"type": "array"},
@@ -401,6 +408,14 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
                                            "Error", secured),
             "/v1/messages": _other_api_op("Anthropic's Messages API", "MessagesRequest", "Message", "AnthropicError",
                                           secured),
+            "/v1/messages/count_tokens": {"post": {
+                "summary": "A Messages request's prompt in tokens: the chat template rendered with the tools",
+                "security": secured,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(
+                    "CountTokensRequest")}}},
+                "responses": json_200("TokenCount", "The prompt's tokens.") | {
+                    s: {"description": ERROR_STATUSES[s], "content": {"application/json": {"schema": _ref(
+                        "AnthropicError")}}} for s in ("400", "401", "404", "413")}}},
             "/tokenize": _token_op("Text or chat messages to the model's token ids", "TokenizeRequest", "Tokenized",
                                    secured),
             "/detokenize": _token_op("Token ids to text", "DetokenizeRequest", "Detokenized", secured),
