@@ -38,15 +38,16 @@ def print_status(st: dict) -> None:
     if st["draining"]:
         print(f"draining: {st['drain_reason']}  (syshax resume admits requests again)")
     print()
-    print(f"{'WORKER':<10} {'ROLE':<9} {'STATE':<11} {'PID':>7} {'CPUS':<10} {'RUN':>4} {'WAIT':>5} {'SLOTS':>5} "
+    wide = max([10, *(len(w.name) for w in sched.workers)])  # a node's name ("node 10.0.0.2:7070") is longer
+    print(f"{'WORKER':<{wide}} {'ROLE':<9} {'STATE':<11} {'PID':>7} {'CPUS':<10} {'RUN':>4} {'WAIT':>5} {'SLOTS':>5} "
           f"{'KV':>6} {'TOK/S':>7} {'RESTARTS':>8}")
     for w in sched.workers:
         s = w.stats
-        print(f"{w.name:<10} {w.role:<9} {w.state:<11} {w.pid or '-':>7} {format_cpulist(w.cpus) or '-':<10} "
+        print(f"{w.name:<{wide}} {w.role:<9} {w.state:<11} {w.pid or '-':>7} {format_cpulist(w.cpus) or '-':<10} "
               f"{s.running:>4} {s.waiting:>5} {s.max_batch_size:>5} {s.kv_usage:>6.1%} {s.tokens_per_second:>7.1f} "
               f"{w.restarts:>8}")
         if w.kernels:
-            print(f"{'':<10} kernels: {w.kernels} ({w.kernels_why})"
+            print(f"{'':<{wide}} kernels: {w.kernels} ({w.kernels_why})"
                   + (f"; attention {w.attention}" if w.attention else "")
                   + ("; decode steps proved exact" if w.exact_decode else "")
                   + ("; keeps generated tokens" if w.keeps_generated else "")
@@ -59,7 +60,7 @@ def print_status(st: dict) -> None:
                      + (f"; {s.kept_drafts} of {s.drafted_tokens} drafted" if w.draft_model else "") + ")"
                      if w.speculative_tokens else ""))
         if w.error:
-            print(f"{'':<10} error: {w.error}")
+            print(f"{'':<{wide}} error: {w.error}")
     routing = sched.prefix_routing
     if routing.get("placed_by_prefix") or routing.get("placed_by_load"):
         print(f"prefix routing: {routing['placed_by_prefix']} placed where their prefix was "
