@@ -83,13 +83,15 @@ class TorchPrefillEngine:
         self.folder = ensure_hf_folder(self.gguf, Path(spec.cache_dir) if spec.cache_dir else None)
         self.fingerprint = folder_fingerprint(self.folder)
         started = time.monotonic()
-        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype)
+        # transformers wraps Module.to with functools.wraps, which typeshed types as the unbound function
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         check_model(self.fingerprint, **hf_config_shape(self.model.config))
         self.vocab = Vocab(self.gguf)
         self.n_ctx = min(spec.n_ctx, self.vocab.n_ctx_train)
         from syshaxd.sdk.kv.ring import KVRing
 
-        self.ring = KVRing.attach(spec.ring)
+        self.ring: KVRing | None = KVRing.attach(spec.ring)
         self._pinned = _pin_for_device(self.ring, self.device)
         self.waiting: deque[_Prompt] = deque()
         self.counters = {"prompt_tokens": 0, "finished": 0}
@@ -169,6 +171,8 @@ class TorchPrefillEngine:
 
     def export(self, tokens: list[int], past, first_token: int, *, permute: bool = True) -> KVHandle:
         """Write past_key_values as one neutral record into the ring; RingFull when no room frees in time."""
+        if self.ring is None:  # closed: nothing exports after close()
+            raise RuntimeError("the torch engine was closed; it has no KV ring to export into")
         keys, values = past_key_values_layers(past)
         size = record_size(self.fingerprint, len(tokens), RECORD_DTYPE)
         res = self.ring.reserve(size, self.spec.handoff_timeout)

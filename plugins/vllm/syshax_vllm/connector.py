@@ -196,6 +196,8 @@ class SyshaxRingConnector(KVConnectorBase_V1):
     def _open(self, store: StoreRequest) -> _Writer:
         from syshaxd.sdk.kv.ring import RingFull
 
+        if self.ring is None:  # only the worker side, which attached the ring, stores; a store elsewhere is a bug
+            raise RuntimeError("the KV connector was asked to store a prompt's KV, but its worker has no ring")
         n = len(store.token_ids)
         size = record_size(self.fingerprint, n, RECORD_DTYPE)
         try:

@@ -290,7 +290,7 @@ class VllmEngine:
             text, finish = live.out.token(token)
             # the end-of-generation token that ends the text is not part of it: no logprob entry
             ended = finish == "stop" and self.vocab.is_eog(token) and not live.request.ignore_eos
-            lp = (_logprob(sampled[i], token, k),) if sampled is not None and not ended else ()
+            lp = (_logprob(sampled[i], token, k),) if sampled is not None and k is not None and not ended else ()
             deltas.append(Delta(rid, text, 1, finish, tokens=(int(token),), logprobs=lp,
                                 prompt_logprobs=prompt_lp if i == 0 else None))
             if finish is not None:
