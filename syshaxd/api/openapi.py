@@ -41,8 +41,9 @@ def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _errors(*statuses: str) -> dict:
-    return {s: {"description": ERROR_STATUSES[s], "content": {"application/json": {"schema": _ref("Error")}}}
+def _errors(*statuses: str, shape: str = "Error") -> dict:
+    """The error answers of these statuses, in OpenAI's shape (Error) or another API's (AnthropicError)."""
+    return {s: {"description": ERROR_STATUSES[s], "content": {"application/json": {"schema": _ref(shape)}}}
             for s in statuses}
 
 
@@ -158,8 +159,7 @@ def _other_api_schemas(model_name: str, n_ctx: int) -> dict:
 
 
 def _other_api_op(summary: str, request: str, answer: str, error: str, secured: list) -> dict:
-    errors = {s: {"description": ERROR_STATUSES[s], "content": {"application/json": {"schema": _ref(error)}}}
-              for s in ("400", "401", "404", "413", "429", "500", "503")}
+    errors = _errors("400", "401", "404", "413", "429", "500", "503", shape=error)
     return {"post": {
         "summary": summary, "security": secured,
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
@@ -413,9 +413,8 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
                 "security": secured,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(
                     "CountTokensRequest")}}},
-                "responses": json_200("TokenCount", "The prompt's tokens.") | {
-                    s: {"description": ERROR_STATUSES[s], "content": {"application/json": {"schema": _ref(
-                        "AnthropicError")}}} for s in ("400", "401", "404", "413")}}},
+                "responses": json_200("TokenCount", "The prompt's tokens.")
+                | _errors("400", "401", "404", "413", shape="AnthropicError")}},
             "/tokenize": _token_op("Text or chat messages to the model's token ids", "TokenizeRequest", "Tokenized",
                                    secured),
             "/detokenize": _token_op("Token ids to text", "DetokenizeRequest", "Detokenized", secured),
