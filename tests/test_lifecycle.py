@@ -54,3 +54,21 @@ def test_a_node_is_dialled_before_it_serves():
 def test_the_states_are_the_strings_the_status_shows():
     assert json.dumps({"state": HandleState.READY}) == '{"state": "ready"}'
     assert f"{HandleState.RESTARTING}" == "restarting" and HandleState.READY == "ready"
+
+
+def test_a_worker_handle_changes_state_only_through_its_lifecycle():
+    import asyncio
+
+    from syshaxd.engine.supervisor import WorkerHandle
+    from syshaxd.sdk.types import EngineSpec, Role
+
+    async def check() -> None:
+        worker = WorkerHandle("cpu0", EngineSpec(backend="llamacpp", role=Role.GENERATE, model_path="m.gguf",
+                                                 model_name="m"), "info", 1.0)
+        assert worker.state == HandleState.STOPPED and worker.lifecycle.moves is WORKER_MOVES
+        with pytest.raises(IllegalMove, match="cpu0: stopped -> ready"):
+            worker.state = HandleState.READY  # a worker serves only once started and built
+        worker.state = HandleState.STARTING
+        assert worker.lifecycle.state == HandleState.STARTING
+
+    asyncio.run(check())

@@ -10,6 +10,7 @@ planned. The states are strings too (a StrEnum), as the status JSON, /metrics an
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any, overload
 
 
 class HandleState(StrEnum):
@@ -68,3 +69,19 @@ class Lifecycle:
             raise IllegalMove(f"{self.name}: {self.state} -> {new} is not a move its lifecycle allows "
                               f"(from {self.state}: {', '.join(sorted(self.moves.get(self.state, ())))})")
         self.state = new
+
+
+class LifecycleState:
+    """An engine handle's `state` attribute: read from its `lifecycle`, set only through Lifecycle.move."""
+
+    @overload
+    def __get__(self, obj: None, owner: Any = None) -> "LifecycleState": ...
+
+    @overload
+    def __get__(self, obj: Any, owner: Any = None) -> HandleState: ...
+
+    def __get__(self, obj: Any, owner: Any = None) -> "HandleState | LifecycleState":
+        return self if obj is None else obj.lifecycle.state
+
+    def __set__(self, obj: Any, new: HandleState) -> None:
+        obj.lifecycle.move(new)

@@ -18,7 +18,7 @@ import psutil
 from syshaxd.engine.attempts import new_attempt, request_of
 from syshaxd.engine.channel import ChannelClosed, ChannelFull, WorkerChannel
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.lifecycle import WORKER_MOVES, HandleState, Lifecycle
+from syshaxd.engine.lifecycle import WORKER_MOVES, HandleState, Lifecycle, LifecycleState
 from syshaxd.engine.status import WorkerStatus
 from syshaxd.sdk.types import (
     Accepted,
@@ -108,6 +108,7 @@ class WorkerHandle:
     BUSY_GRACE = 4
     remote = False  # a process of this host (remote/front.py's RemoteNode is a decode node on another)
     CRASH_LOOP = 3  # deaths in a row without a token served (or a prompt handed on): a crash loop
+    state = LifecycleState()  # changed only along WORKER_MOVES (engine/lifecycle.py)
 
     def __init__(self, name: str, spec: EngineSpec, log_level: str, restart_delay: float,
                  heartbeat_timeout: float = 30.0, ledger: KVLedger | None = None,
@@ -185,14 +186,6 @@ class WorkerHandle:
             proc.join(2)
         self._detach()
         self.state = HandleState.STOPPED
-
-    @property
-    def state(self) -> HandleState:
-        return self.lifecycle.state
-
-    @state.setter
-    def state(self, new: HandleState) -> None:
-        self.lifecycle.move(new)
 
     @property
     def pid(self) -> int | None:

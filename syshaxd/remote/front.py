@@ -29,7 +29,7 @@ from dataclasses import replace
 from syshaxd.config import split_address
 from syshaxd.engine.attempts import new_attempt, request_of
 from syshaxd.engine.kv_ledger import KVLedger, Quantiles
-from syshaxd.engine.lifecycle import NODE_MOVES, HandleState, Lifecycle
+from syshaxd.engine.lifecycle import NODE_MOVES, HandleState, Lifecycle, LifecycleState
 from syshaxd.engine.status import NodeDecoderStatus, RemoteNodeStatus, WorkerStatus
 from syshaxd.engine.supervisor import EngineUnavailable, WorkerStream
 from syshaxd.remote import wire
@@ -121,6 +121,7 @@ class RemoteNode:
     """A decode node, to the scheduler one more CPU decoder (with the slots of all the node's decoders)."""
 
     remote = True  # not a process of this host: the daemon's start-up and watchdog do not wait for it
+    state = LifecycleState()  # changed only along NODE_MOVES (engine/lifecycle.py)
 
     def __init__(self, address: str, secret: bytes, spec: EngineSpec, ledger: KVLedger, fingerprint: bytes,
                  transfer: FrontTransfer, link_timeout: float = 3.0, retry: float = RETRY,
@@ -176,14 +177,6 @@ class RemoteNode:
             task.cancel()
         self.transfer.executor.shutdown(wait=False, cancel_futures=True)
         self.state, self.link = HandleState.STOPPED, "stopped"
-
-    @property
-    def state(self) -> HandleState:
-        return self.lifecycle.state
-
-    @state.setter
-    def state(self, new: HandleState) -> None:
-        self.lifecycle.move(new)
 
     @property
     def pid(self) -> int | None:
