@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
 from syshaxd.engine.routing_rules import RoutingRule, RuleError, parse_rules, rules_to_json
+from syshaxd.model_entries import EntryError, ModelEntry, models_to_json, parse_models
 from syshaxd.sdk.types import REPACK_SETTINGS
 
 
@@ -93,6 +94,10 @@ class Config:
     quantize: str = key("q4_0", _SERVE, 'The type an unquantized (F32, F16, BF16) GGUF is quantized to at its first '
                         'load, cached in model_dir: "q4_0", "q8_0", or "" to load every file as it is. Files already '
                         "quantized load as they are; SYSHAX_QUANTIZE overrides this key.")
+    models: tuple[ModelEntry, ...] = key((), _SERVE, "Embedding models served beside the chat model, written as "
+                                         "`[[models]]` tables (name, path, and optionally n_ctx, batch, threads, "
+                                         "cpu_affinity, load): each answers POST /v1/embeddings under its name, in "
+                                         "a worker of its own.")
 
     cpu_engine: str = key("llamacpp", _CPU_ENGINE, "The backend plugin of the CPU workers (`syshax plugins` lists the "
                           'installed ones); "llamacpp" is the built-in one.')
@@ -305,6 +310,11 @@ def _check_type(key: str, value: Any) -> Any:
             value = parse_rules(value).rules
         except RuleError as exc:
             raise ConfigError(str(exc)) from None
+    elif expected == "tuple[ModelEntry, ...]":
+        try:
+            value = parse_models(value)
+        except EntryError as exc:
+            raise ConfigError(str(exc)) from None
     elif expected == "tuple[str, ...]":
         if isinstance(value, str) or not isinstance(value, (list, tuple)) \
                 or not all(isinstance(v, str) for v in value):
@@ -319,12 +329,14 @@ SECRET_KEYS = frozenset({"api_keys"})
 
 def plain(key: str, value: Any) -> Any:
     """The value as JSON and TOML write it (routing rules as the tables they came from)."""
+    if key == "models":
+        return models_to_json(value)
     return rules_to_json(value) if key == "routing_rules" else value
 
 
 def shown(key: str, value: Any) -> str:
     """The value as it may appear in a log line or an error message: secrets are masked."""
-    if key == "routing_rules":
+    if key in ("routing_rules", "models"):
         return repr(plain(key, value))
     if key not in SECRET_KEYS:
         return repr(value)
@@ -501,6 +513,14 @@ def coerce(key: str, text: str) -> Any:
         if text.lower() in ("false", "no", "off", "0"):
             return False
         raise ConfigError(f"{key}: expected true or false, got {text!r}")
+    if kind == "tuple[ModelEntry, ...]":  # a JSON array of tables, as [[models]] holds them
+        import json
+
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise ConfigError(f'{key}: expected a JSON array of tables, e.g. [{{"name": "embed", "path": '
+                              '"/models/embed.gguf"}]') from None
     if kind == "tuple[RoutingRule, ...]":  # a JSON array of rule tables, as [[routing_rules]] holds them
         import json
 

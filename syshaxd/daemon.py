@@ -23,6 +23,7 @@ from syshaxd.api.keys import CONNECTIONS
 from syshaxd.api.limits import CappedTCPSite
 from syshaxd.api.state import ServiceState
 from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, load
+from syshaxd.engine.embedders import Embedders, EmbeddersError, plan_embedders
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.environment import hook_warnings
 from syshaxd.engine.engine_handle import EngineHandle
@@ -97,12 +98,18 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
         engines = plan_engines(cfg, model_path, model_name, dict(os.environ))
     except PlanError as exc:
         raise StartupError(str(exc)) from None
+    try:  # the embedding models of [[models]]; their workers are made by the service
+        embedders = plan_embedders(cfg.models, model_name, cfg.cpu_engine, cfg.repack,
+                                   lambda name, spec: WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay,
+                                                                   cfg.worker_heartbeat_timeout))
+    except EmbeddersError as exc:
+        raise StartupError(str(exc)) from None
     ring = create_ring(engines.ring) if engines.ring is not None else None
     store = create_store(engines.prefix) if engines.prefix is not None else None
     disk = (create_disk_tier(cfg, engines.prefix, store, model_path, dict(os.environ))
             if engines.prefix is not None and store is not None else None)
     try:
-        service = Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys, disk)
+        service = Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys, disk, embedders)
         service.scheduler.model_file = model_file.to_json()
         return await service.run()
     finally:
@@ -155,7 +162,7 @@ class Service:
 
     def __init__(self, cfg: Config, engines: Engines, ring: KVRing | None, model_path: Path, model_name: str,
                  notifier: Notifier, reload: Callable[[], Config] | None, keys: KeyCheck,
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, embedders: Embedders | None = None) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.model_name = model_name
@@ -173,6 +180,8 @@ class Service:
         self.workers += _remote_nodes(cfg, ring, ledger, model_path, model_name)
         # prompts are tokenized once, in the daemon, as the engines would (and the prefix cache planned from them)
         self.scheduler = Scheduler(cfg, self.workers, ledger, PromptTokenizer(DaemonVocab(str(model_path)), cfg.n_ctx))
+        self.embedders = embedders or Embedders([])
+        self.scheduler.embedders = self.embedders  # the status and /health show them beside the workers
         self.state = ServiceState(self.scheduler, reload)
         self.app = make_app(cfg, self.scheduler, model_name, self.state, keys=keys)
         self.url = ""
@@ -215,7 +224,7 @@ class Service:
                 await self.admin.close()
             await site.stop()
             await runner.cleanup()
-            await asyncio.gather(*(w.stop() for w in self.workers))
+            await asyncio.gather(*(w.stop() for w in self.workers), self.embedders.stop())
             for task in self._tasks:
                 task.cancel()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -235,7 +244,9 @@ class Service:
             self.admin = admin
 
     def _loading_line(self) -> str:
-        return f"loading {self.model_name}: " + ", ".join(f"{w.name} {w.state}" for w in self.workers)
+        line = f"loading {self.model_name}: " + ", ".join(f"{w.name} {w.state}" for w in self.workers)
+        embedders = self.embedders.loading_line()
+        return f"{line}; embedding models: {embedders}" if embedders else line
 
     async def _load(self) -> None:
         """Start the workers, report progress as STATUS lines, and READY=1 once all are loaded (or given up on)."""
@@ -243,6 +254,7 @@ class Service:
         self.notifier.extend_timeout(timeout + 30)  # a first start may quantize the model
         for w in self.workers:
             w.start()
+        self.embedders.start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         shown = ""
@@ -254,7 +266,8 @@ class Service:
             if self.scheduler.is_ready() and all(w.state == HandleState.READY for w in self.workers):
                 break
             # a remote node still loading is waited for; one that cannot be reached is dialled on in the background
-            settled = all(w.state in (HandleState.READY, HandleState.FAILED) for w in self.workers if not w.remote) \
+            settled = all(w.state in (HandleState.READY, HandleState.FAILED)
+                          for w in [*self.workers, *self.embedders.handles] if not w.remote) \
                 and not any(w.state in (HandleState.CONNECTING, HandleState.LOADING) for w in self.workers if w.remote)
             if settled or loop.time() >= deadline:
                 break

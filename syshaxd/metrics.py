@@ -209,6 +209,25 @@ class RequestTimer:
         self._m.recent.finished()
 
 
+def _embedding_families(models):
+    """The embedding models of [[models]], each under its own model_name."""
+    labels = ["model_name"]
+    loaded = GaugeMetricFamily("syshax_embedding_model_loaded", "1 while an embedding model's worker is ready, "
+                               "else 0 (unloaded, loading, restarting or failed).", labels=labels)
+    requests = CounterMetricFamily("syshax_embedding_requests", "Embeddings requests an embedding model answered "
+                                   "(refused ones included).", labels=labels)
+    inputs = CounterMetricFamily("syshax_embedding_inputs", "Inputs an embedding model made vectors of.",
+                                 labels=labels)
+    tokens = CounterMetricFamily("syshax_embedding_tokens", "Tokens of the inputs an embedding model made vectors "
+                                 "of (usage.prompt_tokens).", labels=labels)
+    for m in models:
+        loaded.add_metric([m.name], 1.0 if m.state == HandleState.READY else 0.0)
+        requests.add_metric([m.name], m.requests)
+        inputs.add_metric([m.name], m.inputs)
+        tokens.add_metric([m.name], m.tokens)
+    yield from (loaded, requests, inputs, tokens)
+
+
 class _EngineCollector:
     """Gauges and counters read from Scheduler.status() (and the service's own state) at each scrape."""
 
@@ -235,6 +254,8 @@ class _EngineCollector:
             yield from self._auto(status.auto)
         if status.nodes:
             yield from self._nodes(status.nodes)
+        if status.embedding_models:
+            yield from _embedding_families(status.embedding_models)
 
     def _nodes(self, nodes):
         yield from _node_families(nodes)

@@ -99,6 +99,9 @@ class Family:
     embed_std: float | None = None  # the token embedding's init std, where not the config's initializer_range
     final_norm_weight: float | None = None  # the final norm's weights (all alike), where not the init's
     convert_args: tuple[str, ...] = ()  # the converter's extra flags for this family
+    # an embedding model's pooling, as sentence-transformers' 1_Pooling/config.json names it ("mean", "cls",
+    # "lasttoken"), which the converter writes as the GGUF's pooling_type; "": a chat model
+    pooling: str = ""
 
 
 _LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -281,12 +284,21 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
            dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, full_attn_idxs=[1],
                 block_auto_adjust_ff_dim=False, tie_word_embeddings=True,
                 rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    Family("qwen3-embedding", "Qwen3ForCausalLM",
+           "an embedding model as Qwen3-Embedding is one: the qwen3 arch with last-token pooling (sentence-"
+           "transformers' modules.json and 1_Pooling), so the GGUF carries pooling_type LAST",
+           _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+           pooling="lasttoken"),
 ]}
 
 # families whose KV layout this engine does not carry in every mode yet (a sliding window with sinks, MLA, a
 # recurrent state): the header and plan tests make them; test_families.py serves FAMILIES in cpu mode and hetero
 LAYOUT_FAMILIES: list[str] = ["gemma4", "gpt-oss", "deepseek3", "lfm2", "qwen35", "qwen35moe", "nemotron_h", "mamba"]
-FAMILIES: list[str] = [name for name in FAMILY_SPECS if name not in LAYOUT_FAMILIES]
+# embedding models (a pooling type): served by /v1/embeddings, not chat (test_embeddings.py)
+EMBEDDING_FAMILIES: list[str] = [name for name, f in FAMILY_SPECS.items() if f.pooling]
+FAMILIES: list[str] = [name for name in FAMILY_SPECS if name not in LAYOUT_FAMILIES + EMBEDDING_FAMILIES]
 NOTES: dict[str, str] = {name: f.note for name, f in FAMILY_SPECS.items()}
 
 # Real models' full shapes with random weights, for benchmarks (bench/bench_real_shape.py): what a decode step, a
@@ -350,7 +362,8 @@ def recipe_key(family: str) -> str:
 
 def _spec_key(spec: Family, *extra) -> str:
     # a field at its empty default is left out, so that adding one keeps the other families' files
-    fields = {k: v for k, v in asdict(spec).items() if k != "note" and not (k == "convert_args" and not v)}
+    fields = {k: v for k, v in asdict(spec).items()
+              if k != "note" and not (k in ("convert_args", "pooling") and not v)}
     text = json.dumps([RECIPE, SEED, LLAMA_VERSION, fields, *extra], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
@@ -534,6 +547,21 @@ def _build_hf(spec: Family, out: Path, low_memory: bool = False) -> None:
     model = model.to(torch.bfloat16).eval()  # as real checkpoints are stored; bf16 -> f16 is exact at these scales
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
+    if spec.pooling:
+        _write_pooling(out, spec.pooling, config.hidden_size)
+
+
+def _write_pooling(out: Path, pooling: str, dim: int) -> None:
+    """sentence-transformers' modules.json and 1_Pooling/config.json, as an embedding model's repository has them:
+    the converter reads the pooling there."""
+    (out / "1_Pooling").mkdir()
+    modes = {"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
+             "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": pooling == "lasttoken"}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": dim, **modes}))
+    (out / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
 
 
 def _model_type(arch: str) -> str:

@@ -21,7 +21,7 @@ def test_plugins_lists_the_builtin_backend_through_its_entry_point():
     backends = {b["name"]: b for b in json.loads(done.stdout)}
     llama = backends["llamacpp"]
     assert llama["device"] == "cpu" and llama["available"] is True
-    assert set(llama["roles"]) == {"prefill", "decode", "generate"}
+    assert set(llama["roles"]) == {"prefill", "decode", "generate", "embed"}
     table = syshax("plugins").stdout
     assert "llamacpp" in table and "AVAILABLE" in table
 

@@ -15,6 +15,7 @@ import pytest
 from syshaxd import docs_reference as ref
 from syshaxd.config import KEYS, SECTIONS
 from syshaxd.environment import BY_NAME, KINDS, VARIABLES
+from syshaxd.model_entries import ENTRY_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -191,8 +192,13 @@ def test_docs_name_only_metrics_that_exist():
 RULE_FIELDS = {"name", "priority", "conditions", "action"}
 
 
+# the config's arrays of tables, and the fields each table takes
+TABLES = {"routing_rules": RULE_FIELDS, "models": ENTRY_KEYS}
+
+
 def _toml_problems(path: Path) -> list[str]:
-    """Keys set in the page's toml blocks that are no config key (or, in [[routing_rules]], no rule field)."""
+    """Keys set in the page's toml blocks that are no config key (or, in [[routing_rules]] and [[models]], no field
+    of a rule or an entry)."""
     wrong = []
     blocks, _ = _blocks(path.read_text())
     for start, lang, body in blocks:
@@ -203,15 +209,15 @@ def _toml_problems(path: Path) -> list[str]:
             header = re.match(r"^\s*\[\[?\s*([\w.-]+)\s*\]\]?", line)
             if header:
                 table = header.group(1)
-                if table != "routing_rules":
+                if table not in TABLES:
                     wrong.append(f"{_where(path, start + i)}: [{table}] is no table of the config")
                 continue
             m = re.match(r"^\s*([A-Za-z_][\w-]*)\s*=", line)
             if m is None:
                 continue
-            allowed = RULE_FIELDS if table == "routing_rules" else KEYS
+            allowed = TABLES[table] if table else KEYS
             if m.group(1) not in allowed:
-                field = " (a routing rule's field)" if table else ""
+                field = f" (a field of [[{table}]])" if table else ""
                 wrong.append(f"{_where(path, start + i)}: {m.group(1)}{field}")
     return wrong
 
@@ -292,7 +298,7 @@ def test_the_scanners_find_what_is_wrong(tmp_path):
                     "`vllm:nope`, `syshax_prefix_cache_disk_*`, `syshax_nope_*`, `plugins/llamacpp/syshax_llamacpp`\n\n"
                     "```sh\n$ syshax cache warm p.jsonl \\\n    --jsn\n```\n")
     assert _variable_problems(page) == ["page.md:1: SYSHAX_NOPE"]
-    assert _toml_problems(page) == ["page.md:5: not_a_key", "page.md:8: device (a routing rule's field)"]
+    assert _toml_problems(page) == ["page.md:5: not_a_key", "page.md:8: device (a field of [[routing_rules]])"]
     assert _metric_problems(page, _exported_names()) == ["page.md:11: syshax_nope_total", "page.md:11: vllm:nope",
                                                          "page.md:11: syshax_nope_*"]
     assert _command_lines(page) == [(14, "syshax cache warm p.jsonl      --jsn")]

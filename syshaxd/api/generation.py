@@ -21,9 +21,9 @@ from typing import Protocol
 from aiohttp import web
 
 from syshaxd.api import sse
-from syshaxd.api.errors import APIError
+from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.fanout import Fanout
-from syshaxd.api.keys import METRICS, SCHEDULER, STATE, VOCAB
+from syshaxd.api.keys import METRICS, MODEL_NAME, SCHEDULER, STATE, VOCAB
 from syshaxd.api.long_strings import check_strings
 from syshaxd.api.outputs import Show, Step, next_event, rejected, steps
 from syshaxd.api.reasoning import LITERAL_GRAMMAR_FIELDS, after_thinking
@@ -98,6 +98,7 @@ async def serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
 async def _served(request: web.Request, endpoint: Endpoint, timer: RequestTimer) -> web.StreamResponse:
     body = await read_body(request)
     try:
+        _refuse_embedding_model(request, body)
         parsed = await prepared(request, endpoint.parse(body))
         try:
             fan, accepted = await _start(request, parsed)
@@ -114,6 +115,14 @@ async def _served(request: web.Request, endpoint: Endpoint, timer: RequestTimer)
             fan.cancel()  # no-op once finished; frees the sequences if the client left
     except APIError as exc:
         raise endpoint.renamed(exc) from None
+
+
+def _refuse_embedding_model(request: web.Request, body: dict) -> None:
+    """A generation request sent to an embedding model of [[models]]: a 400 that says what to send instead."""
+    model = body.get("model")
+    if isinstance(model, str) and model in request.app[SCHEDULER].embedders:
+        raise invalid(f"`{model}` is an embedding model: it makes vectors (POST /v1/embeddings), not text. Send "
+                      f"this request to `{request.app[MODEL_NAME]}`.", param="model", code="model_not_supported")
 
 
 def route_of(stream: RequestStream) -> dict:

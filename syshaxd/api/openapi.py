@@ -218,6 +218,39 @@ def _token_schemas(model_name: str) -> dict:
     }
 
 
+def _embedding_schemas() -> dict:
+    """/v1/embeddings: OpenAI's request and answer."""
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    text = {"type": "string", "minLength": 1}
+    return {
+        "EmbeddingRequest": {
+            "type": "object", "required": ["input", "model"], "additionalProperties": False,
+            "properties": {
+                "input": {"description": "A string, an array of strings, an array of token ids, or an array of "
+                                         "those: at most 2048 inputs, each within the model's n_ctx.",
+                          "anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 2048}, ids,
+                                    {"type": "array", "items": ids, "minItems": 1, "maxItems": 2048}]},
+                "model": {"type": "string", "description": "An embedding model of [[models]] (GET /v1/models)."},
+                "encoding_format": _nullable({"type": "string", "enum": ["float", "base64"],
+                                              "description": "base64: the float32 little-endian bytes."}),
+                "dimensions": _nullable({"type": "integer", "minimum": 1,
+                                         "description": "Only the model's own size."}),
+                "user": _nullable({"type": "string"})}},
+        "EmbeddingList": {
+            "type": "object", "required": ["object", "data", "model", "usage"],
+            "properties": {
+                "object": {"const": "list"}, "model": {"type": "string"},
+                "data": {"type": "array", "items": {
+                    "type": "object", "required": ["object", "index", "embedding"],
+                    "properties": {"object": {"const": "embedding"}, "index": {"type": "integer"},
+                                   "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}},
+                                                           {"type": "string"}]}}}},
+                "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
+                          "properties": {"prompt_tokens": {"type": "integer"},
+                                         "total_tokens": {"type": "integer"}}}}},
+    }
+
+
 def _token_op(summary: str, request: str, answer: str, secured: list) -> dict:
     return {"post": {"summary": summary, "security": secured,
                      "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
@@ -392,7 +425,7 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
     daemon = _Daemon(model_name, n_ctx, routes)
     schemas = _schemas() | {"CompletionRequest": _request(COMPLETIONS, daemon),
                             "ChatCompletionRequest": _request(CHAT, daemon)} | _token_schemas(model_name) \
-        | _other_api_schemas(model_name, n_ctx)
+        | _other_api_schemas(model_name, n_ctx) | _embedding_schemas()
     json_200 = lambda ref, what: {"200": {"description": what,  # noqa: E731
                                           "content": {"application/json": {"schema": _ref(ref)}}}}
     return {
@@ -415,14 +448,20 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
                     "CountTokensRequest")}}},
                 "responses": json_200("TokenCount", "The prompt's tokens.")
                 | _errors("400", "401", "404", "413", shape="AnthropicError")}},
+            "/v1/embeddings": {"post": {
+                "summary": "Vectors of texts or token ids from an embedding model of [[models]]", "security": secured,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(
+                    "EmbeddingRequest")}}},
+                "responses": json_200("EmbeddingList", "One vector per input, in order, each of length 1.")
+                | _errors("400", "401", "404", "413", "500", "503")}},
             "/tokenize": _token_op("Text or chat messages to the model's token ids", "TokenizeRequest", "Tokenized",
                                    secured),
             "/detokenize": _token_op("Token ids to text", "DetokenizeRequest", "Detokenized", secured),
             "/tokenizer_info": {"get": {"summary": "The vocabulary's special tokens and chat template (vLLM's)",
                                         "security": secured,
                                         "responses": json_200("TokenizerInfo", "The tokenizer.") | _errors("401")}},
-            "/v1/models": {"get": {"summary": "The served model", "security": secured,
-                                   "responses": json_200("ModelList", "The one model this daemon serves.")
+            "/v1/models": {"get": {"summary": "The served models", "security": secured,
+                                   "responses": json_200("ModelList", "The chat model, then the embedding models.")
                                    | _errors("401")}},
             "/v1/models/{model}": {"get": {
                 "summary": "One model", "security": secured,

@@ -81,6 +81,25 @@ class RemoteNodeStatus:
 
 
 @dataclass(frozen=True)
+class EmbeddingModelStatus:
+    """An embedding model of [[models]]: its file, whether it is loaded, and what it has served."""
+
+    name: str
+    file: str
+    state: str  # "unloaded" (load = "on_demand", not asked yet), else its worker's HandleState
+    load: str  # "start" or "on_demand"
+    pooling: str  # mean, cls, last
+    dimensions: int
+    n_ctx: int  # tokens one input may hold
+    batch: int  # inputs one pass takes together
+    requests: int
+    inputs: int
+    tokens: int
+    refused: int  # requests its engine refused (an input over n_ctx, a token id outside the vocabulary)
+    worker: WorkerStatus | None
+
+
+@dataclass(frozen=True)
 class AutoDecision:
     at: float  # time.time()
     gpu: EngineState  # each pool's load as the decider saw it
@@ -135,6 +154,8 @@ class SchedulerStatus:
     prefix_routing: dict = dataclasses.field(default_factory=dict)
     # the GGUF served: its file type and whether the engines load it as it is or quantized (sdk/gguf/quantize.py)
     model_file: dict = dataclasses.field(default_factory=dict)
+    # the embedding models of [[models]] (engine/embedders.py)
+    embedding_models: list[EmbeddingModelStatus] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

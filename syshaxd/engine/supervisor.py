@@ -25,6 +25,9 @@ from syshaxd.sdk.types import (
     Cached,
     Cancel,
     Delta,
+    Embed,
+    Embedded,
+    EmbedRequest,
     EngineSpec,
     EngineStats,
     GenerateRequest,
@@ -83,7 +86,7 @@ class WorkerStream:
             self.tokens_sent += event.n_tokens
             if event.finish_reason is not None:
                 self.finished = True
-        elif isinstance(event, (Rejected, Prefilled, WorkerLost)):
+        elif isinstance(event, (Rejected, Prefilled, WorkerLost, Embedded)):
             self.finished = True
         return event
 
@@ -263,7 +266,8 @@ class WorkerHandle:
         self.last_heartbeat = time.monotonic()
         if isinstance(msg, list):
             for event in msg:
-                if self.barren_deaths and (isinstance(event, Prefilled) or (isinstance(event, Delta) and event.n_tokens)):
+                if self.barren_deaths and (isinstance(event, (Prefilled, Embedded))
+                                           or (isinstance(event, Delta) and event.n_tokens)):
                     self.barren_deaths = 0  # it serves: whatever killed it before is not every request
                 attempt = event.request_id
                 stream = self.streams.get(attempt)
@@ -272,7 +276,8 @@ class WorkerHandle:
                 self._report_kv(event, attempt, stream is None)
                 if stream is None or isinstance(event, Cached):
                     continue  # an attempt cancelled on our side (its last events still come), or the ledger's alone
-                if isinstance(event, (Rejected, Prefilled)) or (isinstance(event, Delta) and event.finish_reason):
+                if isinstance(event, (Rejected, Prefilled, Embedded)) or (isinstance(event, Delta)
+                                                                          and event.finish_reason):
                     del self.streams[attempt]
                     self.ledger.prefix_release(event.request_id)
                 stream.queue.put_nowait(event)
@@ -397,16 +402,27 @@ class WorkerHandle:
     # --- requests -------------------------------------------------------------------------
 
     def submit(self, request: GenerateRequest, handling: Handling = Handling()) -> WorkerStream:
+        return self._sent(request.request_id, lambda attempt: Submit(replace(request, request_id=attempt), handling),
+                          handoff=handling.handoff)
+
+    def embed(self, request: EmbedRequest) -> WorkerStream:
+        """An embedding worker's request (Role.EMBED): its stream ends with Embedded or Rejected; it holds no batch
+        slot."""
+        return self._sent(request.request_id, lambda attempt: Embed(replace(request, request_id=attempt)),
+                          handoff=True)
+
+    def _sent(self, request_id: str, message: Callable[[str], Submit | Embed], handoff: bool) -> WorkerStream:
+        """A new attempt of the request sent whole (or not at all: EngineUnavailable), and its stream."""
         if self.state != HandleState.READY or self._channel is None:
             raise EngineUnavailable(f"{self.name} is {self.state}")
-        attempt = new_attempt(request.request_id)  # what the worker knows this submission by
+        attempt = new_attempt(request_id)  # what the worker knows this submission by
         try:
-            self._channel.send(Submit(replace(request, request_id=attempt), handling))  # whole, or not at all
+            self._channel.send(message(attempt))
         except ChannelFull as exc:
             raise EngineUnavailable(f"{self.name} is not taking requests this fast ({exc}); retry shortly") from None
         except ChannelClosed:
             raise EngineUnavailable(f"{self.name} cannot be reached (being replaced); retry shortly") from None
-        stream = WorkerStream(request.request_id, self, attempt, handoff=handling.handoff)
+        stream = WorkerStream(request_id, self, attempt, handoff=handoff)
         self.streams[attempt] = stream
         return stream
 

@@ -22,6 +22,7 @@ class Role(StrEnum):
     GENERATE = "generate"  # prefill and decode
     PREFILL = "prefill"  # the prompt alone, its KV handed on through the ring
     DECODE = "decode"  # continues from KV computed elsewhere
+    EMBED = "embed"  # an embedding model: a pooled vector per input (Embed), no generation
 
 
 class Pool(StrEnum):
@@ -30,6 +31,7 @@ class Pool(StrEnum):
     CPU = "cpu"  # CPU workers: cpu mode's engines, and the decoders of hetero and auto
     GPU = "gpu"  # the GPU engine of gpu and auto modes
     PREFILL = "prefill"  # hetero mode's prefill worker
+    EMBED = "embed"  # an embedding model's worker ([[models]]): /v1/embeddings alone, never the scheduler's
 
 
 class Route(StrEnum):
@@ -426,6 +428,31 @@ class Submit:
 
 
 @dataclass(frozen=True)
+class EmbedRequest:
+    """One /v1/embeddings request's inputs for an embedding engine, in order: each a text (the engine tokenizes it
+    as the model does: its BOS or EOS where the model adds them) or token ids, sent as they are."""
+
+    request_id: str
+    inputs: tuple[str | tuple[int, ...], ...]
+    normalize: bool = True  # each vector scaled to length 1 (OpenAI's embeddings are)
+
+
+@dataclass(frozen=True)
+class Embed:
+    request: EmbedRequest
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """An EmbedRequest's answer: one vector per input, in order, each float32 little-endian bytes (OpenAI's base64
+    form before base64), and the tokens the inputs took."""
+
+    request_id: str
+    vectors: tuple[bytes, ...]
+    n_tokens: int
+
+
+@dataclass(frozen=True)
 class Cancel:
     request_id: str
 
@@ -469,7 +496,7 @@ class Engine(Protocol):
 
 # what a worker's stream yields (Cached stays in the daemon); a journey turns WorkerLost into a transition, and the
 # API reads the rest
-Event = Accepted | Prefilled | Imported | Rejected | Delta | WorkerLost
+Event = Accepted | Prefilled | Imported | Rejected | Delta | WorkerLost | Embedded
 
 
 class RequestStream(Protocol):

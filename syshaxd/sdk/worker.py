@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection
 from syshaxd.sdk import faults
 from syshaxd.sdk.types import (
     Cancel,
+    Embed,
     EngineSpec,
     ModelNotServable,
     Shutdown,
@@ -115,6 +116,8 @@ def _loop(conn: Connection, engine, fault: str = "", kernels: str = "plain", ste
                 msg = conn.recv()
                 if isinstance(msg, Submit):
                     out += engine.submit(msg.request, msg.handling)
+                elif isinstance(msg, Embed):  # an embedding engine's (Role.EMBED): batched at its next step
+                    out += engine.embed(msg.request)
                 elif isinstance(msg, Cancel):
                     out += engine.cancel(msg.request_id)
                 elif isinstance(msg, Shutdown):

@@ -15,6 +15,10 @@ def _check() -> Availability:
 
 
 def _create(spec):
+    if spec.role == "embed":  # an embedding model of [[models]]
+        from syshax_llamacpp.embedding import LlamaCppEmbedder
+
+        return LlamaCppEmbedder(spec)
     from syshax_llamacpp.engine import LlamaCppEngine
 
     return LlamaCppEngine(spec)
@@ -26,7 +30,7 @@ def syshax_backends():
         Backend(
             name="llamacpp",
             device="cpu",
-            roles=frozenset({"generate", "prefill", "decode"}),
+            roles=frozenset({"generate", "prefill", "decode", "embed"}),
             description="llama.cpp (llama-cpp-python 0.3.36) on CPU, q4_0, continuous batching",
             check=_check,
             factory=_create,

@@ -1,0 +1,228 @@
+"""The embedding models of [[models]]: each checked at start, its worker started with the daemon or at its first
+request, and its requests sent to that worker, which batches them (syshax_llamacpp/embedding.py).
+
+The one owner of the embedding workers: the scheduler never sees them (they generate nothing), the status, /health
+and /v1/models read them here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from syshaxd.engine.lifecycle import HandleState
+from syshaxd.engine.numa import plan_prefill_worker, read_host_topology
+from syshaxd.engine.status import EmbeddingModelStatus
+from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
+from syshaxd.model_entries import ModelEntry
+from syshaxd.sdk.gguf.header import GGUFError, read_gguf_header
+from syshaxd.sdk.placement import PlacementError, parse_cpulist
+from syshaxd.sdk.types import Embedded, EmbedRequest, EngineSpec, Pool, Rejected, Role, WorkerLost
+
+log = logging.getLogger(__name__)
+
+DEFAULT_N_CTX = 2048  # tokens an input may hold where the entry does not say (at most the model's own)
+HandleFactory = Callable[[str, EngineSpec], WorkerHandle]  # a worker's handle from its name and spec
+POOLING_NAMES = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type
+
+
+class EmbeddersError(ValueError):
+    """A [[models]] entry cannot be served; the message names it and what to do."""
+
+
+@dataclass(frozen=True)
+class EmbeddingFile:
+    """What the daemon reads of an entry's GGUF before any worker loads it."""
+
+    arch: str
+    n_embd: int
+    n_ctx_train: int
+    pooling: str  # mean, cls, last
+
+
+def read_embedding_file(path: Path, where: str) -> EmbeddingFile:
+    """The entry's file, or EmbeddersError saying why it is no embedding model this daemon serves."""
+    if not path.is_file():
+        raise EmbeddersError(f"{where}: {path} does not exist; set path to a GGUF file of an embedding model")
+    try:
+        meta, _ = read_gguf_header(path)
+    except (GGUFError, OSError) as exc:
+        raise EmbeddersError(f"{where}: {path} is not a GGUF file llama.cpp reads ({exc})") from None
+    arch = str(meta.get("general.architecture", ""))
+    pooling = int(meta.get(f"{arch}.pooling_type", 0) or 0)
+    if pooling == 0:
+        raise EmbeddersError(f"{where}: {path.name} is a chat model ({arch}, no pooling type), not an embedding "
+                             "model. One daemon serves one chat model (the model key) beside embedding models; "
+                             "serve this one with a second syshaxd")
+    if pooling not in (1, 2, 3):
+        raise EmbeddersError(f"{where}: {path.name} pools its tokens as {POOLING_NAMES.get(pooling, pooling)} (a "
+                             "reranker's), not into a vector; only mean, CLS and last-token embedding models serve")
+    return EmbeddingFile(arch, int(meta.get(f"{arch}.embedding_length", 0)),
+                         int(meta.get(f"{arch}.context_length", 0)), POOLING_NAMES[pooling])
+
+
+class EmbeddingModel:
+    """One entry: its file, its worker (absent until loaded when load = "on_demand"), and what it has served."""
+
+    def __init__(self, entry: ModelEntry, path: Path, file: EmbeddingFile, spec: EngineSpec,
+                 handle_factory: HandleFactory) -> None:
+        self.entry = entry
+        self.path = path
+        self.file = file
+        self.spec = spec
+        self._make_handle = handle_factory
+        self.handle: WorkerHandle | None = None
+        self.requests = 0
+        self.inputs = 0
+        self.tokens = 0
+        self.refused = 0
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def state(self) -> str:
+        return str(self.handle.state) if self.handle is not None else "unloaded"
+
+    def start(self) -> None:
+        if self.handle is None:
+            self.handle = self._make_handle(f"embed-{self.name}", self.spec)
+            self.handle.start()
+
+    async def ready(self, timeout: float) -> WorkerHandle:
+        """The loaded worker, loading it first where it is not (bounded by timeout); EngineUnavailable if it cannot
+        be."""
+        if self.handle is None:
+            log.info("embedding model %s: loading on its first request", self.name)
+            self.start()
+        handle = self.handle
+        assert handle is not None
+        deadline = time.monotonic() + timeout
+        while handle.state != HandleState.READY:
+            if handle.state == HandleState.FAILED:
+                raise EngineUnavailable(f"embedding model {self.name} failed to load: {handle.error}", final=True)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineUnavailable(f"embedding model {self.name} is still {handle.state} after {timeout:g}s "
+                                        "(request_timeout); retry shortly")
+            try:
+                await asyncio.wait_for(handle.ready.wait(), min(left, 0.25))
+            except asyncio.TimeoutError:
+                pass
+        return handle
+
+    async def embed(self, request: EmbedRequest, timeout: float) -> Embedded | Rejected:
+        """The request's vectors, or the engine's refusal (an input over the limit, a token id out of range)."""
+        handle = await self.ready(timeout)
+        stream = handle.embed(request)
+        try:
+            event = await asyncio.wait_for(stream.next_event(), timeout)
+        except asyncio.TimeoutError:
+            stream.cancel()
+            raise EngineUnavailable(f"embedding model {self.name} gave no vectors within {timeout:g}s "
+                                    "(request_timeout)") from None
+        except asyncio.CancelledError:  # the client left
+            stream.cancel()
+            raise
+        if isinstance(event, WorkerLost):
+            raise EngineUnavailable(f"embedding model {self.name}'s worker {event.why}; retry the request")
+        self.requests += 1
+        if isinstance(event, Embedded):
+            self.inputs += len(event.vectors)
+            self.tokens += event.n_tokens
+        else:
+            self.refused += 1
+        return event
+
+    def status(self) -> EmbeddingModelStatus:
+        return EmbeddingModelStatus(
+            name=self.name, file=self.path.name, state=self.state, load=self.entry.load, pooling=self.file.pooling,
+            dimensions=self.file.n_embd, n_ctx=self.spec.n_ctx, batch=self.spec.max_batch_size,
+            requests=self.requests, inputs=self.inputs, tokens=self.tokens, refused=self.refused,
+            worker=self.handle.status() if self.handle is not None else None)
+
+
+class Embedders:
+    """Every embedding model of the config, by name."""
+
+    def __init__(self, models: list[EmbeddingModel]) -> None:
+        self.models = {m.name: m for m in models}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.models
+
+    def __getitem__(self, name: str) -> EmbeddingModel:
+        return self.models[name]
+
+    @property
+    def handles(self) -> list[WorkerHandle]:
+        return [m.handle for m in self.models.values() if m.handle is not None]
+
+    def start(self) -> None:
+        """Load the models that load with the daemon."""
+        for model in self.models.values():
+            if model.entry.load == "start":
+                model.start()
+
+    def is_ready(self) -> bool:
+        """Every model that loads with the daemon is ready (an on-demand one loads when asked)."""
+        return all(m.state == HandleState.READY for m in self.models.values() if m.entry.load == "start")
+
+    def loading_line(self) -> str:
+        return ", ".join(f"{m.name} {m.state}" for m in self.models.values() if m.entry.load == "start")
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(h.stop() for h in self.handles))
+
+    def status(self) -> list[EmbeddingModelStatus]:
+        return [m.status() for m in self.models.values()]
+
+
+def plan_embedders(entries: tuple[ModelEntry, ...], chat_model: str, backend: str, repack: str,
+                   handle_factory: HandleFactory) -> Embedders:
+    """The embedding models of `entries`, each read and placed, to run on `backend` (the config's cpu_engine);
+    EmbeddersError names an entry that cannot serve. handle_factory(name, spec) makes a worker's handle."""
+    models: list[EmbeddingModel] = []
+    if not entries:
+        return Embedders(models)
+    from syshaxd.sdk.plugins import BackendNotFound, find_backend, make_plugin_manager
+
+    try:
+        roles = find_backend(make_plugin_manager(), backend).roles
+    except BackendNotFound as exc:
+        raise EmbeddersError(f"models: {exc}") from None
+    if Role.EMBED not in roles:
+        raise EmbeddersError(f"models: the cpu_engine backend {backend!r} serves no embedding models (its roles: "
+                             f"{', '.join(sorted(roles))}); use cpu_engine = \"llamacpp\"")
+    topology = read_host_topology()
+    for i, entry in enumerate(entries):
+        where = f"models[{i}] ({entry.name})"
+        if entry.name == chat_model:
+            raise EmbeddersError(f"{where}: the chat model is served as {chat_model!r}; give the embedding model "
+                                 "another name")
+        path = Path(entry.path).expanduser()
+        file = read_embedding_file(path, where)
+        try:
+            cpus = parse_cpulist(entry.cpu_affinity, what=f"{where}.cpu_affinity") if entry.cpu_affinity \
+                else topology.cpus
+            placement = plan_prefill_worker(topology, cpus, threads=entry.threads or None)
+        except PlacementError as exc:
+            raise EmbeddersError(f"{where}: {exc}") from None
+        # each of a pass's inputs has a KV stream of n_ctx cells (syshax_llamacpp/embedding.py): a long-context
+        # model gets DEFAULT_N_CTX unless its entry asks for more
+        n_ctx = entry.n_ctx or min(file.n_ctx_train or DEFAULT_N_CTX, DEFAULT_N_CTX)
+        if file.n_ctx_train:
+            n_ctx = min(n_ctx, file.n_ctx_train)
+        spec = EngineSpec(backend=backend, role=Role.EMBED, pool=Pool.EMBED, model_path=str(path),
+                          model_name=entry.name, n_ctx=n_ctx, max_batch_size=entry.batch, threads=placement.threads,
+                          placement=replace(placement, role="embed"), repack=repack)
+        models.append(EmbeddingModel(entry, path, file, spec, handle_factory))
+        log.info("embedding model %s: %s (%s, %d dimensions, %s pooling, %d tokens an input, %d inputs a pass, "
+                 "%d threads, load %s)", entry.name, path.name, file.arch, file.n_embd, file.pooling, n_ctx,
+                 entry.batch, placement.threads, entry.load)
+    return Embedders(models)

@@ -1,0 +1,105 @@
+"""The `[[models]]` tables of the config: models served beside the one chat model (the `model` key), each by name.
+
+Today an entry is an embedding model (a GGUF with a pooling type), served by POST /v1/embeddings; the daemon reads
+the file at start and refuses a chat model there, by name (engine/embedders.py). Every key of an entry is checked
+here, and one this daemon does not know is refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+LOADS = ("start", "on_demand")
+MAX_BATCH = 64  # inputs one pass of an embedding model takes at most (syshax_llamacpp/embedding.py)
+
+
+class EntryError(ValueError):
+    """A [[models]] entry is wrong; the message names the entry and its key."""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One [[models]] table."""
+
+    name: str  # what clients send as "model"
+    path: str  # the GGUF file
+    n_ctx: int = 0  # tokens one input may hold; 0: the model's training context, at most 2048
+    batch: int = 8  # inputs one pass takes together, from every request queued
+    threads: int = 0  # 0: one per CPU of cpu_affinity (or of the daemon's CPUs)
+    cpu_affinity: str = ""  # a cpulist; "": the CPUs the daemon may use, shared with the chat model's workers
+    load: str = "start"  # "start": loaded with the daemon; "on_demand": at its first request
+
+
+_DOCS = {"name": 'the id clients send as "model"', "path": "the GGUF file",
+         "n_ctx": "tokens one input may hold (0: the model's training context, at most 2048)",
+         "batch": f"inputs one pass takes together (1 to {MAX_BATCH})",
+         "threads": "threads of its worker (0: one per CPU of its set)",
+         "cpu_affinity": "its worker's CPUs as a cpulist", "load": '"start" or "on_demand"'}
+ENTRY_KEYS = tuple(f.name for f in fields(ModelEntry))
+
+
+def parse_models(value: Any) -> tuple[ModelEntry, ...]:
+    """The entries of `models` (an array of tables); EntryError names what is wrong where."""
+    if isinstance(value, tuple) and all(isinstance(e, ModelEntry) for e in value):
+        return value  # parsed already (Config.replace)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(e, dict) for e in value):
+        raise EntryError("models: expected [[models]] tables, each with a name and a path, e.g.\n"
+                         '[[models]]\nname = "embed"\npath = "/var/lib/syshax/models/qwen3-embedding-0.6b-q8_0.gguf"')
+    entries = tuple(_entry(i, table) for i, table in enumerate(value))
+    names = [e.name for e in entries]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise EntryError(f"models: the name {twice[0]!r} is given to more than one entry; each model needs its own")
+    return entries
+
+
+def _entry(i: int, table: dict) -> ModelEntry:
+    where = f"models[{i}]"
+    unknown = sorted(set(table) - set(ENTRY_KEYS))
+    if unknown:
+        hints = []
+        if set(unknown) & {"mode", "quantize", "draft_model"}:
+            hints.append("an entry is an embedding model, loaded as its file is; the chat model's mode, quantize "
+                         "and draft_model are the top-level keys")
+        if "keep_alive" in unknown:
+            hints.append("a loaded model stays loaded: unloading an idle one is not built yet")
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        raise EntryError(f"{where}: unknown key(s) {', '.join(unknown)}{hint}; an entry takes "
+                         + "; ".join(f"{k}: {d}" for k, d in _DOCS.items()))
+    for required in ("name", "path"):
+        if not isinstance(table.get(required), str) or not table.get(required):
+            raise EntryError(f"{where}: {required} is required, a string: {_DOCS[required]}")
+    defaults = ModelEntry(name="", path="")
+    values = {}
+    for f in fields(ModelEntry):
+        value = table.get(f.name, getattr(defaults, f.name))
+        kind = type(getattr(defaults, f.name))
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise EntryError(f"{where}.{f.name}: expected an integer, got {value!r}")
+        if kind is str and not isinstance(value, str):
+            raise EntryError(f"{where}.{f.name}: expected a string, got {value!r}")
+        values[f.name] = value
+    entry = ModelEntry(**values)
+    name = f"{where} ({entry.name})"
+    if entry.n_ctx < 0 or entry.threads < 0:
+        raise EntryError(f"{name}: n_ctx and threads must be 0 or more")
+    if not 1 <= entry.batch <= MAX_BATCH:
+        raise EntryError(f"{name}.batch: must be 1 to {MAX_BATCH}, got {entry.batch}")
+    if entry.load not in LOADS:
+        raise EntryError(f'{name}.load: must be "start" (loaded with the daemon) or "on_demand" (at its first '
+                         f"request); got {entry.load!r}")
+    if entry.cpu_affinity:
+        from syshaxd.sdk.placement import parse_cpulist
+
+        try:
+            parse_cpulist(entry.cpu_affinity, what=f"{name}.cpu_affinity")
+        except ValueError as exc:
+            raise EntryError(str(exc)) from None
+    return entry
+
+
+def models_to_json(entries: tuple[ModelEntry, ...]) -> list[dict]:
+    """The entries as the tables they came from, keys at their defaults left out (TOML, JSON, the admin socket)."""
+    defaults = asdict(ModelEntry(name="", path=""))
+    return [{k: v for k, v in asdict(e).items() if k in ("name", "path") or v != defaults[k]} for e in entries]

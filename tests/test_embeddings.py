@@ -1,0 +1,264 @@
+"""POST /v1/embeddings: an embedding model of [[models]] beside the chat model, in a real daemon.
+
+The model is families.py's qwen3-embedding (Qwen3-Embedding's shape: last-token pooling), converted by llama.cpp's
+converter; its vectors are checked against the same model in transformers (the last hidden state at the last
+token, scaled to length 1), through the official openai client and langchain-openai's OpenAIEmbeddings.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from conftest import MODEL_DIR, MODEL_NAME, http_json, start_daemon, wait_for
+from families import hf_folder, hf_tokenizer, make_family_model
+
+FAMILY = "qwen3-embedding"
+N_CTX = 256
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Embeddings turn text into vectors for retrieval.",
+    "syshax serves a chat model and an embedding model from one daemon.",
+    "a",
+    "What is the capital of France? Paris is the capital and largest city of France, on the Seine.",
+    "def add(a, b):\n    return a + b\n",
+]
+
+
+@pytest.fixture(scope="module")
+def embed_file() -> Path:
+    return make_family_model(FAMILY, MODEL_DIR / "families")
+
+
+def _tables(path: Path) -> str:
+    """The eager model, and the same file under a second name loaded at its first request."""
+    return (f'[[models]]\nname = "embed"\npath = "{path}"\nn_ctx = {N_CTX}\nbatch = 8\n'
+            f'[[models]]\nname = "embed-lazy"\npath = "{path}"\nn_ctx = {N_CTX}\nload = "on_demand"\n')
+
+
+@pytest.fixture(scope="module")
+def daemon(default_model, embed_file, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("embeddings")
+    d = start_daemon(tmp, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024,
+                           "admin_socket": str(tmp / "admin.sock")}, tables=_tables(embed_file))
+    d.socket = tmp / "admin.sock"
+    yield d
+    code = d.stop()
+    assert code == 0, f"syshaxd exited with {code}:\n{d.log()}"
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return openai.OpenAI(base_url=daemon.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """text -> (token ids, unit vector) from transformers, float32."""
+    import torch
+    import transformers
+
+    folder = hf_folder(FAMILY, MODEL_DIR / "families")
+    tokenizer = hf_tokenizer(FAMILY, MODEL_DIR / "families")
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    out = {}
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        with torch.no_grad():
+            last = model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+        out[text] = (ids, last / np.linalg.norm(last))
+    return out
+
+
+def _post(daemon, body: dict) -> tuple[int, dict]:
+    return http_json(f"{daemon.base_url}/embeddings", body)
+
+
+def test_vectors_match_transformers(client, reference):
+    """Each vector is the model's own (cosine >= 0.99 with transformers'), of length 1, in input order, and usage
+    counts the tokens transformers' tokenizer gives."""
+    answer = client.embeddings.create(model="embed", input=TEXTS)  # the client asks for base64 and decodes it
+    assert answer.model == "embed" and [d.index for d in answer.data] == list(range(len(TEXTS)))
+    for text, item in zip(TEXTS, answer.data):
+        vector = np.array(item.embedding)
+        ids, expected = reference[text]
+        assert abs(np.linalg.norm(vector) - 1.0) < 1e-4
+        assert float(vector @ expected) >= 0.99, text
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(len(reference[t][0]) for t in TEXTS)
+
+
+def test_float_and_base64_agree(daemon):
+    floats = _post(daemon, {"model": "embed", "input": TEXTS[0], "encoding_format": "float"})[1]
+    coded = _post(daemon, {"model": "embed", "input": TEXTS[0], "encoding_format": "base64"})[1]
+    as_floats = np.array(floats["data"][0]["embedding"], dtype=np.float32)
+    decoded = np.frombuffer(base64.b64decode(coded["data"][0]["embedding"]), dtype="<f4")
+    assert floats["object"] == "list" and floats["data"][0]["object"] == "embedding"
+    assert decoded.shape == (256,) and np.array_equal(as_floats, decoded)
+
+
+def test_token_ids_equal_text(daemon, reference):
+    """An input of token ids gives the vector of the text they tokenize: one array, and an array of arrays."""
+    ids = [reference[t][0] for t in TEXTS[:3]]
+    by_text = _post(daemon, {"model": "embed", "input": TEXTS[:3], "encoding_format": "float"})[1]
+    by_ids = _post(daemon, {"model": "embed", "input": ids, "encoding_format": "float"})[1]
+    one = _post(daemon, {"model": "embed", "input": ids[0], "encoding_format": "float"})[1]
+    for a, b in zip(by_text["data"], by_ids["data"]):
+        assert np.allclose(a["embedding"], b["embedding"], atol=1e-5)
+    assert np.allclose(one["data"][0]["embedding"], by_text["data"][0]["embedding"], atol=1e-5)
+    assert by_ids["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+
+
+def test_batched_equals_alone(daemon):
+    """Inputs of concurrent requests share a pass; each still gets the vector it gets alone."""
+    alone = {t: _post(daemon, {"model": "embed", "input": t, "encoding_format": "float"})[1]["data"][0]["embedding"]
+             for t in TEXTS}
+    bodies = [{"model": "embed", "input": TEXTS[i:] + TEXTS[:i], "encoding_format": "float"}
+              for i in range(len(TEXTS))] * 2
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda b: _post(daemon, b), bodies))
+    for body, (status, answer) in zip(bodies, answers):
+        assert status == 200, answer
+        for text, item in zip(body["input"], answer["data"]):
+            assert np.allclose(item["embedding"], alone[text], atol=1e-5), text
+
+
+def test_langchain_openai_embeddings(daemon, reference):
+    """langchain-openai's OpenAIEmbeddings, as a RAG pipeline uses it, gets the model's vectors."""
+    from langchain_openai import OpenAIEmbeddings
+
+    # check_embedding_ctx_length=False: send the texts, not tiktoken's (OpenAI's) token ids of them
+    embedder = OpenAIEmbeddings(model="embed", base_url=daemon.base_url, api_key="unused",
+                                check_embedding_ctx_length=False, max_retries=0)
+    docs = embedder.embed_documents(TEXTS[:4])
+    query = embedder.embed_query(TEXTS[4])
+    for text, vector in zip(TEXTS[:4], docs):
+        assert float(np.array(vector) @ reference[text][1]) >= 0.99
+    assert float(np.array(query) @ reference[TEXTS[4]][1]) >= 0.99
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"model": "embed", "input": "word " * (N_CTX + 40)}, 400, "over the 256 an input may hold here"),
+    ({"model": "embed", "input": ""}, 400, "empty string"),
+    ({"model": "embed", "input": []}, 400, "array is empty"),
+    ({"model": "embed", "input": [[]]}, 400, "must not be empty"),
+    ({"model": "embed", "input": ["a"] * 2049}, 400, "at most 2048 inputs"),
+    ({"model": "embed", "input": ["a", [1, 2]]}, 400, "not both"),
+    ({"model": "embed", "input": [1, "a"]}, 400, "Invalid type for 'input[0]'"),
+    ({"model": "embed", "input": [10**9]}, 400, "token id 1000000000"),
+    ({"model": "embed", "input": 7}, 400, "Invalid type for 'input'"),
+    ({"model": "embed"}, 400, "you must provide 'input'"),
+    ({"input": "a"}, 400, "you must provide a model"),
+    ({"model": "embed", "input": "a", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"model": "embed", "input": "a", "dimensions": 64}, 400, "vectors of 256 dimensions"),
+    ({"model": "embed", "input": "a", "pooling": "mean"}, 400, "Unrecognized request argument supplied: pooling"),
+    ({"model": MODEL_NAME, "input": "a"}, 400, "is a chat model"),
+    ({"model": "nope", "input": "a"}, 404, "`embed`, `embed-lazy`"),
+])
+def test_bad_requests_say_why(daemon, body, status, words):
+    code, answer = _post(daemon, body)
+    assert code == status and words in answer["error"]["message"], answer
+    assert _post(daemon, {"model": "embed", "input": "still serving"})[0] == 200
+
+
+def test_over_long_input_names_it(daemon):
+    code, answer = _post(daemon, {"model": "embed", "input": ["fine", "word " * (N_CTX + 10)]})
+    assert code == 400 and answer["error"]["param"] == "input"
+    assert answer["error"]["code"] == "context_length_exceeded"
+    assert "input[1] has" in answer["error"]["message"] and "shorten or split it" in answer["error"]["message"]
+
+
+def test_chat_sent_to_an_embedding_model(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="embed", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert "is an embedding model" in str(caught.value) and MODEL_NAME in str(caught.value)
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=4)
+    assert answer.choices[0].message.content is not None
+
+
+def test_models_status_metrics_and_on_demand_load(daemon, client):
+    """/v1/models lists every model with its state; the on-demand one loads at its first request; the status,
+    `syshax status` and /metrics show them."""
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {MODEL_NAME, "embed", "embed-lazy"}
+    assert cards["embed"].syshax == {"kind": "embedding", "state": "ready", "load": "start", "dimensions": 256,
+                                     "pooling": "last"}
+    assert cards["embed-lazy"].syshax["state"] == "unloaded"
+    lazy = client.embeddings.create(model="embed-lazy", input=TEXTS[0])  # waits for the load
+    eager = client.embeddings.create(model="embed", input=TEXTS[0])
+    assert np.allclose(lazy.data[0].embedding, eager.data[0].embedding, atol=1e-5)
+    assert client.models.retrieve("embed-lazy").syshax["state"] == "ready"
+    assert "embedding model embed-lazy: loading on its first request" in daemon.log()
+
+    status = daemon.status()
+    models = {m["name"]: m for m in status["embedding_models"]}
+    assert models["embed"]["state"] == "ready" and models["embed"]["requests"] >= 1
+    assert models["embed"]["worker"]["role"] == "embed" and models["embed"]["tokens"] > 0
+    code, health = http_json(f"{daemon.url}/health")
+    assert code == 200 and {"embed-embed", "embed-embed-lazy"} <= {w["name"] for w in health["workers"]}
+
+    shown = subprocess.run([sys.executable, "-m", "syshaxd.cli", "status", "--socket", str(daemon.socket)],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "embedding model embed (" in shown.stdout and "embedding model embed-lazy (" in shown.stdout, shown.stdout
+
+    import urllib.request
+
+    scraped = urllib.request.urlopen(f"{daemon.url}/metrics", timeout=10).read().decode()
+    assert 'syshax_embedding_model_loaded{model_name="embed"} 1.0' in scraped
+    assert 'syshax_embedding_requests_total{model_name="embed-lazy"} 1.0' in scraped
+
+
+def test_a_dead_embedding_worker_is_replaced(daemon):
+    pid = daemon.status()["embedding_models"][0]["worker"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: daemon.status()["embedding_models"][0]["worker"]["state"] == "ready"
+             and daemon.status()["embedding_models"][0]["worker"]["pid"] != pid, 120, "the worker's restart")
+    assert _post(daemon, {"model": "embed", "input": "back again"})[0] == 200
+
+
+def test_a_chat_model_in_models_is_refused_at_start(default_model, tmp_path):
+    d = start_daemon(tmp_path, {"model": str(default_model)}, wait=False,
+                     tables=f'[[models]]\nname = "second-chat"\npath = "{default_model}"\n')
+    try:
+        assert d.proc.wait(120) != 0
+    finally:
+        d.stop()
+    assert "models[0] (second-chat)" in d.log() and "is a chat model" in d.log()
+
+
+@pytest.mark.parametrize("table, words", [
+    ('[[models]]\nname = "e"\n', "models[0]: path is required"),
+    ('[[models]]\nname = "e"\npath = "/x.gguf"\nmode = "cpu"\n', "unknown key(s) mode"),
+    ('[[models]]\nname = "e"\npath = "/x.gguf"\nload = "later"\n', 'load: must be "start"'),
+    ('[[models]]\nname = "e"\npath = "/x.gguf"\nbatch = 0\n', "batch: must be 1 to 64"),
+    ('[[models]]\nname = "e"\npath = "/x.gguf"\n[[models]]\nname = "e"\npath = "/y.gguf"\n', "more than one"),
+])
+def test_bad_entries_are_refused_by_name(table, words, tmp_path):
+    from syshaxd.config import ConfigError, load
+
+    path = tmp_path / "syshax.toml"
+    path.write_text(table)
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    assert words in str(caught.value)
+
+
+def test_entries_round_trip_through_the_admin_form(embed_file):
+    """`syshax config get models` shows the tables as written (defaults left out); they parse back the same."""
+    from syshaxd.config import from_mapping, plain
+
+    cfg = from_mapping({"models": [{"name": "embed", "path": str(embed_file), "batch": 4, "load": "on_demand"}]})
+    shown = plain("models", cfg.models)
+    assert shown == [{"name": "embed", "path": str(embed_file), "batch": 4, "load": "on_demand"}]
+    assert from_mapping({"models": json.loads(json.dumps(shown))}).models == cfg.models
