@@ -122,7 +122,8 @@ def _usage(command: str, message: str) -> int:
 
 def _admin_client(args: argparse.Namespace):
     """A connection to the daemon: --socket, else $SYSHAX_ADMIN_SOCKET, the config's admin_socket, the defaults."""
-    from syshaxd.api.admin import AdminClient, AdminUnreachable, client_candidates
+    from syshaxd.api.admin import client_candidates
+    from syshaxd.api.admin_client import AdminClient, AdminUnreachable
 
     if args.socket:
         return AdminClient(args.socket)
@@ -142,7 +143,7 @@ def _admin_client(args: argparse.Namespace):
 
 def _live(args: argparse.Namespace, action, *params) -> int:
     """Run action(client, args, *params) against the daemon; turn its refusals into messages and exit codes."""
-    from syshaxd.api.admin import AdminError, AdminUnreachable
+    from syshaxd.api.admin_client import AdminError, AdminUnreachable
 
     try:
         with _admin_client(args) as client:
@@ -185,6 +186,30 @@ def cmd_cache(args: argparse.Namespace) -> int:
         return _live(args, lambda c, a: _show(a, c.call("cache.clear"), lambda r: print(
             f"cleared {r['blocks']} blocks from shared memory and {r['files']} files from disk")))
     return _live(args, lambda c, a: _show(a, c.call("cache.stats"), _print_cache))
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        return _live(args, lambda c, a: _show(a, c.call("models.list"), _print_models))
+    if not args.name:
+        return _usage("models", f"models {args.action} needs the NAME of a [[models]] entry")
+    if args.action == "load":
+        return _live(args, lambda c, a: _show(a, c.call("models.load", name=a.name), lambda r: print(
+            f"{r['name']}: {r['state']} (worker pid {(r['worker'] or {}).get('pid')}, {r['rss_mib']} MiB)")))
+    return _live(args, lambda c, a: _show(a, c.call("models.unload", name=a.name), lambda r: print(
+        f"{r['name']}: unloaded" if r["unloaded"] else f"{r['name']}: was not loaded")))
+
+
+def _print_models(models: list) -> None:
+    if not models:
+        print("no [[models]] entries: this daemon serves its chat model alone")
+        return
+    print(f"{'MODEL':<20} {'STATE':<11} {'LOAD':<10} {'KEEP_ALIVE':>10} {'RSS_MIB':>8} {'REQUESTS':>8} {'LOADS':>5} "
+          f"{'UNLOADS':>7}  FILE")
+    for m in models:
+        keep = "never" if m["keep_alive"] < 0 else f"{m['keep_alive']:g}s"
+        print(f"{m['name']:<20} {m['state']:<11} {m['load']:<10} {keep:>10} {m['rss_mib']:>8} {m['requests']:>8} "
+              f"{m['loads']:>5} {m['unloads']:>7}  {m['file']}")
 
 
 def _warm_entries(path: Path) -> list[dict]:
@@ -323,7 +348,7 @@ def cmd_mode(args: argparse.Namespace) -> int:
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    from syshaxd.api.admin import AdminError, AdminUnreachable
+    from syshaxd.api.admin_client import AdminError, AdminUnreachable
 
     try:
         with _admin_client(args) as client:
@@ -435,6 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("action", choices=["stats", "clear", "warm"])
     s.add_argument("file", nargs="?", help="warm: the prompts, one JSON object per line")
     s.set_defaults(func=cmd_cache)
+    s = sub.add_parser("models", parents=[admin], help="the embedding models of [[models]]: list, load NAME or "
+                       "unload NAME",
+                       description="list: each [[models]] entry, its state and memory. load NAME: load it now. "
+                       "unload NAME: stop its worker once the requests using it are done, giving its memory back "
+                       "(its next request loads it again). The chat model always stays loaded.")
+    s.add_argument("action", choices=["list", "load", "unload"])
+    s.add_argument("name", nargs="?", help="load, unload: the entry's name")
+    s.set_defaults(func=cmd_models)
     s = sub.add_parser("version", parents=[admin], help="this tool's version and the running daemon's")
     s.set_defaults(func=cmd_version)
 

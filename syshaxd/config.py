@@ -96,8 +96,11 @@ class Config:
                         "quantized load as they are; SYSHAX_QUANTIZE overrides this key.")
     models: tuple[ModelEntry, ...] = key((), _SERVE, "Embedding models served beside the chat model, written as "
                                          "`[[models]]` tables (name, path, and optionally n_ctx, batch, threads, "
-                                         "cpu_affinity, load): each answers POST /v1/embeddings under its name, in "
-                                         "a worker of its own.")
+                                         "cpu_affinity, load, keep_alive): each answers POST /v1/embeddings under "
+                                         "its name, in a worker of its own.")
+    max_loaded_models: int = key(0, _SERVE, "The most [[models]] entries loaded at once; loading one more unloads "
+                                 "the least recently used idle one first. 0: no bound. The chat model always stays "
+                                 "loaded and does not count.")
 
     cpu_engine: str = key("llamacpp", _CPU_ENGINE, "The backend plugin of the CPU workers (`syshax plugins` lists the "
                           'installed ones); "llamacpp" is the built-in one.')
@@ -382,6 +385,7 @@ def _validate(cfg: Config) -> None:
     if not 0 <= cfg.port <= 65535:
         raise ConfigError(f"port: must be 0..65535, got {cfg.port}")
     at_least("max_body_bytes", 1024)
+    at_least("max_loaded_models", 0)
     at_least("n_ctx", 64)
     at_least("cpu_max_batch_size", 1)
     at_least("threads", 0)

@@ -101,7 +101,8 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
     try:  # the embedding models of [[models]]; their workers are made by the service
         embedders = plan_embedders(cfg.models, model_name, cfg.cpu_engine, cfg.repack,
                                    lambda name, spec: WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay,
-                                                                   cfg.worker_heartbeat_timeout))
+                                                                   cfg.worker_heartbeat_timeout),
+                                   cfg.max_loaded_models)
     except EmbeddersError as exc:
         raise StartupError(str(exc)) from None
     ring = create_ring(engines.ring) if engines.ring is not None else None
@@ -255,6 +256,8 @@ class Service:
         for w in self.workers:
             w.start()
         self.embedders.start()
+        if self.embedders.models:
+            self._spawn(self.embedders.unload_idle())  # keep_alive
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         shown = ""

@@ -29,13 +29,15 @@ class ModelEntry:
     threads: int = 0  # 0: one per CPU of cpu_affinity (or of the daemon's CPUs)
     cpu_affinity: str = ""  # a cpulist; "": the CPUs the daemon may use, shared with the chat model's workers
     load: str = "start"  # "start": loaded with the daemon; "on_demand": at its first request
+    keep_alive: float = -1.0  # seconds idle before it is unloaded (its next request loads it again); -1: never
 
 
 _DOCS = {"name": 'the id clients send as "model"', "path": "the GGUF file",
          "n_ctx": "tokens one input may hold (0: the model's training context, at most 2048)",
          "batch": f"inputs one pass takes together (1 to {MAX_BATCH})",
          "threads": "threads of its worker (0: one per CPU of its set)",
-         "cpu_affinity": "its worker's CPUs as a cpulist", "load": '"start" or "on_demand"'}
+         "cpu_affinity": "its worker's CPUs as a cpulist", "load": '"start" or "on_demand"',
+         "keep_alive": 'seconds idle before it is unloaded, or "5m", "1h" (-1: never)'}
 ENTRY_KEYS = tuple(f.name for f in fields(ModelEntry))
 
 
@@ -62,8 +64,6 @@ def _entry(i: int, table: dict) -> ModelEntry:
         if set(unknown) & {"mode", "quantize", "draft_model"}:
             hints.append("an entry is an embedding model, loaded as its file is; the chat model's mode, quantize "
                          "and draft_model are the top-level keys")
-        if "keep_alive" in unknown:
-            hints.append("a loaded model stays loaded: unloading an idle one is not built yet")
         hint = f" ({'; '.join(hints)})" if hints else ""
         raise EntryError(f"{where}: unknown key(s) {', '.join(unknown)}{hint}; an entry takes "
                          + "; ".join(f"{k}: {d}" for k, d in _DOCS.items()))
@@ -71,10 +71,13 @@ def _entry(i: int, table: dict) -> ModelEntry:
         if not isinstance(table.get(required), str) or not table.get(required):
             raise EntryError(f"{where}: {required} is required, a string: {_DOCS[required]}")
     defaults = ModelEntry(name="", path="")
-    values = {}
+    values: dict[str, Any] = {}
     for f in fields(ModelEntry):
         value = table.get(f.name, getattr(defaults, f.name))
         kind = type(getattr(defaults, f.name))
+        if f.name == "keep_alive":
+            values[f.name] = seconds(value, f"{where}.keep_alive")
+            continue
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise EntryError(f"{where}.{f.name}: expected an integer, got {value!r}")
         if kind is str and not isinstance(value, str):
@@ -97,6 +100,22 @@ def _entry(i: int, table: dict) -> ModelEntry:
         except ValueError as exc:
             raise EntryError(str(exc)) from None
     return entry
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def seconds(value: Any, where: str) -> float:
+    """keep_alive as Ollama writes it: seconds as a number, or "30s", "5m", "1h"; -1 (or any negative): never."""
+    if isinstance(value, str) and value[-1:] in _UNITS:
+        try:
+            return max(-1.0, float(value[:-1]) * _UNITS[value[-1]])
+        except ValueError:
+            pass
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        return max(-1.0, float(value))
+    raise EntryError(f'{where}: expected seconds (a number, or a string such as "30s", "5m", "1h"; -1: never), '
+                     f"got {value!r}")
 
 
 def models_to_json(entries: tuple[ModelEntry, ...]) -> list[dict]:

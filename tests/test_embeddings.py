@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -198,7 +199,7 @@ def test_models_status_metrics_and_on_demand_load(daemon, client):
     eager = client.embeddings.create(model="embed", input=TEXTS[0])
     assert np.allclose(lazy.data[0].embedding, eager.data[0].embedding, atol=1e-5)
     assert client.models.retrieve("embed-lazy").syshax["state"] == "ready"
-    assert "embedding model embed-lazy: loading on its first request" in daemon.log()
+    assert "embedding model embed-lazy: loading (on its first request)" in daemon.log()
 
     status = daemon.status()
     models = {m["name"]: m for m in status["embedding_models"]}
@@ -262,3 +263,99 @@ def test_entries_round_trip_through_the_admin_form(embed_file):
     shown = plain("models", cfg.models)
     assert shown == [{"name": "embed", "path": str(embed_file), "batch": 4, "load": "on_demand"}]
     assert from_mapping({"models": json.loads(json.dumps(shown))}).models == cfg.models
+
+
+# --- loading and unloading ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def swapping(default_model, embed_file, tmp_path_factory):
+    """Three entries of one file under max_loaded_models = 2: one loaded at start, two on demand, one of those
+    unloaded after 2 s idle."""
+    tmp = tmp_path_factory.mktemp("swapping")
+    entry = f'path = "{embed_file}"\nn_ctx = {N_CTX}\n'
+    d = start_daemon(tmp, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024,
+                           "max_loaded_models": 2, "admin_socket": str(tmp / "admin.sock")},
+                     tables=f'[[models]]\nname = "a"\n{entry}'
+                            f'[[models]]\nname = "b"\n{entry}load = "on_demand"\n'
+                            f'[[models]]\nname = "c"\n{entry}load = "on_demand"\nkeep_alive = "2s"\n')
+    d.socket = tmp / "admin.sock"
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def _states(daemon) -> dict[str, str]:
+    return {m["name"]: m["state"] for m in daemon.status()["embedding_models"]}
+
+
+def _syshax(daemon, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "syshaxd.cli", *args, "--socket", str(daemon.socket)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_max_loaded_models_unloads_the_least_recently_used(swapping):
+    assert _states(swapping) == {"a": "ready", "b": "unloaded", "c": "unloaded"}
+    assert _post(swapping, {"model": "b", "input": "load b"})[0] == 200
+    assert _states(swapping) == {"a": "ready", "b": "ready", "c": "unloaded"}
+    pid_a = {m["name"]: m for m in swapping.status()["embedding_models"]}["a"]["worker"]["pid"]
+    assert _post(swapping, {"model": "c", "input": "load c"})[0] == 200  # a is the least recently used
+    assert _states(swapping)["a"] == "unloaded" and _states(swapping)["c"] == "ready"
+    assert "embedding model a: unloaded (to make room for c (max_loaded_models = 2))" in swapping.log()
+    assert not _alive(pid_a)  # its memory is given back with its process
+    assert http_json(f"{swapping.url}/health")[0] == 200  # unloaded on purpose: still healthy
+
+
+def test_keep_alive_unloads_an_idle_model(swapping):
+    if _states(swapping)["c"] != "ready":
+        assert _post(swapping, {"model": "c", "input": "load c"})[0] == 200
+    wait_for(lambda: re.search(r"embedding model c: unloaded \(idle for \d+s, keep_alive 2s\); its worker's \d+ MiB "
+                               "given back", swapping.log()), 30, "c's unload after 2 s idle")
+    c = {m["name"]: m for m in swapping.status()["embedding_models"]}["c"]
+    assert c["rss_mib"] == 0 and c["worker"] is None and c["unloads"] >= 1
+    answer = _post(swapping, {"model": "c", "input": "back", "encoding_format": "float"})  # loads it again
+    assert answer[0] == 200 and len(answer[1]["data"][0]["embedding"]) == 256
+
+
+def test_syshax_models_list_load_unload(swapping):
+    shown = _syshax(swapping, "models", "list")
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"^c\s+\S+\s+on_demand\s+2s\s", shown.stdout, re.M), shown.stdout
+    loaded = _syshax(swapping, "models", "load", "a")
+    assert loaded.returncode == 0 and loaded.stdout.startswith("a: ready (worker pid"), loaded.stdout + loaded.stderr
+    pid = {m["name"]: m for m in swapping.status()["embedding_models"]}["a"]["worker"]["pid"]
+    unloaded = _syshax(swapping, "models", "unload", "a")
+    assert unloaded.returncode == 0 and unloaded.stdout.strip() == "a: unloaded", unloaded.stdout
+    assert not _alive(pid) and _states(swapping)["a"] == "unloaded"
+    wrong = _syshax(swapping, "models", "unload", "nope")
+    assert wrong.returncode == 2 and "'nope' is no model of [[models]]" in wrong.stderr
+
+
+def test_router_load_and_unload_endpoints(swapping):
+    assert http_json(f"{swapping.url}/models/load", {"model": "b"}) == (200, {"success": True})
+    assert _states(swapping)["b"] == "ready"
+    assert http_json(f"{swapping.url}/models/unload", {"model": "b"}) == (200, {"success": True})
+    assert _states(swapping)["b"] == "unloaded"
+    code, answer = http_json(f"{swapping.url}/models/unload", {"model": MODEL_NAME})
+    assert code == 400 and "stays loaded" in answer["error"]["message"]
+    assert http_json(f"{swapping.url}/models/load", {"model": "nope"})[0] == 404
+
+
+def test_an_unload_waits_for_the_requests_in_flight(swapping):
+    """A request running when its model is told to unload gets every vector; the unload happens after it."""
+    assert http_json(f"{swapping.url}/models/load", {"model": "b"})[0] == 200
+    body = {"model": "b", "input": [f"{i} " + "word " * (N_CTX - 20) for i in range(64)], "encoding_format": "float"}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_post, swapping, body)
+        wait_for(lambda: {m["name"]: m for m in swapping.status()["embedding_models"]}["b"]["worker"]["stats"]
+                 ["waiting"] > 0 or running.done(), 30, "the request to reach the worker")
+        assert http_json(f"{swapping.url}/models/unload", {"model": "b"}, timeout=120) == (200, {"success": True})
+        code, answer = running.result(120)
+    assert code == 200 and len(answer["data"]) == 64
+    assert _states(swapping)["b"] == "unloaded"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from conftest import MODEL_NAME, http_json, start_daemon
-from syshaxd.api.admin import AdminClient
+from syshaxd.api.admin_client import AdminClient
 from syshaxd.api.auth import KeyCheck, configured_keys
 from syshaxd.config import Config, ConfigError, from_mapping
 

@@ -45,30 +45,17 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from syshaxd import __version__
+from syshaxd.api.admin_client import MAX_LINE, AdminError
 from syshaxd.api.state import ModeUnavailable, NeedsRestart, ServiceState
 from syshaxd.config import KEYS, LIVE_KEYS, MODES, SECRET_KEYS, Config, ConfigError, plain, shown
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = 1
-MAX_LINE = 1 << 20
 SYSTEM_SOCKET = Path("/run/syshax/admin.sock")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; Python does not name it
 COMMANDS = ("version", "status", "plugins", "config.get", "config.set", "drain", "resume", "mode", "cache.stats",
-            "cache.clear", "cache.warm", "help")
-
-
-class AdminError(Exception):
-    """A command the daemon refused; code is machine-readable, message says what to do."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class AdminUnreachable(OSError):
-    """No daemon answers on the socket; the message names the path and what to check."""
+            "cache.clear", "cache.warm", "models.list", "models.load", "models.unload", "help")
 
 
 # --- where the socket is -------------------------------------------------------------------
@@ -287,7 +274,8 @@ class AdminServer:
         except Exception as exc:
             log.exception("admin command %s failed", cmd)
             return _error("internal_error", f"{cmd} failed: {type(exc).__name__}: {exc}; see the daemon's log")
-        if cmd not in ("version", "status", "plugins", "config.get", "cache.stats", "help") and not request.get("dry_run"):
+        if cmd not in ("version", "status", "plugins", "config.get", "cache.stats", "models.list", "help") \
+                and not request.get("dry_run"):
             log.info("admin (uid %d): %s -> %s", uid, json.dumps(_masked(request)), json.dumps(_masked(result))[:300])
         return {"ok": True, "result": result}
 
@@ -385,6 +373,33 @@ class AdminServer:
         except (Overloaded, EngineUnavailable, RouteUnavailable) as exc:
             raise AdminError("unavailable", f"cache.warm: {exc}") from None
 
+    def _embedding_model(self, request: dict) -> str:
+        embedders = self.state.scheduler.embedders
+        name = request.get("name")
+        if not isinstance(name, str) or name not in embedders:
+            names = ", ".join(embedders.models) or "none (the config has no [[models]] entry)"
+            raise AdminError("invalid_value", f"{request['cmd']}: {name!r} is no model of [[models]]; they are: "
+                             f"{names} (the chat model always stays loaded)")
+        return name
+
+    async def cmd_models_list(self, request: dict) -> list:
+        return [dataclasses.asdict(m) for m in self.state.scheduler.embedders.status()]
+
+    async def cmd_models_load(self, request: dict) -> dict:
+        from syshaxd.engine.supervisor import EngineUnavailable
+
+        name = self._embedding_model(request)
+        try:
+            await self.state.scheduler.embedders.load(name, self.config.worker_start_timeout)
+        except EngineUnavailable as exc:
+            raise AdminError("unavailable", f"models.load: {exc}") from None
+        return dataclasses.asdict(self.state.scheduler.embedders[name].status())
+
+    async def cmd_models_unload(self, request: dict) -> dict:
+        name = self._embedding_model(request)
+        unloaded = await self.state.scheduler.embedders[name].unload("asked by syshax models unload")
+        return {"name": name, "unloaded": unloaded, "state": self.state.scheduler.embedders[name].state}
+
     async def cmd_mode(self, request: dict) -> dict:
         mode = request.get("mode")
         if mode not in MODES:
@@ -423,66 +438,3 @@ async def _answers(path: Path) -> bool:
         return False
     writer.close()
     return True
-
-
-# --- the client (used by the CLI; blocking, no event loop) -------------------------------------
-
-
-class AdminClient:
-    """One connection to a daemon's admin socket; call() sends a command and returns its result."""
-
-    def __init__(self, path: str | os.PathLike, timeout: float = 30.0) -> None:
-        self.path = Path(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(str(self.path))
-        except FileNotFoundError:
-            sock.close()
-            raise AdminUnreachable(f"no admin socket at {self.path}: is syshaxd running? (systemctl status "
-                                   "syshaxd), or pass --socket PATH") from None
-        except PermissionError:
-            sock.close()
-            raise AdminUnreachable(f"permission denied on {self.path}: the admin socket is for root and the "
-                                   "syshax group; run as root or add your user to the group") from None
-        except ConnectionRefusedError:
-            sock.close()
-            raise AdminUnreachable(f"nothing listens on {self.path} (a stale socket: syshaxd is not running)") from None
-        except OSError as exc:
-            sock.close()
-            raise AdminUnreachable(f"cannot connect to {self.path}: {exc.strerror or exc}") from None
-        self._sock = sock
-        self._file = sock.makefile("rb")
-
-    def set_timeout(self, seconds: float | None) -> None:
-        """How long call() waits for an answer (None: as long as it takes, as `syshax cache warm` does)."""
-        self._sock.settimeout(seconds)
-
-    def call(self, cmd: str, **args) -> object:
-        try:
-            self._sock.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # a refused peer: the daemon wrote why and closed; read that below
-        try:
-            line = self._file.readline(MAX_LINE)
-        except socket.timeout:
-            raise AdminUnreachable(f"syshaxd did not answer {cmd!r} on {self.path} in time") from None
-        except OSError as exc:  # the daemon closed a refused peer's connection
-            raise AdminUnreachable(f"the connection to {self.path} failed: {exc.strerror or exc}") from None
-        if not line:
-            raise AdminUnreachable(f"syshaxd closed the connection on {self.path} without answering")
-        reply = json.loads(line)
-        if not reply.get("ok"):
-            err = reply.get("error") or {}
-            raise AdminError(err.get("code", "error"), err.get("message", "the daemon refused the command"))
-        return reply.get("result")
-
-    def close(self) -> None:
-        self._file.close()
-        self._sock.close()
-
-    def __enter__(self) -> "AdminClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -7,8 +7,8 @@ import time
 
 from aiohttp import web
 
-from syshaxd.api import (embeddings, messages, openai_routes, responses, service_routes, sse, token_routes,
-                         web_routes)
+from syshaxd.api import (embeddings, messages, model_routes, openai_routes, responses, service_routes, sse,
+                         token_routes, web_routes)
 from syshaxd.api.auth import KeyCheck
 from syshaxd.api.errors import APIError, error_type_for
 from syshaxd.api.keys import (CONFIG, CONNECTIONS, KEY_CHECK, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED,
@@ -100,6 +100,7 @@ def make_app(config: Config, scheduler: Scheduler, model_name: str, state: Servi
     app[sse.PASS_WRITES] = sse.PassWrites()
     app.add_routes(openai_routes.routes)
     app.add_routes(service_routes.routes)
+    app.add_routes(model_routes.routes)
     app.add_routes(token_routes.routes)
     app.add_routes(embeddings.routes)
     app.add_routes(responses.routes)

@@ -67,6 +67,10 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
 
 
+# the paths outside /v1/ that need a key too: the token endpoints, and loading and unloading models
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/models/load", "/models/unload"})
+
+
 class KeyCheck:
     """The keys of one configuration, ready for constant-time checks."""
 
@@ -85,7 +89,7 @@ class KeyCheck:
     def protects(self, path: str) -> bool:
         if not self._digests:
             return False
-        return (path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/tokenizer_info")
+        return (path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS
                 or (self.metrics_require_key and path == "/metrics"))
 
     def accepts(self, token: str) -> bool:

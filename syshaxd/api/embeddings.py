@@ -139,7 +139,8 @@ async def _answered(request: web.Request) -> web.Response:
     model, inputs, encoding = _parse(request, body)
     timeout = request.app[STATE].config.request_timeout
     try:
-        event = await model.embed(EmbedRequest(f"embd-{uuid.uuid4().hex}", inputs), timeout)
+        event = await request.app[SCHEDULER].embedders.embed(model.name, EmbedRequest(f"embd-{uuid.uuid4().hex}",
+                                                                                       inputs), timeout)
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="model_unavailable",
                        headers={} if exc.final else {"Retry-After": "5"}) from None

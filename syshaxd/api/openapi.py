@@ -236,27 +236,28 @@ def _embedding_schemas() -> dict:
                 "dimensions": _nullable({"type": "integer", "minimum": 1,
                                          "description": "Only the model's own size."}),
                 "user": _nullable({"type": "string"})}},
+        "ModelName": {"type": "object", "required": ["model"], "additionalProperties": True,
+                      "properties": {"model": {"type": "string", "description": "An embedding model of [[models]]."}}},
+        "Success": {"type": "object", "required": ["success"], "properties": {"success": {"const": True}}},
         "EmbeddingList": {
             "type": "object", "required": ["object", "data", "model", "usage"],
             "properties": {
                 "object": {"const": "list"}, "model": {"type": "string"},
                 "data": {"type": "array", "items": {
                     "type": "object", "required": ["object", "index", "embedding"],
-                    "properties": {"object": {"const": "embedding"}, "index": {"type": "integer"},
-                                   "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}},
-                                                           {"type": "string"}]}}}},
-                "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
-                          "properties": {"prompt_tokens": {"type": "integer"},
-                                         "total_tokens": {"type": "integer"}}}}},
+                    "properties": {"object": {"const": "embedding"}, "index": {"type": "integer"}, "embedding": {
+                        "anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
+                "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
+                    "prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}},
     }
 
 
-def _token_op(summary: str, request: str, answer: str, secured: list) -> dict:
+def _token_op(summary: str, request: str, answer: str, secured: list, *more_errors: str) -> dict:
     return {"post": {"summary": summary, "security": secured,
                      "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
                      "responses": {"200": {"description": summary,
                                            "content": {"application/json": {"schema": _ref(answer)}}}}
-                     | _errors("400", "401", "404", "413")}}
+                     | _errors("400", "401", "404", "413", *more_errors)}}
 
 
 def _schemas() -> dict:
@@ -448,12 +449,13 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
                     "CountTokensRequest")}}},
                 "responses": json_200("TokenCount", "The prompt's tokens.")
                 | _errors("400", "401", "404", "413", shape="AnthropicError")}},
-            "/v1/embeddings": {"post": {
-                "summary": "Vectors of texts or token ids from an embedding model of [[models]]", "security": secured,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(
-                    "EmbeddingRequest")}}},
-                "responses": json_200("EmbeddingList", "One vector per input, in order, each of length 1.")
-                | _errors("400", "401", "404", "413", "500", "503")}},
+            "/v1/embeddings": _token_op("Vectors of texts or token ids from an embedding model of [[models]]: one "
+                                        "per input, in order, each of length 1", "EmbeddingRequest", "EmbeddingList",
+                                        secured, "500", "503"),
+            "/models/load": _token_op("Load an embedding model of [[models]] now (llama-server's router)", "ModelName",
+                                      "Success", secured, "503"),
+            "/models/unload": _token_op("Unload an embedding model once its requests are done (llama-server's router)",
+                                        "ModelName", "Success", secured),
             "/tokenize": _token_op("Text or chat messages to the model's token ids", "TokenizeRequest", "Tokenized",
                                    secured),
             "/detokenize": _token_op("Token ids to text", "DetokenizeRequest", "Detokenized", secured),

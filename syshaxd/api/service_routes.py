@@ -1,45 +1,13 @@
-"""The daemon's service endpoints beside the generation APIs: models, health, status, metrics, the OpenAPI document."""
+"""The daemon's service endpoints beside the generation APIs: health, status, metrics, the OpenAPI document."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from syshaxd.api.errors import APIError
-from syshaxd.api.keys import CONNECTIONS, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED, STATE
-from syshaxd.engine.embedders import EmbeddingModel
+from syshaxd.api.keys import CONNECTIONS, METRICS, OPENAPI, SCHEDULER, STATE
 from syshaxd.engine.lifecycle import HandleState
 
 routes = web.RouteTableDef()
-
-
-def _model_card(request: web.Request) -> dict:
-    return {"id": request.app[MODEL_NAME], "object": "model", "created": int(request.app[STARTED]),
-            "owned_by": "syshax"}
-
-
-def _embedding_card(request: web.Request, model: EmbeddingModel) -> dict:
-    """An embedding model of [[models]]: OpenAI's fields, and what it is and whether it is loaded."""
-    return {"id": model.name, "object": "model", "created": int(request.app[STARTED]), "owned_by": "syshax",
-            "syshax": {"kind": "embedding", "state": model.state, "load": model.entry.load,
-                       "dimensions": model.file.n_embd, "pooling": model.file.pooling}}
-
-
-@routes.get("/v1/models")
-async def list_models(request: web.Request) -> web.Response:
-    embedders = request.app[SCHEDULER].embedders.models.values()
-    return web.json_response({"object": "list", "data": [_model_card(request)]
-                              + [_embedding_card(request, m) for m in embedders]})
-
-
-@routes.get("/v1/models/{model}")
-async def get_model(request: web.Request) -> web.Response:
-    name = request.match_info["model"]
-    embedders = request.app[SCHEDULER].embedders
-    if name in embedders:
-        return web.json_response(_embedding_card(request, embedders[name]))
-    if name != request.app[MODEL_NAME]:
-        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-    return web.json_response(_model_card(request))
 
 
 @routes.get("/health")

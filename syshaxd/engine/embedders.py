@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import psutil
 
 from syshaxd.engine.lifecycle import HandleState
 from syshaxd.engine.numa import plan_prefill_worker, read_host_topology
@@ -66,7 +68,11 @@ def read_embedding_file(path: Path, where: str) -> EmbeddingFile:
 
 
 class EmbeddingModel:
-    """One entry: its file, its worker (absent until loaded when load = "on_demand"), and what it has served."""
+    """One entry: its file, its worker (absent while unloaded), and what it has served.
+
+    Loaded with the daemon (load = "start") or at its first request; unloaded when idle past its keep_alive, to
+    make room under max_loaded_models, or when asked (`syshax models unload`), once the requests using it are
+    done. A request for an unloaded model loads it again."""
 
     def __init__(self, entry: ModelEntry, path: Path, file: EmbeddingFile, spec: EngineSpec,
                  handle_factory: HandleFactory) -> None:
@@ -76,10 +82,16 @@ class EmbeddingModel:
         self.spec = spec
         self._make_handle = handle_factory
         self.handle: WorkerHandle | None = None
+        self.active = 0  # requests using the loaded worker now: an unload waits for them
+        self.last_used = time.monotonic()
+        self.unloaded = False  # it was loaded and then unloaded (it loads again when asked)
+        self._changing = asyncio.Lock()  # one load or unload at a time
         self.requests = 0
         self.inputs = 0
         self.tokens = 0
         self.refused = 0
+        self.loads = 0
+        self.unloads = 0
 
     @property
     def name(self) -> str:
@@ -93,34 +105,66 @@ class EmbeddingModel:
         if self.handle is None:
             self.handle = self._make_handle(f"embed-{self.name}", self.spec)
             self.handle.start()
+            self.loads += 1
+            self.unloaded = False
+            self.last_used = time.monotonic()
 
-    async def ready(self, timeout: float) -> WorkerHandle:
-        """The loaded worker, loading it first where it is not (bounded by timeout); EngineUnavailable if it cannot
-        be."""
-        if self.handle is None:
-            log.info("embedding model %s: loading on its first request", self.name)
-            self.start()
-        handle = self.handle
-        assert handle is not None
+    async def load(self, timeout: float, room: Callable[[EmbeddingModel, float], Awaitable[None]]) -> WorkerHandle:
+        """The loaded worker, loading it first where it is not (room(self, deadline) unloads others to make room),
+        within timeout; EngineUnavailable if it cannot be."""
         deadline = time.monotonic() + timeout
-        while handle.state != HandleState.READY:
-            if handle.state == HandleState.FAILED:
-                raise EngineUnavailable(f"embedding model {self.name} failed to load: {handle.error}", final=True)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise EngineUnavailable(f"embedding model {self.name} is still {handle.state} after {timeout:g}s "
-                                        "(request_timeout); retry shortly")
-            try:
-                await asyncio.wait_for(handle.ready.wait(), min(left, 0.25))
-            except asyncio.TimeoutError:
-                pass
-        return handle
+        while True:
+            async with self._changing:
+                if self.handle is None:
+                    await room(self, deadline)
+                    log.info("embedding model %s: loading (%s)", self.name,
+                             "on its first request" if not self.loads else "asked for again after its unload")
+                    self.start()
+                handle = self.handle
+            assert handle is not None
+            while handle.state != HandleState.READY and self.handle is handle:
+                if handle.state == HandleState.FAILED:
+                    raise EngineUnavailable(f"embedding model {self.name} failed to load: {handle.error}", final=True)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EngineUnavailable(f"embedding model {self.name} is still {handle.state} after "
+                                            f"{timeout:g}s; retry shortly")
+                try:
+                    await asyncio.wait_for(handle.ready.wait(), min(left, 0.25))
+                except asyncio.TimeoutError:
+                    pass
+            if self.handle is handle:  # not unloaded while it loaded
+                return handle
 
-    async def embed(self, request: EmbedRequest, timeout: float) -> Embedded | Rejected:
+    async def unload(self, why: str) -> bool:
+        """Stop the worker once the requests using it are done, giving its memory back; False if not loaded."""
+        async with self._changing:
+            handle = self.handle
+            if handle is None:
+                return False
+            while self.active:
+                await asyncio.sleep(0.05)
+            rss = _rss_mib(handle.pid)
+            self.handle = None
+            self.unloaded = True
+            self.unloads += 1
+            await handle.stop()
+            log.info("embedding model %s: unloaded (%s); its worker's %d MiB given back", self.name, why, rss)
+            return True
+
+    def idle_for(self, now: float) -> float:
+        """Seconds it has been loaded and unused; 0 while loading or in use."""
+        if self.handle is None or self.handle.state != HandleState.READY or self.active:
+            return 0.0
+        return now - self.last_used
+
+    async def embed(self, request: EmbedRequest, timeout: float,
+                    room: Callable[[EmbeddingModel, float], Awaitable[None]]) -> Embedded | Rejected:
         """The request's vectors, or the engine's refusal (an input over the limit, a token id out of range)."""
-        handle = await self.ready(timeout)
-        stream = handle.embed(request)
+        handle = await self.load(timeout, room)
+        self.active += 1  # no await since load() returned: an unload waits for this request
         try:
+            stream = handle.embed(request)
             event = await asyncio.wait_for(stream.next_event(), timeout)
         except asyncio.TimeoutError:
             stream.cancel()
@@ -129,6 +173,9 @@ class EmbeddingModel:
         except asyncio.CancelledError:  # the client left
             stream.cancel()
             raise
+        finally:
+            self.active -= 1
+            self.last_used = time.monotonic()
         if isinstance(event, WorkerLost):
             raise EngineUnavailable(f"embedding model {self.name}'s worker {event.why}; retry the request")
         self.requests += 1
@@ -140,18 +187,32 @@ class EmbeddingModel:
         return event
 
     def status(self) -> EmbeddingModelStatus:
+        handle = self.handle
         return EmbeddingModelStatus(
-            name=self.name, file=self.path.name, state=self.state, load=self.entry.load, pooling=self.file.pooling,
-            dimensions=self.file.n_embd, n_ctx=self.spec.n_ctx, batch=self.spec.max_batch_size,
-            requests=self.requests, inputs=self.inputs, tokens=self.tokens, refused=self.refused,
-            worker=self.handle.status() if self.handle is not None else None)
+            name=self.name, file=self.path.name, state=self.state, load=self.entry.load,
+            keep_alive=self.entry.keep_alive, pooling=self.file.pooling, dimensions=self.file.n_embd,
+            n_ctx=self.spec.n_ctx, batch=self.spec.max_batch_size, requests=self.requests, inputs=self.inputs,
+            tokens=self.tokens, refused=self.refused, loads=self.loads, unloads=self.unloads,
+            rss_mib=_rss_mib(handle.pid) if handle is not None else 0,
+            worker=handle.status() if handle is not None else None)
+
+
+def _rss_mib(pid: int | None) -> int:
+    """A worker's resident memory in MiB (0 when it has no process)."""
+    if pid is None:
+        return 0
+    try:
+        return psutil.Process(pid).memory_info().rss >> 20
+    except psutil.Error:
+        return 0
 
 
 class Embedders:
-    """Every embedding model of the config, by name."""
+    """Every embedding model of the config, by name, and the bound on how many are loaded at once."""
 
-    def __init__(self, models: list[EmbeddingModel]) -> None:
+    def __init__(self, models: list[EmbeddingModel], max_loaded: int = 0) -> None:
         self.models = {m.name: m for m in models}
+        self.max_loaded = max_loaded  # 0: no bound
 
     def __contains__(self, name: str) -> bool:
         return name in self.models
@@ -164,17 +225,50 @@ class Embedders:
         return [m.handle for m in self.models.values() if m.handle is not None]
 
     def start(self) -> None:
-        """Load the models that load with the daemon."""
-        for model in self.models.values():
-            if model.entry.load == "start":
-                model.start()
+        """Load the models that load with the daemon (the first max_loaded_models of them, where that is set)."""
+        for model in [m for m in self.models.values() if m.entry.load == "start"][:self.max_loaded or None]:
+            model.start()
 
     def is_ready(self) -> bool:
-        """Every model that loads with the daemon is ready (an on-demand one loads when asked)."""
-        return all(m.state == HandleState.READY for m in self.models.values() if m.entry.load == "start")
+        """Every model that loads with the daemon is ready, or was unloaded since (it loads when asked)."""
+        return all(m.state == HandleState.READY or m.unloaded or (self.max_loaded and m.handle is None)
+                   for m in self.models.values() if m.entry.load == "start")
 
     def loading_line(self) -> str:
         return ", ".join(f"{m.name} {m.state}" for m in self.models.values() if m.entry.load == "start")
+
+    async def embed(self, name: str, request: EmbedRequest, timeout: float) -> Embedded | Rejected:
+        return await self.models[name].embed(request, timeout, self.make_room)
+
+    async def load(self, name: str, timeout: float) -> WorkerHandle:
+        return await self.models[name].load(timeout, self.make_room)
+
+    async def make_room(self, model: EmbeddingModel, deadline: float) -> None:
+        """Under max_loaded_models, unload the least recently used idle model until `model` fits; EngineUnavailable
+        when every loaded one stays busy until the deadline. (A model makes room only while it is not loaded, and
+        unloads only loaded ones, so two loads never wait on each other.)"""
+        while self.max_loaded:
+            loaded = [m for m in self.models.values() if m.handle is not None and m is not model]
+            if len(loaded) < self.max_loaded:
+                return
+            idle = sorted((m for m in loaded if not m.active), key=lambda m: m.last_used)
+            if idle:
+                await idle[0].unload(f"to make room for {model.name} (max_loaded_models = {self.max_loaded})")
+                continue
+            if time.monotonic() >= deadline:
+                raise EngineUnavailable(f"embedding model {model.name} cannot load: the {self.max_loaded} models "
+                                        "loaded (max_loaded_models) all stay busy; retry shortly")
+            await asyncio.sleep(0.1)
+
+    async def unload_idle(self, every: float = 0.5) -> None:
+        """Run while the daemon serves: unload each model idle past its keep_alive (-1: never)."""
+        while True:
+            now = time.monotonic()
+            for model in self.models.values():
+                keep = model.entry.keep_alive
+                if keep >= 0 and model.idle_for(now) >= keep and model.handle is not None:
+                    await model.unload(f"idle for {model.idle_for(now):.0f}s, keep_alive {keep:g}s")
+            await asyncio.sleep(every)
 
     async def stop(self) -> None:
         await asyncio.gather(*(h.stop() for h in self.handles))
@@ -184,12 +278,12 @@ class Embedders:
 
 
 def plan_embedders(entries: tuple[ModelEntry, ...], chat_model: str, backend: str, repack: str,
-                   handle_factory: HandleFactory) -> Embedders:
+                   handle_factory: HandleFactory, max_loaded: int = 0) -> Embedders:
     """The embedding models of `entries`, each read and placed, to run on `backend` (the config's cpu_engine);
     EmbeddersError names an entry that cannot serve. handle_factory(name, spec) makes a worker's handle."""
     models: list[EmbeddingModel] = []
     if not entries:
-        return Embedders(models)
+        return Embedders(models, max_loaded)
     from syshaxd.sdk.plugins import BackendNotFound, find_backend, make_plugin_manager
 
     try:
@@ -225,4 +319,4 @@ def plan_embedders(entries: tuple[ModelEntry, ...], chat_model: str, backend: st
         log.info("embedding model %s: %s (%s, %d dimensions, %s pooling, %d tokens an input, %d inputs a pass, "
                  "%d threads, load %s)", entry.name, path.name, file.arch, file.n_embd, file.pooling, n_ctx,
                  entry.batch, placement.threads, entry.load)
-    return Embedders(models)
+    return Embedders(models, max_loaded)

@@ -88,6 +88,7 @@ class EmbeddingModelStatus:
     file: str
     state: str  # "unloaded" (load = "on_demand", not asked yet), else its worker's HandleState
     load: str  # "start" or "on_demand"
+    keep_alive: float  # seconds idle before it is unloaded; -1: never
     pooling: str  # mean, cls, last
     dimensions: int
     n_ctx: int  # tokens one input may hold
@@ -96,6 +97,9 @@ class EmbeddingModelStatus:
     inputs: int
     tokens: int
     refused: int  # requests its engine refused (an input over n_ctx, a token id outside the vocabulary)
+    loads: int  # times its worker was started: at start, on demand, after an unload
+    unloads: int  # times it was unloaded (idle past keep_alive, to make room, or asked)
+    rss_mib: int  # its worker's resident memory; 0 while unloaded
     worker: WorkerStatus | None
 
 
