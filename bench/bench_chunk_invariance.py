@@ -1,8 +1,8 @@
 """Does llama.cpp give the same bits for a prompt however it was cut into chunks? (issue 20, item 1)
 
-The prefix cache kept blocks of prefill_chunk_size (256) tokens because a hit must return exactly the tokens a miss
-returns: a prompt resumed after its cached blocks ran the very chunks it would have run from the start. A finer
-block (vLLM's 16 tokens, what it keeps now on the strength of this measurement and each worker's warm-up proof,
+A prefix cache hit must return exactly the tokens a miss returns. With blocks of prefill_chunk_size (256) tokens
+a prompt resumed after its cached blocks runs the very chunks it would have run from the start. A finer block
+(vLLM's 16 tokens, what the prefix cache keeps on the strength of this measurement and each worker's warm-up proof,
 plugins/llamacpp/syshax_llamacpp/prefix.py) lets a shorter shared prefix hit, but then a prompt resumes mid-chunk:
 its KV for the first h tokens came from another prompt's run (that prompt's first chunk held other tokens after
 them), and its own chunks start at h, not at multiples of 256. This measures whether that changes any bit.

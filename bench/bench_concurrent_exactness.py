@@ -4,20 +4,18 @@ The llama.cpp engine, in-process (no daemon, no pipe): each prompt is run alone,
 (X, A) is run with X submitted first, so that A's prompt runs while X decodes and A then joins X's batch
 in the next KV stream; and with A first. Prints, per prompt A, how many partners changed its text.
 
-Found on 2026-12-04 (AMD EPYC AVX-512, SmolLM2-135M q4_0, repacking on, flash attention): prompts under
-256 tokens kept their text with every partner; one 305-token prompt lost it (at its second token) with 7 of 9
-partners when it joined second, and both 345-token prompts with 4 of 9 when they started first. Not explained
-yet; a guess is that the batch's padded KV length, or where a sequence's cells land in its stream, changes how
-the CPU flash-attention kernel sums once a sequence holds more than 256 cells. It was that: with one query
-row and 512 KV cells or more, ggml's CPU flash attention splits the KV among threads (ops.cpp,
-use_split_kv_path); with two streams in the ubatch it does not. The engine now decodes a lone sequence past
-256 tokens beside a one-token padding row in the next stream (engine._pad_stream): every prompt here keeps
-its text with every partner, in both orders.
+Found on 2026-12-04 (AMD EPYC AVX-512, SmolLM2-135M q4_0, repacking on, flash attention, no padding row):
+prompts under 256 tokens kept their text with every partner; one 305-token prompt lost it (at its second token)
+with 7 of 9 partners when it joined second, and both 345-token prompts with 4 of 9 when they started first. The
+cause: with one query row and 512 KV cells or more, ggml's CPU flash attention splits the KV among threads
+(ops.cpp, use_split_kv_path); with two streams in the ubatch it does not. With a one-token padding row in the
+next stream beside a lone sequence past 256 tokens (engine._pad_stream), every prompt here keeps its text with
+every partner, in both orders.
 
-Since then mk/llama-wheel.sh builds llama.cpp with that split turned off, and the engine's warm-up proves
-which kind of llama.cpp it loaded (engine._proves_lone): with the built one, no padding row, and every
-prompt here keeps its text with every partner as well. --padding on/off forces the row either way (off with a
-stock llama-cpp-python shows the split's effect again).
+mk/llama-wheel.sh builds llama.cpp with that split turned off, and the engine's warm-up proves which kind of
+llama.cpp it loaded (engine._proves_lone): the padding row is for a llama.cpp that splits. With the built one, no
+padding row, and every prompt here keeps its text with every partner as well. --padding on/off forces the row
+either way (off with a stock llama-cpp-python shows the split's effect).
 
     .venv/bin/python bench/bench_concurrent_exactness.py [--tokens 12] [--padding proved|on|off]
     .venv/bin/python bench/bench_concurrent_exactness.py --step-cost   # what the padding row costs

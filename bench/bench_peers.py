@@ -27,8 +27,8 @@ second server's figures up to 20 % worse or better than a repeat gave. The loads
 the concurrency in requests, at least 2). Their contexts need `--n-ctx` 4096, which the set takes when
 none is given. `--set all` runs both sets. Found on 2026-12-06 (AMD EPYC with AVX-512, 2 threads each, the default
 model, one run of 696 s, llama.cpp patches 0008 and 0009), syshaxd / llama-server: tok/s 1.18x to 2.27x at every
-level (1.09x to 1.79x the day before, without them); TTFT p50 0.46x (medium c=8) to 1.00x (short c=8), but long c=2
-1.11x (the p50 of 4 requests: 0.90x and 1.61x in earlier runs); a 2,048-token prompt alone 3.68 s against 3.64 s
+level; TTFT p50 0.46x (medium c=8) to 1.00x (short c=8), but long c=2 1.11x (the p50 of 4 requests: 0.90x to
+1.61x from run to run); a 2,048-token prompt alone 3.68 s against 3.64 s
 (docs/performance.md: the table).
 
 Per load and server: output tokens/s, TTFT p50, TPOT p50, and the ratio syshaxd / llama-server

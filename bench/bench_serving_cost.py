@@ -18,15 +18,10 @@ serving costs it is in that count already). On 2 cores every millisecond of CPU 
 spends while the engine computes stalls both of its threads: one waits at the next barrier for the one that was
 preempted.
 
-Found on 2026-12-04 (AMD EPYC, 2 cores, SmolLM2-135M q4_0), while this script still ran the engine with llama.cpp's
-own attention: syshaxd's engine step 24.0 to 24.3 ms against
-llama-server's 25.9 to 26.0; as served, ITL p50 26.5 ms against 26.7; tok/s level within this machine's noise
-(rounds from 0.89x to 1.07x). Later that day, with every query row tiled as the daemon's cpu mode runs it
-(mk/patches/0007): engine step 24.90 ms against 25.57, ITL p50 24.81 against 26.40 (serving costs the
-daemon nothing measurable per step), 1.02x streamed and not (rounds 1.05 and 0.99). On 2026-12-05, with
-mk/patches/0001 (8 rows share a pass over the repacked weights): engine step 19.72 ms against
-llama-server's 24.89, ITL p50 22.84 against 25.25, 1.04x streamed (rounds 1.02, 1.06) and 1.11x not (1.07, 1.15):
-with the shorter step, serving costs the daemon about 3 ms a step again.
+Found on 2026-12-05 (AMD EPYC, 2 cores, SmolLM2-135M q4_0, every query row tiled as the daemon's cpu mode runs it,
+mk/patches/0001: 8 rows share a pass over the repacked weights): engine step 19.72 ms against llama-server's 24.89,
+ITL p50 22.84 against 25.25, 1.04x streamed (rounds 1.02, 1.06) and 1.11x not (1.07, 1.15): serving costs the
+daemon about 3 ms a step.
 syshaxd's higher TPOT at c=8 in bench_peers.py is its scheduling, not a slower step:
 it decodes the first sequences while the others' prompts still run (TTFT 0.36x), llama-server runs every prompt
 first.

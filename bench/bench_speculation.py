@@ -29,7 +29,7 @@ lookup's guesses gave 1.36x, 1.18x and 1.10x. A draft pays only where it is far 
 
 Found on 2026-12-06 (the same machine, c=1, llama.cpp patches 0010 to 0012 and guesses weighed by their match's
 length, drafting.MatchRates; three runs, 11 rounds): copy 1.57x (1.36x to 1.73x), chat 1.46x (1.33x to 1.53x),
-unique 1.93x (1.66x to 2.26x), every text the same; the day before 1.45x, 1.36x and 1.81x over ten rounds.
+unique 1.93x (1.66x to 2.26x), every text the same.
 """
 
 from __future__ import annotations

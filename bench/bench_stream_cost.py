@@ -9,19 +9,10 @@ on 2 cores each of those milliseconds is taken from the engine's two threads. Th
 figure to watch (1.00: a stream costs the daemon nothing a JSON answer does not); the CPU per token is the steadier
 one where another load shares the machine, as tok/s follows that load.
 
-Found on 2026-12-06 (AMD EPYC with AVX-512, 2 cores, llama.cpp patches 0008 and 0009): 0.970x (rounds 0.970,
-0.970, 0.985), 294.8 against 303.4 tok/s; the daemon 0.137 ms CPU per token streamed, 0.098 not; the client 0.075
-ms streamed (on the same 2 cores). The day before: 0.969x, the rounds 0.886x to 1.110x. Later that day, with
-patches 0010 to 0012 (a decode step of 8 sequences cheaper), three runs of 3 rounds: 0.965x, 0.962x, 0.981x (the
-median of the 9 rounds 0.965x, 0.919x to 1.005x), 368.7 against 380.9 tok/s; the daemon 0.129 ms CPU per token
-streamed, 0.093 not; the client 0.070: the same costs against a faster step.
-
-On 2026-12-06 again, 20 rounds a run, the client on uvloop, the machine slower and noisier than the day before (a
-round's ratio anywhere from 0.82x to 1.18x): before the writes were held to the pass's end, 0.949x, the daemon 0.142
-ms per token streamed and 0.103 not, the client 0.068; with them (and the metrics as plain numbers) 0.964x, 0.121
-against 0.094, the client 0.062; with the client's one timer a request, 0.988x, 0.117 against 0.093, the client
-0.056; a last run, on a machine slowed by a quarter, 1.033x (0.140 against 0.116: its CPU times swell with the
-slowing). What streaming adds to the daemon went from about 40 to 24 microseconds a token.
+Found on 2026-12-06 (AMD EPYC with AVX-512, 2 cores, 20 rounds a run, the client on uvloop, a round's ratio
+anywhere from 0.82x to 1.18x on that noisy machine): 0.988x; the daemon 0.117 ms CPU per token streamed and 0.093
+not, the client 0.056: streaming adds about 24 microseconds a token to the daemon. A run on a machine slowed by a
+quarter gave 1.033x (0.140 against 0.116: its CPU times swell with the slowing).
 
 --profile PATH runs the daemon under cProfile during the rounds (timed by its CPU clock), writes the stats to PATH
 (pstats reads them) and prints the functions that took most of its CPU, per output token. The profiler's own cost

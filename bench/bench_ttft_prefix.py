@@ -1,17 +1,17 @@
 """What the prefix cache adds to a short prompt's time to its first token: syshaxd with it against syshaxd without
 it (prefix_cache_mb = 0), in one run (issue 38, item 1: the short prompts' TTFT gap to llama-server).
 
-On a miss the engine writes the prompt's new blocks into the cache; that write once came before the first token's
-Delta left the worker. Two daemons up at once (cpu mode, the default model, 2 threads each), unique random-word
-prompts of --tokens tokens, one request at a time, alternating which daemon goes first; each request streams 4
-tokens, timed to its first token by the repo's bench client (syshaxd/bench/client.py, as bench_peers.py times
-TTFT). Prints each daemon's p50, the difference, and the CPU each daemon and its workers used per request.
+On a miss the engine writes the prompt's new blocks into the cache at the step after the first token's Delta left
+the worker, not before it (stepping.py, _keep_unkept). Two daemons up at once (cpu mode, the default model, 2
+threads each), unique random-word prompts of --tokens tokens, one request at a time, alternating which daemon goes
+first; each request streams 4 tokens, timed to its first token by the repo's bench client
+(syshaxd/bench/client.py, as bench_peers.py times TTFT). Prints each daemon's p50, the difference, and the CPU
+each daemon and its workers used per request.
 
 Found on 2026-12-05 (AMD EPYC with AVX-512, 2 cores, quiet): with the write before the first token (this script
 as of commit 97b0e5d, unstreamed, 1 token) the cache added 11.8 to 17.3 ms at p50; with the write at the step
-after the first token (stepping.py, _keep_unkept; the blocks read from the state the move exported) two runs
-gave +13.2 ms (24 prompts: 152.4 against 139.2, the minimums 125.4 and 126.9) and -0.5 ms (--requests 40: 129.6
-against 130.1): within this machine's noise.
+after it (the blocks read from the state the move exported) two runs gave +13.2 ms (24 prompts: 152.4 against
+139.2, the minimums 125.4 and 126.9) and -0.5 ms (--requests 40: 129.6 against 130.1): within this machine's noise.
 
     .venv/bin/python bench/bench_ttft_prefix.py [--requests 24] [--tokens 128]
 """

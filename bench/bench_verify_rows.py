@@ -15,7 +15,7 @@ Found on 2026-12-04 (AMD EPYC with AVX-512, SmolLM2-135M q4_0, repacking on, thi
 row of a guess up to 39 tokens got the one-row bits (exact; bench_chunk_invariance.py puts the kernels' edge at 64
 rows), but the call cost about as much as its rows one by one: 1.7x one row's time for 2 rows, 2.6x for 4,
 4.2x for 8. So n-gram speculation can be token-exact here, and it pays only where most guesses are right (over
-70 % of them at k = 1); it was not built then (issue 20's closing note), and is now (issue 38, drafting.py).
+70 % of them at k = 1); drafting.py is that speculation (issue 38).
 
 On 2026-12-05, every row tiled as the daemon runs it: 1.84x for 2 rows, 2.5x for 3, 3.1 to 3.3x for 8 with the
 default model; with bench_real_shape.py's 1.5B-shape model (--model; 29 ms a row) 1.84x, 2.80x and 4.01x, the
@@ -29,8 +29,8 @@ whole) and 0009 (the q8_0 output layer streams once for 2 to 16 rows), every row
 --every 12, the default model, 2 to 13 rows 1.26x 1.43x 1.65x 2.02x 2.23x 2.44x 2.69x 3.13x 3.39x 3.63x 4.04x
 4.41x; with 0008's groups of 8 rows (AVX-512) the same within this machine's noise (1.31x 1.53x 1.75x 1.96x 2.21x
 2.48x 2.76x 3.21x 3.45x 3.72x 4.16x 4.56x; a step of 7 and 8 rows alone 5 % cheaper); the 1.5B shape (--every 8 --tokens 12; 27.7 ms a row) 2 to 9 rows 1.48x 1.89x 2.31x 3.03x 3.37x 3.87x
-4.11x 4.96x (1.84x and 2.80x for 2 and 3 rows before). Where the time went, by `perf record` of a step of 2 rows
-before them: a third in the q8_0 output layer (tinyBLAS's 4-row tiles), a third in the q4_0 gemv (one row a call).
+4.11x 4.96x. Where the time went, by `perf record` of a step of 2 rows before them: a third in the q8_0 output
+layer (tinyBLAS's 4-row tiles), a third in the q4_0 gemv (one row a call).
 After them, by `perf record` of a step of 8 rows: 40 % in the gemv, which made the weights' signs for every row's
 every product. Patches 0010 to 0012 take the weights unsigned and each block's offset back once: --every 12, three
 runs, the median per count, 2 to 9 rows 1.29x 1.24x 1.59x 1.76x 1.97x 2.07x 2.30x 2.70x (the lone row 3 % cheaper

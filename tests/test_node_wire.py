@@ -277,7 +277,8 @@ def test_only_the_room_of_the_record_in_flight_is_open_to_the_transfer_engine(tm
 
 
 def test_a_peer_of_the_old_protocol_is_told_so(tmp_path, front_engine, caplog):
-    """syshax-node/1 sent a bare challenge and answered with a bare proof: each side now names what it speaks."""
+    """syshax-node/1 sent a bare challenge and answered with a bare proof; in syshax-node/2 each side names what it
+    speaks, so a peer of /1 is refused."""
     async def scenario():
         async with serving(tmp_path) as node:
             # a front of syshax-node/1: reads the challenge, answers with a 64-byte proof and challenge

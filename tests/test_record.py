@@ -156,7 +156,7 @@ def test_a_record_of_llama_cpps_whole_state_is_read_only_by_a_reader_that_takes_
     other = ModelFingerprint(**{**FP.__dict__, "n_layer": 4})
     with pytest.raises(FingerprintMismatch):
         rec.decode(buf, expect=other, llama_state=True)
-    # a rows record reads as before with the flag allowed
+    # a rows record reads as rows (no state) with the flag allowed
     tokens, positions, k, v = sample()
     rows = bytearray(rec.record_size(FP, 5, "f16"))
     rec.encode_into(rows, FP, tokens, positions, k, v)

@@ -127,7 +127,7 @@ def test_which_paths_a_key_protects():
     assert keys.protects("/v1/models") and keys.protects("/v1/completions") and keys.protects("/v1")
     assert not keys.protects("/health") and not keys.protects("/metrics") and not keys.protects("/openapi.json")
     assert not keys.protects("/v1x") and KeyCheck(("k1",), True).protects("/metrics")
-    assert not KeyCheck((), True).protects("/v1/completions")  # no keys: an open API, as before
+    assert not KeyCheck((), True).protects("/v1/completions")  # no keys: an open API
 
 
 def test_every_key_is_compared_in_constant_time(monkeypatch):

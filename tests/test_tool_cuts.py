@@ -218,7 +218,7 @@ def test_cut_calls_in_the_shapes_auto_reads():
                              '<tool_call>\n{"name": "get_weather", "arguments": {"ci', '{"ci')]:
         content, calls = parse_output(text, tools, cut=True)
         assert content is None and (calls[-1].arguments, calls[-1].complete) == (arguments, False), text
-        assert parse_output(text, tools) == (text, [])  # not cut (the model ended it so): text, as before
+        assert parse_output(text, tools) == (text, [])  # not cut (the model ended it so): the text stays text
     # only `</tool_call>` was cut: the call is whole
     content, (call,) = parse_output('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_', tools,
                                     cut=True)

@@ -159,7 +159,7 @@ def test_hetero_daemon_with_vllm_prefill_hands_every_prompt_to_the_decoder(defau
                                             extra_body={"ignore_eos": True})
             assert het.choices[0].text
             assert het.usage.prompt_tokens == cpu.usage.prompt_tokens and het.usage.completion_tokens == 12
-        # a prompt handed on carries no logprobs: a 400 naming the param and the modes that have them, as before
+        # a prompt handed on carries no logprobs: a 400 naming the param and the modes that have them
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, logprobs=1)
         error = refused.value.body

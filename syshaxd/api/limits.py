@@ -93,7 +93,7 @@ class _HeadWatch:
 
     Between heads it skips each body by its Content-Length. A chunked body, or a head too large to
     be one aiohttp accepts (it answers that itself), ends the watch: the connection is then bounded
-    as before, by the 408 on its body and aiohttp's keep-alive timeout.
+    by the 408 on its body and aiohttp's keep-alive timeout.
     """
 
     __slots__ = ("_head", "_body_left", "given_up")

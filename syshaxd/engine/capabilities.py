@@ -2,7 +2,8 @@
 its way for what that engine's backend does not declare (sdk.backend.Capabilities), before any engine sees it.
 
 A request's way is the engines it may visit on its route (the scheduler knows them): a prefill that hands the
-prompt on, then a decoder; or one engine that does it all. Engines no longer refuse what they lack themselves.
+prompt on, then a decoder; or one engine that does it all. Engines do not refuse what they lack themselves:
+this check refuses it for them.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ every interface whatever MC_TCP_BIND_ADDRESS says (measured with ss). So over tc
 * the front registers nothing: a TCP write's source needs no registration, so nothing of the front's can be read
   or written through its engine's port.
 
-Over rdma the whole records' area of each ring is registered once, as before: registering memory with a NIC pins
+Over rdma the whole records' area of each ring is registered once, at the start: registering memory with a NIC pins
 and maps it (costly per record) and the peer writes with a key from the registration it fetched at the start.
 
 What is left is the window of the record in flight, writable by anyone who reaches the node's data port while it

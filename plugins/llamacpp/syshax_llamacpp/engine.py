@@ -12,7 +12,7 @@ it all (close). Its other jobs each live in a module of their own, a class whose
 * sampling.py (SamplingSide): the next token of a row, and a grammar's dead end.
 
 They share the engine's state (its contexts, batches, sequences and counters) rather than each owning a part:
-a step touches all of it, and their lines moved unchanged, so tokens, proofs and log lines are what they were.
+a step touches all of it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from syshax_llamacpp.codec import StateBuffer, StateFormatError, export_seq, wid
 from syshaxd.sdk import faults
 from syshaxd.sdk.gguf.quantize import ROW_EXACT_TYPES
 
-# the engine's lines, under the name they have always had (the worker's log prints it)
+# the engine's lines, under the engine's logger name (the worker's log prints it)
 log = logging.getLogger("syshax_llamacpp.engine")
 
 # The shortest prompt chunk whose bits llama.cpp's CPU kernels keep wherever it starts (measured on AVX-512:

@@ -24,7 +24,7 @@ from syshaxd.sdk.types import Delta, TokenLogprob
 if TYPE_CHECKING:
     from syshax_llamacpp.sequence import Sequence
 
-# the engine's lines, under the name they have always had (the worker's log prints it)
+# the engine's lines, under the engine's logger name (the worker's log prints it)
 log = logging.getLogger("syshax_llamacpp.engine")
 
 
