@@ -95,7 +95,7 @@ class Config:
                         'load, cached in model_dir: "q4_0", "q8_0", or "" to load every file as it is. Files already '
                         "quantized load as they are; SYSHAX_QUANTIZE overrides this key.")
     models: tuple[ModelEntry, ...] = key((), _SERVE, "Embedding models served beside the chat model, written as "
-                                         "`[[models]]` tables (name, path, and optionally n_ctx, batch, threads, "
+                                         "`[[models]]` tables (name, path, and optionally n_ctx, threads, "
                                          "cpu_affinity, load, keep_alive): each answers POST /v1/embeddings under "
                                          "its name, in a worker of its own.")
     max_loaded_models: int = key(0, _SERVE, "The most [[models]] entries loaded at once; loading one more unloads "

@@ -72,7 +72,7 @@ def config_page() -> str:
                 default = "none"
                 doc = f.metadata["doc"] + " See [Models](../models.md#embedding-models) for each key of an entry."
                 example = ("\n```toml\n[[models]]\nname = \"embed\"\npath = \"/var/lib/syshax/models/"
-                           "Qwen3-Embedding-0.6B-Q8_0.gguf\"\nbatch = 32\n```\n")
+                           "Qwen3-Embedding-0.6B-Q8_0.gguf\"\nkeep_alive = \"10m\"\n```\n")
             else:
                 default, doc, example = f"`{toml_value(f.default)}`", f.metadata["doc"], ""
             out.append(f"### {name}\n\n{doc}\n\nType: {_TYPES[str(f.type)]} · Default: {default} · "

@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 LOADS = ("start", "on_demand")
-MAX_BATCH = 64  # inputs one pass of an embedding model takes at most (syshax_llamacpp/embedding.py)
 
 
 class EntryError(ValueError):
@@ -24,8 +23,7 @@ class ModelEntry:
 
     name: str  # what clients send as "model"
     path: str  # the GGUF file
-    n_ctx: int = 0  # tokens one input may hold; 0: the model's training context, at most 2048
-    batch: int = 8  # inputs one pass takes together, from every request queued
+    n_ctx: int = 0  # tokens one input may hold; 0: the model's training context, at most 8192
     threads: int = 0  # 0: one per CPU of cpu_affinity (or of the daemon's CPUs)
     cpu_affinity: str = ""  # a cpulist; "": the CPUs the daemon may use, shared with the chat model's workers
     load: str = "start"  # "start": loaded with the daemon; "on_demand": at its first request
@@ -33,8 +31,7 @@ class ModelEntry:
 
 
 _DOCS = {"name": 'the id clients send as "model"', "path": "the GGUF file",
-         "n_ctx": "tokens one input may hold (0: the model's training context, at most 2048)",
-         "batch": f"inputs one pass takes together (1 to {MAX_BATCH})",
+         "n_ctx": "tokens one input may hold (0: the model's training context, at most 8192)",
          "threads": "threads of its worker (0: one per CPU of its set)",
          "cpu_affinity": "its worker's CPUs as a cpulist", "load": '"start" or "on_demand"',
          "keep_alive": 'seconds idle before it is unloaded, or "5m", "1h" (-1: never)'}
@@ -87,8 +84,6 @@ def _entry(i: int, table: dict) -> ModelEntry:
     name = f"{where} ({entry.name})"
     if entry.n_ctx < 0 or entry.threads < 0:
         raise EntryError(f"{name}: n_ctx and threads must be 0 or more")
-    if not 1 <= entry.batch <= MAX_BATCH:
-        raise EntryError(f"{name}.batch: must be 1 to {MAX_BATCH}, got {entry.batch}")
     if entry.load not in LOADS:
         raise EntryError(f'{name}.load: must be "start" (loaded with the daemon) or "on_demand" (at its first '
                          f"request); got {entry.load!r}")

@@ -66,8 +66,7 @@ def print_status(st: dict) -> None:
         print(f"embedding model {m.name} ({m.file}, {m.dimensions} dimensions, {m.pooling} pooling): {m.state}"
               + (f", pid {runs.pid}, cpus {format_cpulist(runs.cpus) or '-'}" if runs is not None and runs.pid else "")
               + f"; {m.requests} requests, {m.inputs} inputs, {m.tokens} tokens"
-              + (f", {m.refused} refused" if m.refused else "") + f" (load {m.load}, {m.batch} inputs a pass, "
-              f"{m.n_ctx} tokens an input)" + (f"; error: {runs.error}" if runs is not None and runs.error else ""))
+              + (f", {m.refused} refused" if m.refused else "") + f" (load {m.load}, {m.n_ctx} tokens an input)" + (f"; error: {runs.error}" if runs is not None and runs.error else ""))
     routing = sched.prefix_routing
     if routing.get("placed_by_prefix") or routing.get("placed_by_load"):
         print(f"prefix routing: {routing['placed_by_prefix']} placed where their prefix was "

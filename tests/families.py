@@ -307,6 +307,15 @@ NOTES: dict[str, str] = {name: f.note for name, f in FAMILY_SPECS.items()}
 # the real models' 0.02: the families' 0.1 is for tiny models' greedy text, and 28 layers of it would grow the
 # residual stream toward f16's range.
 SHAPE_SPECS: dict[str, Family] = {f.name: f for f in [
+    Family("qwen3-embedding-0.6b-shape", "Qwen3ForCausalLM",
+           "Qwen3-Embedding-0.6B's shape: qwen3 arch, hidden 1024, 28 layers, 16 heads and 8 KV heads of head_dim "
+           "128, q/k norms, intermediate 3072, tied embeddings, last-token pooling; SmolLM2's 49152-token "
+           "vocabulary (Qwen3's own has 151669), Qwen3 template",
+           _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
+           dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                intermediate_size=3072, max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
+                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+           pooling="lasttoken"),
     Family("qwen2-1.5b-shape", "Qwen2ForCausalLM",
            "Qwen2-1.5B's shape: qwen2 arch, hidden 1536, 28 layers, 12 heads, 2 KV heads (head_dim 128), "
            "intermediate 8960, QKV biases, tied embeddings, rope theta 1e6; SmolLM2's 49152-token vocabulary "

@@ -1,5 +1,5 @@
 """The embedding models of [[models]]: each checked at start, its worker started with the daemon or at its first
-request, and its requests sent to that worker, which batches them (syshax_llamacpp/embedding.py).
+request, and its requests sent to that worker, which takes their inputs in turn (syshax_llamacpp/embedding.py).
 
 The one owner of the embedding workers: the scheduler never sees them (they generate nothing), the status, /health
 and /v1/models read them here.
@@ -27,7 +27,7 @@ from syshaxd.sdk.types import Embedded, EmbedRequest, EngineSpec, Pool, Rejected
 
 log = logging.getLogger(__name__)
 
-DEFAULT_N_CTX = 2048  # tokens an input may hold where the entry does not say (at most the model's own)
+DEFAULT_N_CTX = 8192  # tokens an input may hold where the entry does not say (at most the model's own)
 HandleFactory = Callable[[str, EngineSpec], WorkerHandle]  # a worker's handle from its name and spec
 POOLING_NAMES = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type
 
@@ -191,7 +191,7 @@ class EmbeddingModel:
         return EmbeddingModelStatus(
             name=self.name, file=self.path.name, state=self.state, load=self.entry.load,
             keep_alive=self.entry.keep_alive, pooling=self.file.pooling, dimensions=self.file.n_embd,
-            n_ctx=self.spec.n_ctx, batch=self.spec.max_batch_size, requests=self.requests, inputs=self.inputs,
+            n_ctx=self.spec.n_ctx, requests=self.requests, inputs=self.inputs,
             tokens=self.tokens, refused=self.refused, loads=self.loads, unloads=self.unloads,
             rss_mib=_rss_mib(handle.pid) if handle is not None else 0,
             worker=handle.status() if handle is not None else None)
@@ -307,16 +307,15 @@ def plan_embedders(entries: tuple[ModelEntry, ...], chat_model: str, backend: st
             placement = plan_prefill_worker(topology, cpus, threads=entry.threads or None)
         except PlacementError as exc:
             raise EmbeddersError(f"{where}: {exc}") from None
-        # each of a pass's inputs has a KV stream of n_ctx cells (syshax_llamacpp/embedding.py): a long-context
-        # model gets DEFAULT_N_CTX unless its entry asks for more
+        # the worker keeps n_ctx KV cells (one input a pass: syshax_llamacpp/embedding.py): a long-context model
+        # gets DEFAULT_N_CTX unless its entry asks for more
         n_ctx = entry.n_ctx or min(file.n_ctx_train or DEFAULT_N_CTX, DEFAULT_N_CTX)
         if file.n_ctx_train:
             n_ctx = min(n_ctx, file.n_ctx_train)
         spec = EngineSpec(backend=backend, role=Role.EMBED, pool=Pool.EMBED, model_path=str(path),
-                          model_name=entry.name, n_ctx=n_ctx, max_batch_size=entry.batch, threads=placement.threads,
+                          model_name=entry.name, n_ctx=n_ctx, max_batch_size=1, threads=placement.threads,
                           placement=replace(placement, role="embed"), repack=repack)
         models.append(EmbeddingModel(entry, path, file, spec, handle_factory))
-        log.info("embedding model %s: %s (%s, %d dimensions, %s pooling, %d tokens an input, %d inputs a pass, "
-                 "%d threads, load %s)", entry.name, path.name, file.arch, file.n_embd, file.pooling, n_ctx,
-                 entry.batch, placement.threads, entry.load)
+        log.info("embedding model %s: %s (%s, %d dimensions, %s pooling, %d tokens an input, %d threads, load %s)",
+                 entry.name, path.name, file.arch, file.n_embd, file.pooling, n_ctx, placement.threads, entry.load)
     return Embedders(models, max_loaded)

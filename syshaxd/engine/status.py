@@ -92,7 +92,6 @@ class EmbeddingModelStatus:
     pooling: str  # mean, cls, last
     dimensions: int
     n_ctx: int  # tokens one input may hold
-    batch: int  # inputs one pass takes together
     requests: int
     inputs: int
     tokens: int

@@ -1,17 +1,24 @@
-"""An embedding model's engine: a pooled vector per input, computed by llama.cpp, inputs of every request queued
-since the last step run together in one pass.
+"""An embedding model's engine: a pooled vector per input, computed by llama.cpp one input a pass, the inputs of
+every request waiting taken in turn.
 
 The model's own pooling (its GGUF's pooling_type: mean, CLS, last token) makes one vector of each input, as
 llama-server's /v1/embeddings does; a model without one is a chat model, which the daemon refuses as an embedding
-model before it gets here. Inputs share a pass as separate sequences, each in a KV stream of its own, so an input gets the same vector
-alone and beside others (tests/test_embeddings.py compares); the streams cost n_ctx x batch KV cells.
+model before it gets here.
+
+One input a pass, because then an input's vector is the same whatever else is asked at the same time: several
+inputs in one pass multiply hundreds of rows at once, and llama.cpp's matrix kernels sum a row in another order
+at other row counts (measured at Qwen3-Embedding-0.6B's shape in Q8_0: 8 inputs of 40 to 160 tokens in one pass
+moved a vector by 1.7 % of its length, cosine 0.99985, in one KV cache or in a stream each). On a CPU a pass of
+one input of that size already keeps the cores busy: the 8 inputs took 5.1 s together and 4.7 s one by one
+(llama.cpp alone, 2 threads), and llama-server with 8 slots gives no more embeddings a second than one at a time
+(bench/bench_embeddings.py).
+Requests take turns input by input, so a short request is not held behind a long one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,15 +27,13 @@ import llama_cpp
 import numpy as np
 
 from syshax_llamacpp import kernels
-from syshax_llamacpp.contexts import ONE_KERNEL_PER_TYPE
 from syshaxd.sdk.types import Embedded, EmbedRequest, EngineSpec, EngineStats, Refusal, Rejected
 
 log = logging.getLogger("syshax_llamacpp.embedding")
 
 POOLING = {llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean", llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
            llama_cpp.LLAMA_POOLING_TYPE_LAST: "last"}
-MAX_SEQUENCES = 64  # inputs in one pass at most (llama.cpp allows 256 sequences; beyond 64 a pass gains nothing)
-CAUSAL_UBATCH = 512  # a causal model's inputs are split in ubatches of this many tokens (KV cache between them)
+CAUSAL_UBATCH = 512  # a causal model's long input is run in ubatches of this many tokens (KV cache between them)
 
 
 def _meta(model, key: str) -> str:
@@ -54,7 +59,7 @@ class _Pending:
 
 class LlamaCppEmbedder:
     """The SDK's Engine for Role.EMBED: `embed` queues a request (or refuses it at once, naming the input and by how
-    many tokens it is over), `step` runs one pass over what is queued, in arrival order."""
+    many tokens it is over), `step` runs one input of the request whose turn it is."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -65,7 +70,6 @@ class LlamaCppEmbedder:
         except (OSError, AttributeError):
             extra = None
         self.kernels = kernels.choose(spec.repack, extra, flags)
-        os.environ.update(ONE_KERNEL_PER_TYPE)  # a row's bits whatever number of rows shares its pass
         mparams = llama_cpp.llama_model_default_params()
         mparams.use_extra_bufts = self.kernels.use_extra_bufts
         self.model = llama_cpp.llama_model_load_from_file(spec.model_path.encode(), mparams)
@@ -77,32 +81,25 @@ class LlamaCppEmbedder:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.trained = llama_cpp.llama_model_n_ctx_train(self.model)
         self.n_ctx = min(spec.n_ctx, self.trained) if spec.n_ctx > 0 else self.trained  # tokens an input may hold
-        self.max_seqs = max(1, min(spec.max_batch_size, MAX_SEQUENCES))
-        # One KV stream per sequence of a pass, as the chat engine's slots: in one cache the sequences share, an
-        # input's attention sums over the others' cells too and its vector moves in the last bits with its
-        # neighbours (measured: up to 4e-3 apart at 8 inputs); in streams of its own it is the same alone and
-        # beside any others. A non-causal model (BERT) attends over a whole input at once: one ubatch holds it.
-        self.n_batch = self.n_ctx * self.max_seqs
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = self.n_batch
-        cparams.n_batch = self.n_batch
-        cparams.n_ubatch = min(CAUSAL_UBATCH, self.n_batch) if self.causal else self.n_ctx
-        cparams.n_seq_max = self.max_seqs
-        cparams.kv_unified = False
-        cparams.flash_attn_type = 1  # a sequence's own cells, in order
+        cparams.n_ctx = cparams.n_batch = self.n_ctx
+        # a non-causal model (BERT) attends over a whole input at once: one ubatch holds it
+        cparams.n_ubatch = min(CAUSAL_UBATCH, self.n_ctx) if self.causal else self.n_ctx
+        cparams.n_seq_max = 1
+        cparams.flash_attn_type = 1
         cparams.embeddings = True
         cparams.n_threads = cparams.n_threads_batch = spec.threads
         cparams.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if self.ctx is None:
             llama_cpp.llama_model_free(self.model)
-            raise RuntimeError(f"llama.cpp could not make a context for {spec.model_path} (n_ctx {self.n_batch})")
+            raise RuntimeError(f"llama.cpp could not make a context for {spec.model_path} (n_ctx {self.n_ctx})")
         self.pooling = POOLING.get(llama_cpp.llama_pooling_type(self.ctx), "")
         if not self.pooling:
             self.close()
             raise RuntimeError(f"{spec.model_path} has no pooling type (mean, CLS or last token): it is not an "
                                "embedding model")
-        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.batch = llama_cpp.llama_batch_init(self.n_ctx, 0, 1)
         self.queue: deque[_Pending] = deque()
         self._inputs = self._tokens = self._passes = self._finished = 0
         self._rate: deque[tuple[float, int]] = deque(maxlen=32)
@@ -110,7 +107,7 @@ class LlamaCppEmbedder:
     # --- the SDK's Engine -------------------------------------------------------------------
 
     def info(self) -> dict:
-        return {"model_name": self.spec.model_name, "n_ctx": self.n_ctx, "max_batch_size": self.max_seqs,
+        return {"model_name": self.spec.model_name, "n_ctx": self.n_ctx, "max_batch_size": 1,
                 "n_embd": self.n_embd, "pooling": self.pooling, "causal": self.causal, "arch": self.arch,
                 "kernels": self.kernels.kernels, "kernels_why": self.kernels.why}
 
@@ -138,70 +135,60 @@ class LlamaCppEmbedder:
         return bool(self.queue)
 
     def step(self) -> list:
-        """One pass: inputs in arrival order while they fit (tokens and sequences); the requests it completes."""
-        taken: list[tuple[_Pending, int]] = []  # (request, its input) per sequence of the pass
-        n_tokens = 0
+        """One pass: the next input of the request at the head of the queue, which then goes to the back (requests
+        take turns); the request, when that was its last input."""
+        pending = self.queue.popleft()
+        index = pending.next_input
+        ids = pending.tokens[index]
         b = self.batch
         b.n_tokens = 0
-        full = False
-        for pending in self.queue:
-            while pending.next_input < len(pending.tokens):
-                ids = pending.tokens[pending.next_input]
-                if len(taken) == self.max_seqs or n_tokens + len(ids) > self.n_batch:
-                    full = True
-                    break
-                for pos, token in enumerate(ids):
-                    i = b.n_tokens
-                    b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, True
-                    b.seq_id[i][0] = len(taken)
-                    b.n_tokens = i + 1
-                taken.append((pending, pending.next_input))
-                pending.next_input += 1
-                n_tokens += len(ids)
-            if full:
-                break
+        for pos, token in enumerate(ids):
+            b.token[pos], b.pos[pos], b.n_seq_id[pos], b.logits[pos] = token, pos, 1, True
+            b.seq_id[pos][0] = 0
+        b.n_tokens = len(ids)
         started = time.monotonic()
         memory = llama_cpp.llama_get_memory(self.ctx)
         if memory:  # the last pass's KV goes (a non-causal model, BERT, keeps none)
             llama_cpp.llama_memory_clear(memory, True)
         if llama_cpp.llama_decode(self.ctx, b) != 0:
-            return self._fail_all(f"llama_decode failed on a pass of {len(taken)} inputs ({n_tokens} tokens)")
-        for seq, (pending, index) in enumerate(taken):
-            ptr = llama_cpp.llama_get_embeddings_seq(self.ctx, seq)
-            if not ptr:
-                return self._fail_all("llama.cpp gave no pooled vector")
-            vector = np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).astype("<f4")
-            if pending.normalize:
-                norm = float(np.linalg.norm(vector))
-                vector = vector / norm if norm > 0 else vector
-            pending.vectors[index] = vector.astype("<f4").tobytes()
+            self.queue.appendleft(pending)
+            return self._fail_all(f"llama_decode failed on an input of {len(ids)} tokens")
+        ptr = llama_cpp.llama_get_embeddings_seq(self.ctx, 0)
+        if not ptr:
+            self.queue.appendleft(pending)
+            return self._fail_all("llama.cpp gave no pooled vector")
+        vector = np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).astype("<f4")
+        if pending.normalize:
+            norm = float(np.linalg.norm(vector))
+            vector = vector / norm if norm > 0 else vector
+        pending.vectors[index] = vector.astype("<f4").tobytes()
+        pending.next_input += 1
         self._passes += 1
-        self._inputs += len(taken)
-        self._tokens += n_tokens
-        self._rate.append((started, n_tokens))
-        done = [p for p in self.queue if p.done]  # a short request behind a long one may be done first
-        for pending in done:
-            self.queue.remove(pending)
-        self._finished += len(done)
-        return [Embedded(p.request_id, tuple(v for v in p.vectors if v is not None), sum(len(t) for t in p.tokens))
-                for p in done]
+        self._inputs += 1
+        self._tokens += len(ids)
+        self._rate.append((started, len(ids)))
+        if pending.next_input < len(pending.tokens):
+            self.queue.append(pending)
+            return []
+        self._finished += 1
+        return [Embedded(pending.request_id, tuple(v for v in pending.vectors if v is not None),
+                         sum(len(t) for t in pending.tokens))]
 
     def stats(self) -> EngineStats:
         now = time.monotonic()
         recent = [(t, n) for t, n in self._rate if now - t < 5.0]
         rate = sum(n for _, n in recent) / 5.0 if recent else 0.0
-        return EngineStats(running=0, waiting=sum(len(p.tokens) - p.next_input for p in self.queue),
-                           free_slots=self.max_seqs, max_batch_size=self.max_seqs, n_ctx=self.n_ctx,
+        return EngineStats(running=1 if self.queue else 0,
+                           waiting=sum(len(p.tokens) - p.next_input for p in self.queue) - (1 if self.queue else 0),
+                           free_slots=0 if self.queue else 1, max_batch_size=1, n_ctx=self.n_ctx,
                            tokens_per_second=rate, prompt_tokens=self._tokens, steps=self._passes,
                            finished=self._finished)
 
     def warm_up(self) -> None:
-        """A pass of every sequence, and a full ubatch of one: kernels that crash here crash before the worker says
-        ready."""
+        """A short input and a full ubatch: kernels that crash here crash before the worker says ready."""
         token = 0 if self.n_vocab <= 1 else 1
-        self.embed(EmbedRequest("warm-up", tuple((token,) * min(self.n_ctx, 32) for _ in range(self.max_seqs))))
         full = self.n_ctx if not self.causal else min(self.n_ctx, CAUSAL_UBATCH)
-        self.embed(EmbedRequest("warm-up-long", ((token,) * full,)))
+        self.embed(EmbedRequest("warm-up", ((token,) * min(self.n_ctx, 8), (token,) * full)))
         while self.queue:
             for event in self.step():
                 if isinstance(event, Rejected):

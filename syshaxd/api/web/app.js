@@ -89,6 +89,13 @@ function renderWorkers(workers) {
   }
 }
 
+function embeddingRow(m) {
+  // an embedding model of [[models]]: its worker, or a row saying it is unloaded until asked for
+  if (m.worker) return { ...m.worker, name: `${m.worker.name} (${m.dimensions}-d)` };
+  return { name: `embed-${m.name}`, backend: "", role: "embed", state: "unloaded", pid: null, cpus: [],
+    error: "", stats: { running: 0, max_batch_size: 1, waiting: 0, kv_usage: 0, tokens_per_second: 0 } };
+}
+
 function ms(v) {
   if (v === null || v === undefined) return "-";
   return `${num(v >= 100 ? Math.round(v) : v)} ms`;  // 8,769 ms, 12.5 ms
@@ -99,7 +106,7 @@ function render(st) {
   const ready = $("ready");
   ready.textContent = st.draining ? "draining" : st.ready ? "ready" : "not ready";
   ready.className = "pill " + (st.draining ? "warn" : st.ready ? "ok" : "bad");
-  renderWorkers(st.workers);
+  renderWorkers([...st.workers, ...(st.embedding_models || []).map(embeddingRow)]);
   fill($("requests"), [["in flight", st.in_flight], ["queued", st.queued],
     ["capacity", `${st.capacity} (queue ${st.max_queue_size})`], ["HTTP active", st.http_active],
     ["worker deaths", `resent ${st.rescued.resent}, resumed ${st.rescued.resumed}, lost ${st.rescued.lost}`]]);
