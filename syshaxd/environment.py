@@ -79,6 +79,10 @@ VARIABLES: tuple[Variable, ...] = (
              "HF-to-GGUF converter from instead of downloading it (offline builds).", "mk/llama-source.sh"),
     Variable("SYSHAX_LLAMA_SRC_CACHE", "build", "Where mk/llama-source.sh unpacks the converter (default "
              "~/.cache/syshax).", "mk/llama-source.sh"),
+    Variable("SYSHAX_ARM_ARCH", "build", "The ARM target mk/llama-arm-cross.sh cross-compiles llama.cpp for "
+             "(default armv8.2-a+dotprod+fp16, a Kunpeng 920).", "mk/llama-arm-cross.sh"),
+    Variable("SYSHAX_ARM_CACHE", "build", "Where mk/llama-arm-cross.sh keeps its ARM builds (default "
+             "~/.cache/syshax/arm).", "mk/llama-arm-cross.sh"),
     Variable("SYSHAX_FA_TILED", "internal", "Set by the llama.cpp engine from the tiled_attention key for syshax's "
              "patched llama.cpp (mk/patches/): 1 makes every query row take the tiled attention path. Use "
              "tiled_attention instead; a value set by hand is overwritten.",
