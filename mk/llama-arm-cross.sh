@@ -53,6 +53,8 @@ if [ ! -x "$binary" ] || [ ! -x "$server" ]; then
   cp "$work/build/bin/llama-server" "$server.tmp" && mv "$server.tmp" "$server"
   cp "$work/build/bin/llama-simple" "$binary.tmp" && mv "$binary.tmp" "$binary"
   printf 'llama.cpp %s with mk/patches (%s) for %s\n%s\n' "$VERSION" "$key" "$ARCH_FLAGS" "$series" > "$dir/BUILD-INFO"
+  rm -rf "$work"
+  trap - EXIT
 fi
 file "$binary" >&2 || true
 # -cpu max: qemu's ARM CPU with every feature it emulates (dot product and FP16 among them)

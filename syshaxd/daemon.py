@@ -99,10 +99,7 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
     except PlanError as exc:
         raise StartupError(str(exc)) from None
     try:  # the embedding models of [[models]]; their workers are made by the service
-        embedders = plan_embedders(cfg.models, model_name, cfg.cpu_engine, cfg.repack,
-                                   lambda name, spec: WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay,
-                                                                   cfg.worker_heartbeat_timeout),
-                                   cfg.max_loaded_models)
+        embedders = plan_embedders(cfg.models, model_name, cfg.cpu_engine, cfg.repack, cfg.max_loaded_models)
     except EmbeddersError as exc:
         raise StartupError(str(exc)) from None
     ring = create_ring(engines.ring) if engines.ring is not None else None
@@ -182,6 +179,9 @@ class Service:
         # prompts are tokenized once, in the daemon, as the engines would (and the prefix cache planned from them)
         self.scheduler = Scheduler(cfg, self.workers, ledger, PromptTokenizer(DaemonVocab(str(model_path)), cfg.n_ctx))
         self.embedders = embedders or Embedders([])
+        self.embedders.bind(lambda name, spec: WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay,
+                                                            cfg.worker_heartbeat_timeout,
+                                                            on_failed=self._worker_failed))
         self.scheduler.embedders = self.embedders  # the status and /health show them beside the workers
         self.state = ServiceState(self.scheduler, reload)
         self.app = make_app(cfg, self.scheduler, model_name, self.state, keys=keys)
@@ -288,7 +288,8 @@ class Service:
             self.notifier.ready(self._serving_line())
             self._ready_sent = True
         else:
-            failed = "; ".join(f"{w.name}: {w.error or w.state}" for w in self.workers if w.state != HandleState.READY)
+            failed = "; ".join(f"{w.name}: {w.error or w.state}" for w in [*self.workers, *self.embedders.handles]
+                               if w.state != HandleState.READY)
             log.error("engines did not become ready (%s); the daemon keeps answering /health with 503", failed)
             # READY all the same: the service is up (admin socket, /health say why), and exiting
             # would only make systemd restart into the same failure every RestartSec.

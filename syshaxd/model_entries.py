@@ -23,7 +23,7 @@ class ModelEntry:
 
     name: str  # what clients send as "model"
     path: str  # the GGUF file
-    n_ctx: int = 0  # tokens one input may hold; 0: the model's training context, at most 8192
+    n_ctx: int = 0  # tokens one input may hold; 0: the model's training context, at most 2048
     threads: int = 0  # 0: one per CPU of cpu_affinity (or of the daemon's CPUs)
     cpu_affinity: str = ""  # a cpulist; "": the CPUs the daemon may use, shared with the chat model's workers
     load: str = "start"  # "start": loaded with the daemon; "on_demand": at its first request
@@ -31,7 +31,7 @@ class ModelEntry:
 
 
 _DOCS = {"name": 'the id clients send as "model"', "path": "the GGUF file",
-         "n_ctx": "tokens one input may hold (0: the model's training context, at most 8192)",
+         "n_ctx": "tokens one input may hold (0: the model's training context, at most 2048)",
          "threads": "threads of its worker (0: one per CPU of its set)",
          "cpu_affinity": "its worker's CPUs as a cpulist", "load": '"start" or "on_demand"',
          "keep_alive": 'seconds idle before it is unloaded, or "5m", "1h" (-1: never)'}

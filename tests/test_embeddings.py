@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -363,3 +364,47 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.fixture(scope="module")
+def tight(default_model, embed_file, tmp_path_factory):
+    """Room for one entry at a time (max_loaded_models = 1): x, and y with keep_alive 0 (unloaded once its
+    requests are done), both on demand."""
+    tmp = tmp_path_factory.mktemp("tight")
+    entry = f'path = "{embed_file}"\nn_ctx = {N_CTX}\nload = "on_demand"\n'
+    d = start_daemon(tmp, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024,
+                           "max_loaded_models": 1},
+                     tables=f'[[models]]\nname = "x"\n{entry}[[models]]\nname = "y"\n{entry}keep_alive = 0\n')
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def test_two_models_asked_at_once_in_room_for_one_take_turns(tight):
+    """Neither unloads the other while it loads or is wanted: each request is answered, each model loaded once
+    for it."""
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda name: _post(tight, {"model": name, "input": f"for {name}"}),
+                                ["x", "y", "x", "y"]))
+    assert [code for code, _ in answers] == [200] * 4, answers
+    models = {m["name"]: m for m in tight.status()["embedding_models"]}
+    assert models["x"]["loads"] + models["y"]["loads"] <= 4  # no load was thrown away half-way and redone
+
+
+def test_keep_alive_zero_unloads_once_the_request_is_done(tight):
+    code, answer = _post(tight, {"model": "y", "input": "load and go", "encoding_format": "float"})
+    assert code == 200 and len(answer["data"][0]["embedding"]) == 256
+    wait_for(lambda: _states(tight)["y"] == "unloaded", 30, "y's unload after its request")
+    assert re.search(r"embedding model y: unloaded \(idle for \d+s, keep_alive 0s\)", tight.log())
+
+
+def test_a_client_that_leaves_has_its_inputs_dropped(tight):
+    """A request whose client closes the connection before its vectors are ready stops taking turns."""
+    import socket
+
+    body = json.dumps({"model": "x", "input": [f"{i} " + "word " * (N_CTX - 20) for i in range(64)]}).encode()
+    with socket.create_connection(("127.0.0.1", tight.port)) as sock:
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(1.0)  # the model loads (when not loaded) and starts on the inputs
+    wait_for(lambda: "client left; its inputs are dropped" in tight.log(), 60, "the request's cancel")
+    assert _post(tight, {"model": "x", "input": "still serving"})[0] == 200

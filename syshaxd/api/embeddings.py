@@ -138,12 +138,14 @@ async def _answered(request: web.Request) -> web.Response:
     body = await read_body(request)
     model, inputs, encoding = _parse(request, body)
     timeout = request.app[STATE].config.request_timeout
+    embed = EmbedRequest(f"embd-{uuid.uuid4().hex}", inputs)
     try:
-        event = await request.app[SCHEDULER].embedders.embed(model.name, EmbedRequest(f"embd-{uuid.uuid4().hex}",
-                                                                                       inputs), timeout)
+        event = await request.app[SCHEDULER].embedders.embed(model.name, embed, timeout, lambda: _gone(request))
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="model_unavailable",
                        headers={} if exc.final else {"Retry-After": "5"}) from None
+    if event is None:  # the client left: nothing to answer, and its inputs were dropped
+        return web.Response(status=499, text="client closed the request")
     if not isinstance(event, Embedded):
         raise APIError(_STATUS[event.kind], event.message, param=event.param, code=event.code,
                        type="invalid_request_error" if event.kind == Refusal.INVALID else "server_error")
@@ -153,6 +155,10 @@ async def _answered(request: web.Request) -> web.Response:
     numbers = len(event.vectors) * model.file.n_embd
     text = await asyncio.to_thread(json.dumps, answer) if numbers > _JSON_OFF_LOOP else json.dumps(answer)
     return web.Response(text=text, content_type="application/json")
+
+
+def _gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
 
 
 def _encoded(vector: bytes, encoding: str) -> list[float] | str:

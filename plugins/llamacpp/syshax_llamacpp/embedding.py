@@ -33,8 +33,7 @@ log = logging.getLogger("syshax_llamacpp.embedding")
 
 POOLING = {llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean", llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
            llama_cpp.LLAMA_POOLING_TYPE_LAST: "last"}
-CAUSAL_UBATCH = 512  # a causal model's long input is run in ubatches of this many tokens (KV cache between them)
-
+RATE_WINDOW = 5.0  # seconds of passes the tokens_per_second stat averages
 
 def _meta(model, key: str) -> str:
     buf = ctypes.create_string_buffer(64)
@@ -76,15 +75,15 @@ class LlamaCppEmbedder:
         if self.model is None:
             raise RuntimeError(f"llama.cpp could not load {spec.model_path}")
         self.arch = _meta(self.model, "general.architecture")
-        self.causal = _meta(self.model, f"{self.arch}.attention.causal") != "false"
         self.n_embd = llama_cpp.llama_model_n_embd(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.trained = llama_cpp.llama_model_n_ctx_train(self.model)
         self.n_ctx = min(spec.n_ctx, self.trained) if spec.n_ctx > 0 else self.trained  # tokens an input may hold
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = cparams.n_batch = self.n_ctx
-        # a non-causal model (BERT) attends over a whole input at once: one ubatch holds it
-        cparams.n_ubatch = min(CAUSAL_UBATCH, self.n_ctx) if self.causal else self.n_ctx
+        # one ubatch holds a whole input: a non-causal model (BERT, EmbeddingGemma) attends over all of it at once,
+        # and llama.cpp pools each ubatch on its own, so a mean- or CLS-pooled input split in two would get the
+        # vector of its last part
+        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = self.n_ctx
         cparams.n_seq_max = 1
         cparams.flash_attn_type = 1
         cparams.embeddings = True
@@ -102,13 +101,13 @@ class LlamaCppEmbedder:
         self.batch = llama_cpp.llama_batch_init(self.n_ctx, 0, 1)
         self.queue: deque[_Pending] = deque()
         self._inputs = self._tokens = self._passes = self._finished = 0
-        self._rate: deque[tuple[float, int]] = deque(maxlen=32)
+        self._rate: deque[tuple[float, int]] = deque()  # (when, tokens) of the last RATE_WINDOW seconds' passes
 
     # --- the SDK's Engine -------------------------------------------------------------------
 
     def info(self) -> dict:
         return {"model_name": self.spec.model_name, "n_ctx": self.n_ctx, "max_batch_size": 1,
-                "n_embd": self.n_embd, "pooling": self.pooling, "causal": self.causal, "arch": self.arch,
+                "n_embd": self.n_embd, "pooling": self.pooling, "arch": self.arch,
                 "kernels": self.kernels.kernels, "kernels_why": self.kernels.why}
 
     def submit(self, request, handling=None) -> list:
@@ -151,12 +150,10 @@ class LlamaCppEmbedder:
         if memory:  # the last pass's KV goes (a non-causal model, BERT, keeps none)
             llama_cpp.llama_memory_clear(memory, True)
         if llama_cpp.llama_decode(self.ctx, b) != 0:
-            self.queue.appendleft(pending)
-            return self._fail_all(f"llama_decode failed on an input of {len(ids)} tokens")
+            return self._failed(pending, f"llama_decode failed on an input of {len(ids)} tokens")
         ptr = llama_cpp.llama_get_embeddings_seq(self.ctx, 0)
         if not ptr:
-            self.queue.appendleft(pending)
-            return self._fail_all("llama.cpp gave no pooled vector")
+            return self._failed(pending, "llama.cpp gave no pooled vector")
         vector = np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).astype("<f4")
         if pending.normalize:
             norm = float(np.linalg.norm(vector))
@@ -167,6 +164,8 @@ class LlamaCppEmbedder:
         self._inputs += 1
         self._tokens += len(ids)
         self._rate.append((started, len(ids)))
+        while self._rate and started - self._rate[0][0] > RATE_WINDOW:
+            self._rate.popleft()
         if pending.next_input < len(pending.tokens):
             self.queue.append(pending)
             return []
@@ -176,8 +175,7 @@ class LlamaCppEmbedder:
 
     def stats(self) -> EngineStats:
         now = time.monotonic()
-        recent = [(t, n) for t, n in self._rate if now - t < 5.0]
-        rate = sum(n for _, n in recent) / 5.0 if recent else 0.0
+        rate = sum(n for t, n in self._rate if now - t < RATE_WINDOW) / RATE_WINDOW
         return EngineStats(running=1 if self.queue else 0,
                            waiting=sum(len(p.tokens) - p.next_input for p in self.queue) - (1 if self.queue else 0),
                            free_slots=0 if self.queue else 1, max_batch_size=1, n_ctx=self.n_ctx,
@@ -185,14 +183,16 @@ class LlamaCppEmbedder:
                            finished=self._finished)
 
     def warm_up(self) -> None:
-        """A short input and a full ubatch: kernels that crash here crash before the worker says ready."""
+        """A short input and one of n_ctx tokens (the largest pass): kernels that crash here, or a pass that does not
+        fit in memory, fail before the worker says ready."""
         token = 0 if self.n_vocab <= 1 else 1
-        full = self.n_ctx if not self.causal else min(self.n_ctx, CAUSAL_UBATCH)
-        self.embed(EmbedRequest("warm-up", ((token,) * min(self.n_ctx, 8), (token,) * full)))
+        self.embed(EmbedRequest("warm-up", ((token,) * min(self.n_ctx, 8), (token,) * self.n_ctx)))
         while self.queue:
             for event in self.step():
                 if isinstance(event, Rejected):
                     raise RuntimeError(event.message)
+        self._inputs = self._tokens = self._passes = self._finished = 0  # the stats count requests only
+        self._rate.clear()
 
     def close(self) -> None:
         if getattr(self, "batch", None) is not None:
@@ -208,17 +208,17 @@ class LlamaCppEmbedder:
     # --- inputs -----------------------------------------------------------------------------
 
     def _tokenize(self, text: str) -> list[int]:
-        """The text's tokens as llama-server tokenizes an embedding input: the model's BOS/EOS added, special
-        tokens' texts left as text."""
+        """The text's tokens as llama-server tokenizes an embedding input: the model's BOS/EOS added, and special
+        tokens written in the text read as such (Qwen3-Embedding asks for its <|endoftext|> at the end)."""
         data = text.encode("utf-8")
         vocab = llama_cpp.llama_model_get_vocab(self.model)
         room = len(data) + 8
         buf = (llama_cpp.llama_token * room)()
-        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, True, False)
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, True, True)
         if n < 0:  # never with a byte a token at most, but llama.cpp says how many it needs
             room = -n
             buf = (llama_cpp.llama_token * room)()
-            n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, True, False)
+            n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, True, True)
         return list(buf[:n])
 
     def _refusal(self, index: int, ids: list[int], text: bool, count: int) -> str:
@@ -235,8 +235,7 @@ class LlamaCppEmbedder:
             return f"{where} holds token id {bad}, which this model's vocabulary (0 to {self.n_vocab - 1}) has not"
         return ""
 
-    def _fail_all(self, why: str) -> list:
-        log.error("%s", why)
-        out = [Rejected(p.request_id, Refusal.FAILED, why) for p in self.queue]
-        self.queue.clear()
-        return out
+    def _failed(self, pending: _Pending, why: str) -> list:
+        """The request whose pass failed ends with the reason; the others keep their turns."""
+        log.error("%s: %s", pending.request_id, why)
+        return [Rejected(pending.request_id, Refusal.FAILED, why)]
