@@ -317,6 +317,11 @@ def test_keep_alive_unloads_an_idle_model(swapping):
     assert c["rss_mib"] == 0 and c["worker"] is None and c["unloads"] >= 1
     answer = _post(swapping, {"model": "c", "input": "back", "encoding_format": "float"})  # loads it again
     assert answer[0] == 200 and len(answer[1]["data"][0]["embedding"]) == 256
+    wait_for(lambda: _states(swapping)["c"] == "unloaded", 30, "c's unload after 2 s idle again")
+    time.sleep(2.5)  # long unused: a load asked for by hand counts its keep_alive from the load
+    assert http_json(f"{swapping.url}/models/load", {"model": "c"}) == (200, {"success": True})
+    time.sleep(1.0)
+    assert _states(swapping)["c"] == "ready"
 
 
 def test_syshax_models_list_load_unload(swapping):

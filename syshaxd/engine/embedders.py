@@ -84,7 +84,7 @@ class EmbeddingModel:
         self.handle: WorkerHandle | None = None
         self.active = 0  # requests using the loaded worker now: an unload waits for them
         self.waiting = 0  # requests (or loads asked for) waiting for the worker to be ready: it is not idle
-        self.last_used = time.monotonic()  # its last request's end, or when it was last found ready
+        self.last_used = time.monotonic()  # its last request's end, or its last load
         self.unloaded = False  # it was loaded and then unloaded (it loads again when asked)
         self._changing = asyncio.Lock()  # one load or unload at a time
         self.requests = 0
@@ -132,6 +132,7 @@ class EmbeddingModel:
                 assert handle is not None
                 await self._ready(handle, deadline)
                 if self.handle is handle:  # not unloaded while it loaded
+                    self.last_used = time.monotonic()  # keep_alive counts from here, not from an older use
                     return handle
         finally:
             self.waiting -= 1
