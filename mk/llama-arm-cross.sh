@@ -3,7 +3,8 @@
 # dot product and FP16, no SVE), then run it under qemu-user on a GGUF: the patch series compiles and serves on ARM.
 #
 #   mk/llama-arm-cross.sh MODEL.gguf [PROMPT]     -> prints the greedy text of 24 tokens, the first token's 5 likeliest
-#                                                    with their logprobs (llama-server under qemu), the build's folder
+#                                                    with their logprobs (llama-server under qemu, and this host's
+#                                                    own with SYSHAX_X86_LLAMA_SERVER=PATH), the build's folder
 #
 # Needs Debian's crossbuild-essential-arm64 and qemu-user (apt-get install crossbuild-essential-arm64 qemu-user).
 # The build (llama.cpp's own `llama-simple` and `llama-server`, statically linked) is cached under
@@ -70,11 +71,23 @@ for _ in $(seq 600); do
   kill -0 $pid 2>/dev/null || { echo "mk/llama-arm-cross.sh: llama-server died; see $dir/server.log" >&2; exit 1; }
   sleep 1
 done
-python3 - "$port" "$PROMPT" <<'PY'
+first_tokens() {  # LABEL PORT: the server's five likeliest first tokens after PROMPT
+  python3 - "$2" "$PROMPT" "$1" <<'PY'
 import json, sys, urllib.request
 body = json.dumps({"prompt": sys.argv[2], "n_predict": 1, "temperature": 0, "n_probs": 5}).encode()
 answer = json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/completion", body, timeout=600))
-print("first token:", ", ".join(f"{p['token']!r} {p['logprob']:.3f}"
-                                for p in answer["completion_probabilities"][0]["top_logprobs"]))
+print(f"{sys.argv[3]} first token:", ", ".join(f"{p['token']!r} {p['logprob']:.3f}"
+                                               for p in answer["completion_probabilities"][0]["top_logprobs"]))
 PY
+}
+first_tokens ARM "$port"
+kill $pid 2>/dev/null || true
+# SYSHAX_X86_LLAMA_SERVER: the same on this host's own llama-server (../shared/tools/llama-server.sh prints it)
+if [ -n "${SYSHAX_X86_LLAMA_SERVER:-}" ]; then
+  "$SYSHAX_X86_LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" -c 512 -np 1 >"$dir/x86-server.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break; sleep 0.5; done
+  first_tokens x86 "$port"
+  kill $pid 2>/dev/null || true
+fi
 echo "$dir"

@@ -193,15 +193,19 @@ def cmd_models(args: argparse.Namespace) -> int:
         return _live(args, lambda c, a: _show(a, c.call("models.list"), _print_models))
     if not args.name:
         return _usage("models", f"models {args.action} needs the NAME of a [[models]] entry")
-    def call(client, a, command: str):
-        client.set_timeout(None)  # a load takes up to worker_start_timeout; an unload waits for the requests using it
-        return client.call(command, name=a.name)
 
-    if args.action == "load":
-        return _live(args, lambda c, a: _show(a, call(c, a, "models.load"), lambda r: print(
-            f"{r['name']}: {r['state']} (worker pid {(r['worker'] or {}).get('pid')}, {r['rss_mib']} MiB)")))
-    return _live(args, lambda c, a: _show(a, call(c, a, "models.unload"), lambda r: print(
-        f"{r['name']}: unloaded" if r["unloaded"] else f"{r['name']}: was not loaded")))
+    def act(client, a) -> int:
+        client.set_timeout(None)  # a load takes up to worker_start_timeout; an unload waits for the requests using it
+        return _show(a, client.call(f"models.{a.action}", name=a.name), _MODEL_ANSWERS[a.action])
+
+    return _live(args, act)
+
+
+_MODEL_ANSWERS = {
+    "load": lambda r: print(f"{r['name']}: {r['state']} (worker pid {(r['worker'] or {}).get('pid')}, "
+                            f"{r['rss_mib']} MiB)"),
+    "unload": lambda r: print(f"{r['name']}: unloaded" if r["unloaded"] else f"{r['name']}: was not loaded"),
+}
 
 
 def _print_models(models: list) -> None:

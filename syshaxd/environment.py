@@ -81,6 +81,8 @@ VARIABLES: tuple[Variable, ...] = (
              "~/.cache/syshax).", "mk/llama-source.sh"),
     Variable("SYSHAX_ARM_ARCH", "build", "The ARM target mk/llama-arm-cross.sh cross-compiles llama.cpp for "
              "(default armv8.2-a+dotprod+fp16, a Kunpeng 920).", "mk/llama-arm-cross.sh"),
+    Variable("SYSHAX_X86_LLAMA_SERVER", "build", "A llama-server of this host that mk/llama-arm-cross.sh also asks "
+             "for the first token's likeliest, beside the ARM build's.", "mk/llama-arm-cross.sh"),
     Variable("SYSHAX_ARM_CACHE", "build", "Where mk/llama-arm-cross.sh keeps its ARM builds (default "
              "~/.cache/syshax/arm).", "mk/llama-arm-cross.sh"),
     Variable("SYSHAX_FA_TILED", "internal", "Set by the llama.cpp engine from the tiled_attention key for syshax's "

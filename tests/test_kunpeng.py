@@ -56,7 +56,7 @@ def test_hetero_takes_a_quarter_of_the_first_node_for_prefill(kunpeng, default_m
         (f"decode{i}", span(32 * i, 32 * i + 31), (i,), 32, Pool.CPU) for i in range(1, 4)]
 
 
-def test_custom_affinity_sets_span_a_socket(kunpeng, default_model, monkeypatch):
+def test_custom_affinity_sets_span_a_socket(kunpeng, default_model):
     """sysHAX's CUSTOM_CPU_AFFINITY: one worker per socket (two nodes each), bound to both of its nodes."""
     cfg = from_mapping({"mode": "cpu", "prefix_cache_mb": 0})
     engines = plan.plan_engines(cfg, default_model, "m", {"CUSTOM_CPU_AFFINITY": "0-63;64-127"}, instance="k")

@@ -13,15 +13,15 @@ routes = web.RouteTableDef()
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER]
-    workers = [{"name": w.name, "state": w.state, "error": w.error or None}
-               for w in [*scheduler.workers, *scheduler.embedders.handles]]
+    handles = [*scheduler.workers, *scheduler.embedders.handles]  # the embedding models' workers too
+    workers = [{"name": w.name, "state": w.state, "error": w.error or None} for w in handles]
     state = request.app[STATE]
     if state.draining:  # a load balancer should stop sending here
         return web.json_response({"status": "draining", "reason": state.drain_reason, "mode": scheduler.mode,
                                   "workers": workers}, status=503)
     if scheduler.is_ready():
         return web.json_response({"status": "ok", "mode": scheduler.mode, "workers": workers})
-    failed = any(w.state == HandleState.FAILED for w in [*scheduler.workers, *scheduler.embedders.handles])
+    failed = any(w.state == HandleState.FAILED for w in handles)
     return web.json_response({"status": "failed" if failed else "loading", "mode": scheduler.mode,
                               "workers": workers}, status=503)
 

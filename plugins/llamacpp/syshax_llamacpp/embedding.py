@@ -9,9 +9,9 @@ One input a pass, because then an input's vector is the same whatever else is as
 inputs in one pass multiply hundreds of rows at once, and llama.cpp's matrix kernels sum a row in another order
 at other row counts (measured at Qwen3-Embedding-0.6B's shape in Q8_0: 8 inputs of 40 to 160 tokens in one pass
 moved a vector by 1.7 % of its length, cosine 0.99985, in one KV cache or in a stream each). On a CPU a pass of
-one input of that size already keeps the cores busy: the 8 inputs took 5.1 s together and 4.7 s one by one
-(llama.cpp alone, 2 threads), and llama-server with 8 slots gives no more embeddings a second than one at a time
-(bench/bench_embeddings.py).
+one input of that size already keeps the cores busy: the 8 inputs took 4.0 to 4.3 s together and 4.2 s one by
+one (bench/bench_embedding_batch.py), and llama-server with 8 slots gives no more embeddings a second than one at
+a time (bench/bench_embeddings.py).
 Requests take turns input by input, so a short request is not held behind a long one.
 """
 
