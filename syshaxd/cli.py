@@ -202,7 +202,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 _MODEL_ANSWERS = {
-    "load": lambda r: print(f"{r['name']}: {r['state']} (worker pid {(r['worker'] or {}).get('pid')}, "
+    "load": lambda r: print(f"{r['name']}: {r['state']} ({'daemon' if r['kind'] == 'chat' else 'worker'} pid "
+                            f"{r['pid'] if r['kind'] == 'chat' else (r['worker'] or {}).get('pid')}, "
                             f"{r['rss_mib']} MiB)"),
     "unload": lambda r: print(f"{r['name']}: unloaded" if r["unloaded"] else f"{r['name']}: was not loaded"),
 }
@@ -212,12 +213,13 @@ def _print_models(models: list) -> None:
     if not models:
         print("no [[models]] entries: this daemon serves its chat model alone")
         return
-    print(f"{'MODEL':<20} {'STATE':<11} {'LOAD':<10} {'KEEP_ALIVE':>10} {'RSS_MIB':>8} {'REQUESTS':>8} {'LOADS':>5} "
-          f"{'UNLOADS':>7}  FILE")
+    print(f"{'MODEL':<20} {'KIND':<9} {'STATE':<11} {'LOAD':<10} {'KEEP_ALIVE':>10} {'RSS_MIB':>8} {'REQUESTS':>8} "
+          f"{'LOADS':>5} {'UNLOADS':>7}  FILE")
     for m in models:
         keep = "never" if m["keep_alive"] < 0 else f"{m['keep_alive']:g}s"
-        print(f"{m['name']:<20} {m['state']:<11} {m['load']:<10} {keep:>10} {m['rss_mib']:>8} {m['requests']:>8} "
-              f"{m['loads']:>5} {m['unloads']:>7}  {m['file']}")
+        print(f"{m['name']:<20} {m['kind']:<9} {m['state']:<11} {m['load']:<10} {keep:>10} {m['rss_mib']:>8} "
+              f"{m['requests']:>8} {m['loads']:>5} {m['unloads']:>7}  {m['file']}"
+              + (f"  ({m['error']})" if m.get("error") else ""))
 
 
 def _warm_entries(path: Path) -> list[dict]:
@@ -468,11 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("action", choices=["stats", "clear", "warm"])
     s.add_argument("file", nargs="?", help="warm: the prompts, one JSON object per line")
     s.set_defaults(func=cmd_cache)
-    s = sub.add_parser("models", parents=[admin], help="the embedding models of [[models]]: list, load NAME or "
-                       "unload NAME",
-                       description="list: each [[models]] entry, its state and memory. load NAME: load it now. "
-                       "unload NAME: stop its worker once the requests using it are done, giving its memory back "
-                       "(its next request loads it again). The chat model always stays loaded.")
+    s = sub.add_parser("models", parents=[admin], help="the models of [[models]] (chat and embedding): list, load "
+                       "NAME or unload NAME",
+                       description="list: each [[models]] entry, its kind, state and memory. load NAME: load it "
+                       "now (one that failed to load is tried again). unload NAME: stop its worker (an embedding "
+                       "model) or its daemon (a chat model) once the requests using it are done, giving its memory "
+                       "back (its next request loads it again). The daemon's own model always stays loaded.")
     s.add_argument("action", choices=["list", "load", "unload"])
     s.add_argument("name", nargs="?", help="load, unload: the entry's name")
     s.set_defaults(func=cmd_models)

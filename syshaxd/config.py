@@ -94,13 +94,15 @@ class Config:
     quantize: str = key("q4_0", _SERVE, 'The type an unquantized (F32, F16, BF16) GGUF is quantized to at its first '
                         'load, cached in model_dir: "q4_0", "q8_0", or "" to load every file as it is. Files already '
                         "quantized load as they are; SYSHAX_QUANTIZE overrides this key.")
-    models: tuple[ModelEntry, ...] = key((), _SERVE, "Embedding models served beside the chat model, written as "
+    models: tuple[ModelEntry, ...] = key((), _SERVE, "Models served beside the daemon's own, written as "
                                          "`[[models]]` tables (name, path, and optionally n_ctx, threads, "
-                                         "cpu_affinity, load, keep_alive): each answers POST /v1/embeddings under "
-                                         "its name, in a worker of its own.")
-    max_loaded_models: int = key(0, _SERVE, "The most [[models]] entries loaded at once; loading one more unloads "
-                                 "the least recently used idle one first. 0: no bound. The chat model always stays "
-                                 "loaded and does not count.")
+                                         "cpu_affinity, load, keep_alive; a chat model also mode, quantize, "
+                                         "draft_model, batch_slots): an embedding model answers POST /v1/embeddings "
+                                         "under its name, in a worker of its own; a chat model answers the "
+                                         "generation APIs under its name, from a syshaxd of its own.")
+    max_loaded_models: int = key(0, _SERVE, "The most [[models]] entries (chat and embedding) loaded at once; "
+                                 "loading one more unloads the least recently used idle one first. 0: no bound. "
+                                 "The daemon's own model always stays loaded and does not count.")
 
     cpu_engine: str = key("llamacpp", _CPU_ENGINE, "The backend plugin of the CPU workers (`syshax plugins` lists the "
                           'installed ones); "llamacpp" is the built-in one.')

@@ -23,7 +23,9 @@ from syshaxd.api.keys import CONNECTIONS
 from syshaxd.api.limits import CappedTCPSite
 from syshaxd.api.state import ServiceState
 from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, load
-from syshaxd.engine.embedders import Embedders, EmbeddersError, plan_embedders
+from syshaxd.engine.embedders import bind_workers
+from syshaxd.engine.entry_models import EntryModels, Loaded, ModelsError
+from syshaxd.engine.entry_plan import plan_entries
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.environment import hook_warnings
 from syshaxd.engine.engine_handle import EngineHandle
@@ -90,24 +92,24 @@ async def serve(cfg: Config, keys: KeyCheck, notifier: Notifier | None = None,
         raise StartupError(f"model: {exc}; pass --model PATH to a GGUF file (llama.cpp's model format)") from None
     log.info("model %s: %s", model_path.name, model_file.why)
     model_name = served_name(cfg.model_name, model_path)
-    try:
-        check_served(cfg.routing_rules, model_name)  # a rule on a model not served here could never match
+    try:  # the models of [[models]]: embedding models' workers are made by the service, chat models' daemons too
+        entries = plan_entries(cfg, model_name, model_path, dict(os.environ))
+    except ModelsError as exc:
+        raise StartupError(str(exc)) from None
+    try:  # a rule on a model not served here could never match
+        check_served(cfg.routing_rules, model_name, tuple(m.name for m in entries.of_kind("chat")))
     except RuleError as exc:
         raise StartupError(str(exc)) from None
     try:
         engines = plan_engines(cfg, model_path, model_name, dict(os.environ))
     except PlanError as exc:
         raise StartupError(str(exc)) from None
-    try:  # the embedding models of [[models]]; their workers are made by the service
-        embedders = plan_embedders(cfg.models, model_name, cfg.cpu_engine, cfg.repack, cfg.max_loaded_models)
-    except EmbeddersError as exc:
-        raise StartupError(str(exc)) from None
     ring = create_ring(engines.ring) if engines.ring is not None else None
     store = create_store(engines.prefix) if engines.prefix is not None else None
     disk = (create_disk_tier(cfg, engines.prefix, store, model_path, dict(os.environ))
             if engines.prefix is not None and store is not None else None)
     try:
-        service = Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys, disk, embedders)
+        service = Service(cfg, engines, ring, model_path, model_name, notifier, reload, keys, disk, entries)
         service.scheduler.model_file = model_file.to_json()
         return await service.run()
     finally:
@@ -160,7 +162,7 @@ class Service:
 
     def __init__(self, cfg: Config, engines: Engines, ring: KVRing | None, model_path: Path, model_name: str,
                  notifier: Notifier, reload: Callable[[], Config] | None, keys: KeyCheck,
-                 disk: DiskTier | None = None, embedders: Embedders | None = None) -> None:
+                 disk: DiskTier | None = None, entries: EntryModels | None = None) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.model_name = model_name
@@ -178,11 +180,11 @@ class Service:
         self.workers += _remote_nodes(cfg, ring, ledger, model_path, model_name)
         # prompts are tokenized once, in the daemon, as the engines would (and the prefix cache planned from them)
         self.scheduler = Scheduler(cfg, self.workers, ledger, PromptTokenizer(DaemonVocab(str(model_path)), cfg.n_ctx))
-        self.embedders = embedders or Embedders([])
-        self.embedders.bind(lambda name, spec: WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay,
+        self.entries = entries or EntryModels([])
+        bind_workers(self.entries, lambda name, spec: WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay,
                                                             cfg.worker_heartbeat_timeout,
                                                             on_failed=self._worker_failed))
-        self.scheduler.embedders = self.embedders  # the status and /health show them beside the workers
+        self.scheduler.entries = self.entries  # the status and /health show them beside the workers
         self.state = ServiceState(self.scheduler, reload)
         self.app = make_app(cfg, self.scheduler, model_name, self.state, keys=keys)
         self.url = ""
@@ -225,7 +227,7 @@ class Service:
                 await self.admin.close()
             await site.stop()
             await runner.cleanup()
-            await asyncio.gather(*(w.stop() for w in self.workers), self.embedders.stop())
+            await asyncio.gather(*(w.stop() for w in self.workers), self.entries.stop())
             for task in self._tasks:
                 task.cancel()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -246,8 +248,8 @@ class Service:
 
     def _loading_line(self) -> str:
         line = f"loading {self.model_name}: " + ", ".join(f"{w.name} {w.state}" for w in self.workers)
-        embedders = self.embedders.loading_line()
-        return f"{line}; embedding models: {embedders}" if embedders else line
+        entries = self.entries.loading_line()
+        return f"{line}; [[models]]: {entries}" if entries else line
 
     async def _load(self) -> None:
         """Start the workers, report progress as STATUS lines, and READY=1 once all are loaded (or given up on)."""
@@ -255,9 +257,9 @@ class Service:
         self.notifier.extend_timeout(timeout + 30)  # a first start may quantize the model
         for w in self.workers:
             w.start()
-        self.embedders.start()
-        if self.embedders.models:
-            self._spawn(self.embedders.unload_idle())  # keep_alive
+        self.entries.start()
+        if self.entries.models:
+            self._spawn(self.entries.unload_idle())  # keep_alive
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         shown = ""
@@ -269,8 +271,8 @@ class Service:
             if self.scheduler.is_ready() and all(w.state == HandleState.READY for w in self.workers):
                 break
             # a remote node still loading is waited for; one that cannot be reached is dialled on in the background
-            settled = all(w.state in (HandleState.READY, HandleState.FAILED)
-                          for w in [*self.workers, *self.embedders.handles] if not w.remote) \
+            handles: list[EngineHandle | Loaded] = [*self.workers, *self.entries.handles]
+            settled = all(w.state in (HandleState.READY, HandleState.FAILED) for w in handles if not w.remote) \
                 and not any(w.state in (HandleState.CONNECTING, HandleState.LOADING) for w in self.workers if w.remote)
             if settled or loop.time() >= deadline:
                 break
@@ -288,7 +290,8 @@ class Service:
             self.notifier.ready(self._serving_line())
             self._ready_sent = True
         else:
-            failed = "; ".join(f"{w.name}: {w.error or w.state}" for w in [*self.workers, *self.embedders.handles]
+            handles = [*self.workers, *self.entries.handles]
+            failed = "; ".join(f"{w.name}: {w.error or w.state}" for w in handles
                                if w.state != HandleState.READY)
             log.error("engines did not become ready (%s); the daemon keeps answering /health with 503", failed)
             # READY all the same: the service is up (admin socket, /health say why), and exiting

@@ -70,7 +70,7 @@ def config_page() -> str:
                            "action = {device = \"CPU\"}\n```\n")
             elif name == "models":
                 default = "none"
-                doc = f.metadata["doc"] + " See [Models](../models.md#embedding-models) for each key of an entry."
+                doc = f.metadata["doc"] + " See [Models](../models.md#embedding-models) for each key of an entry ([chat models](../models.md#several-chat-models))."
                 example = ("\n```toml\n[[models]]\nname = \"embed\"\npath = \"/var/lib/syshax/models/"
                            "Qwen3-Embedding-0.6B-Q8_0.gguf\"\nkeep_alive = \"10m\"\n```\n")
             else:

@@ -228,6 +228,25 @@ def _embedding_families(models):
     yield from (loaded, requests, inputs, tokens)
 
 
+def _chat_model_families(models):
+    """The chat models of [[models]], each served by its own daemon (whose own /metrics has its engine's figures)."""
+    labels = ["model_name"]
+    loaded = GaugeMetricFamily("syshax_chat_model_loaded", "1 while a chat model of [[models]] has its daemon "
+                               "ready, else 0 (unloaded, starting or failed).", labels=labels)
+    requests = CounterMetricFamily("syshax_chat_model_requests", "Requests passed on to a chat model of "
+                                   "[[models]] (those its daemon could not be reached for included).", labels=labels)
+    loads = CounterMetricFamily("syshax_chat_model_loads", "Times a chat model of [[models]] was loaded (its "
+                                "daemon started).", labels=labels)
+    memory = GaugeMetricFamily("syshax_chat_model_resident_bytes", "Resident memory of a chat model's daemon and "
+                               "its workers; 0 while unloaded.", labels=labels)
+    for m in models:
+        loaded.add_metric([m.name], 1.0 if m.state == HandleState.READY else 0.0)
+        requests.add_metric([m.name], m.requests)
+        loads.add_metric([m.name], m.loads)
+        memory.add_metric([m.name], m.rss_mib * 2**20)
+    yield from (loaded, requests, loads, memory)
+
+
 class _EngineCollector:
     """Gauges and counters read from Scheduler.status() (and the service's own state) at each scrape."""
 
@@ -256,6 +275,8 @@ class _EngineCollector:
             yield from self._nodes(status.nodes)
         if status.embedding_models:
             yield from _embedding_families(status.embedding_models)
+        if status.chat_models:
+            yield from _chat_model_families(status.chat_models)
 
     def _nodes(self, nodes):
         yield from _node_families(nodes)

@@ -1,8 +1,9 @@
-"""The `[[models]]` tables of the config: models served beside the one chat model (the `model` key), each by name.
+"""The `[[models]]` tables of the config: models served beside the daemon's chat model (the `model` key), by name.
 
-Today an entry is an embedding model (a GGUF with a pooling type), served by POST /v1/embeddings; the daemon reads
-the file at start and refuses a chat model there, by name (engine/embedders.py). Every key of an entry is checked
-here, and one this daemon does not know is refused by name, never ignored.
+An entry is an embedding model (a GGUF with a pooling type), served by POST /v1/embeddings (engine/embedders.py),
+or a chat model, served by a syshaxd of its own that this daemon starts and forwards to (engine/chat_models.py); the
+daemon reads the file's header at start to know which. Every key of an entry is checked here, and one this daemon
+does not know is refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -28,14 +29,26 @@ class ModelEntry:
     cpu_affinity: str = ""  # a cpulist; "": the CPUs the daemon may use, shared with the chat model's workers
     load: str = "start"  # "start": loaded with the daemon; "on_demand": at its first request
     keep_alive: float = -1.0  # seconds idle before it is unloaded (its next request loads it again); -1: never
+    # a chat model's own keys; empty or 0: the daemon's (mode, quantize, draft_model, cpu_max_batch_size)
+    mode: str = ""
+    quantize: str = ""
+    draft_model: str = ""
+    batch_slots: int = 0
 
 
 _DOCS = {"name": 'the id clients send as "model"', "path": "the GGUF file",
-         "n_ctx": "tokens one input may hold (0: the model's training context, at most 2048)",
-         "threads": "threads of its worker (0: one per CPU of its set)",
-         "cpu_affinity": "its worker's CPUs as a cpulist", "load": '"start" or "on_demand"',
-         "keep_alive": 'seconds idle before it is unloaded, or "5m", "1h" (-1: never)'}
+         "n_ctx": "an embedding model: tokens one input may hold (0: its training context, at most 2048); a chat "
+                  "model: tokens a request may hold (0: the daemon's n_ctx)",
+         "threads": "threads of each of its workers (0: one per CPU of its set)",
+         "cpu_affinity": 'its workers\' CPUs as a cpulist (a chat model: sets separated by ";", one worker each)',
+         "load": '"start" or "on_demand"',
+         "keep_alive": 'seconds idle before it is unloaded, or "5m", "1h" (-1: never)',
+         "mode": 'a chat model: "cpu", "gpu", "hetero" or "auto" ("": the daemon\'s mode)',
+         "quantize": 'a chat model: the type an unquantized file is quantized to ("": the daemon\'s quantize)',
+         "draft_model": "a chat model: its draft model's GGUF (\"\": the daemon's draft_model)",
+         "batch_slots": "a chat model: sequences a CPU worker decodes together (0: cpu_max_batch_size)"}
 ENTRY_KEYS = tuple(f.name for f in fields(ModelEntry))
+CHAT_ONLY_KEYS = ("mode", "quantize", "draft_model", "batch_slots")
 
 
 def parse_models(value: Any) -> tuple[ModelEntry, ...]:
@@ -57,12 +70,7 @@ def _entry(i: int, table: dict) -> ModelEntry:
     where = f"models[{i}]"
     unknown = sorted(set(table) - set(ENTRY_KEYS))
     if unknown:
-        hints = []
-        if set(unknown) & {"mode", "quantize", "draft_model"}:
-            hints.append("an entry is an embedding model, loaded as its file is; the chat model's mode, quantize "
-                         "and draft_model are the top-level keys")
-        hint = f" ({'; '.join(hints)})" if hints else ""
-        raise EntryError(f"{where}: unknown key(s) {', '.join(unknown)}{hint}; an entry takes "
+        raise EntryError(f"{where}: unknown key(s) {', '.join(unknown)}; an entry takes "
                          + "; ".join(f"{k}: {d}" for k, d in _DOCS.items()))
     for required in ("name", "path"):
         if not isinstance(table.get(required), str) or not table.get(required):
@@ -82,8 +90,11 @@ def _entry(i: int, table: dict) -> ModelEntry:
         values[f.name] = value
     entry = ModelEntry(**values)
     name = f"{where} ({entry.name})"
-    if entry.n_ctx < 0 or entry.threads < 0:
-        raise EntryError(f"{name}: n_ctx and threads must be 0 or more")
+    if entry.n_ctx < 0 or entry.threads < 0 or entry.batch_slots < 0:
+        raise EntryError(f"{name}: n_ctx, threads and batch_slots must be 0 or more")
+    if entry.mode and entry.mode not in ("cpu", "gpu", "hetero", "auto"):
+        raise EntryError(f'{name}.mode: must be "cpu", "gpu", "hetero" or "auto" (or left out: the daemon\'s mode); '
+                         f"got {entry.mode!r}")
     if entry.load not in LOADS:
         raise EntryError(f'{name}.load: must be "start" (loaded with the daemon) or "on_demand" (at its first '
                          f"request); got {entry.load!r}")
@@ -91,7 +102,8 @@ def _entry(i: int, table: dict) -> ModelEntry:
         from syshaxd.sdk.placement import parse_cpulist
 
         try:
-            parse_cpulist(entry.cpu_affinity, what=f"{name}.cpu_affinity")
+            for part in entry.cpu_affinity.split(";"):
+                parse_cpulist(part, what=f"{name}.cpu_affinity")
         except ValueError as exc:
             raise EntryError(str(exc)) from None
     return entry

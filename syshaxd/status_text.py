@@ -67,6 +67,13 @@ def print_status(st: dict) -> None:
               + (f", pid {runs.pid}, cpus {format_cpulist(runs.cpus) or '-'}" if runs is not None and runs.pid else "")
               + f"; {m.requests} requests, {m.inputs} inputs, {m.tokens} tokens"
               + (f", {m.refused} refused" if m.refused else "") + f" (load {m.load}, {m.n_ctx} tokens an input)" + (f"; error: {runs.error}" if runs is not None and runs.error else ""))
+    for chat in sched.chat_models:
+        print(f"chat model {chat.name} ({chat.file}, mode {chat.mode}, {chat.n_ctx} tokens a request): {chat.state}"
+              + (f", its daemon pid {chat.pid} on {chat.url}, {chat.rss_mib} MiB" if chat.pid else "")
+              + f"; {chat.requests} requests"
+              + (f", {chat.failed_requests} not answered" if chat.failed_requests else "")
+              + f" (load {chat.load}, {chat.loads} loads, {chat.unloads} unloads)"
+              + (f"; error: {chat.error}" if chat.error else ""))
     routing = sched.prefix_routing
     if routing.get("placed_by_prefix") or routing.get("placed_by_load"):
         print(f"prefix routing: {routing['placed_by_prefix']} placed where their prefix was "

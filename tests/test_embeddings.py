@@ -229,19 +229,20 @@ def test_a_dead_embedding_worker_is_replaced(daemon):
     assert _post(daemon, {"model": "embed", "input": "back again"})[0] == 200
 
 
-def test_a_chat_model_in_models_is_refused_at_start(default_model, tmp_path):
+def test_chat_keys_on_an_embedding_model_are_refused_at_start(default_model, embed_file, tmp_path):
+    """mode, quantize, draft_model and batch_slots are a chat model's: on an embedding entry they say so."""
     d = start_daemon(tmp_path, {"model": str(default_model)}, wait=False,
-                     tables=f'[[models]]\nname = "second-chat"\npath = "{default_model}"\n')
+                     tables=f'[[models]]\nname = "e"\npath = "{embed_file}"\nmode = "cpu"\n')
     try:
         assert d.proc.wait(120) != 0
     finally:
         d.stop()
-    assert "models[0] (second-chat)" in d.log() and "is a chat model" in d.log()
+    assert "models[0] (e): mode set on an embedding model" in d.log()
 
 
 @pytest.mark.parametrize("table, words", [
     ('[[models]]\nname = "e"\n', "models[0]: path is required"),
-    ('[[models]]\nname = "e"\npath = "/x.gguf"\nmode = "cpu"\n', "unknown key(s) mode"),
+    ('[[models]]\nname = "e"\npath = "/x.gguf"\nmode = "fast"\n', 'mode: must be "cpu", "gpu"'),
     ('[[models]]\nname = "e"\npath = "/x.gguf"\nload = "later"\n', 'load: must be "start"'),
     ('[[models]]\nname = "e"\npath = "/x.gguf"\nbatch = 8\n', "unknown key(s) batch"),
     ('[[models]]\nname = "e"\npath = "/x.gguf"\nkeep_alive = "soon"\n', "keep_alive: expected seconds"),
@@ -311,8 +312,8 @@ def test_max_loaded_models_unloads_the_least_recently_used(swapping):
 def test_keep_alive_unloads_an_idle_model(swapping):
     if _states(swapping)["c"] != "ready":
         assert _post(swapping, {"model": "c", "input": "load c"})[0] == 200
-    wait_for(lambda: re.search(r"embedding model c: unloaded \(idle for \d+s, keep_alive 2s\); its worker's \d+ MiB "
-                               "given back", swapping.log()), 30, "c's unload after 2 s idle")
+    wait_for(lambda: re.search(r"embedding model c: unloaded \(idle for \d+s, keep_alive 2s\); its \d+ MiB given "
+                               "back", swapping.log()), 30, "c's unload after 2 s idle")
     c = {m["name"]: m for m in swapping.status()["embedding_models"]}["c"]
     assert c["rss_mib"] == 0 and c["worker"] is None and c["unloads"] >= 1
     answer = _post(swapping, {"model": "c", "input": "back", "encoding_format": "float"})  # loads it again
@@ -327,7 +328,7 @@ def test_keep_alive_unloads_an_idle_model(swapping):
 def test_syshax_models_list_load_unload(swapping):
     shown = _syshax(swapping, "models", "list")
     assert shown.returncode == 0, shown.stderr
-    assert re.search(r"^c\s+\S+\s+on_demand\s+2s\s", shown.stdout, re.M), shown.stdout
+    assert re.search(r"^c\s+embedding\s+\S+\s+on_demand\s+2s\s", shown.stdout, re.M), shown.stdout
     loaded = _syshax(swapping, "models", "load", "a")
     assert loaded.returncode == 0 and loaded.stdout.startswith("a: ready (worker pid"), loaded.stdout + loaded.stderr
     pid = {m["name"]: m for m in swapping.status()["embedding_models"]}["a"]["worker"]["pid"]

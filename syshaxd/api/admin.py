@@ -373,32 +373,34 @@ class AdminServer:
         except (Overloaded, EngineUnavailable, RouteUnavailable) as exc:
             raise AdminError("unavailable", f"cache.warm: {exc}") from None
 
-    def _embedding_model(self, request: dict) -> str:
-        embedders = self.state.scheduler.embedders
+    def _entry_model(self, request: dict) -> str:
+        entries = self.state.scheduler.entries
         name = request.get("name")
-        if not isinstance(name, str) or name not in embedders:
-            names = ", ".join(embedders.models) or "none (the config has no [[models]] entry)"
+        if not isinstance(name, str) or name not in entries:
+            names = ", ".join(entries.models) or "none (the config has no [[models]] entry)"
             raise AdminError("invalid_value", f"{request['cmd']}: {name!r} is no model of [[models]]; they are: "
                              f"{names} (the chat model always stays loaded)")
         return name
 
     async def cmd_models_list(self, request: dict) -> list:
-        return [dataclasses.asdict(m) for m in self.state.scheduler.embedders.status()]
+        return self.state.scheduler.entries.status()
 
     async def cmd_models_load(self, request: dict) -> dict:
         from syshaxd.engine.supervisor import EngineUnavailable
 
-        name = self._embedding_model(request)
+        name = self._entry_model(request)
+        entries = self.state.scheduler.entries
         try:
-            await self.state.scheduler.embedders.load(name, self.config.worker_start_timeout)
+            await entries.load(name, self.config.worker_start_timeout)
         except EngineUnavailable as exc:
             raise AdminError("unavailable", f"models.load: {exc}") from None
-        return dataclasses.asdict(self.state.scheduler.embedders[name].status())
+        return {"kind": entries[name].kind} | dataclasses.asdict(entries[name].status())
 
     async def cmd_models_unload(self, request: dict) -> dict:
-        name = self._embedding_model(request)
-        unloaded = await self.state.scheduler.embedders[name].unload("asked by syshax models unload")
-        return {"name": name, "unloaded": unloaded, "state": self.state.scheduler.embedders[name].state}
+        name = self._entry_model(request)
+        entries = self.state.scheduler.entries
+        unloaded = await entries[name].unload("asked by syshax models unload")
+        return {"name": name, "unloaded": unloaded, "state": entries[name].state}
 
     async def cmd_mode(self, request: dict) -> dict:
         mode = request.get("mode")

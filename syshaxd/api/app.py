@@ -7,8 +7,8 @@ import time
 
 from aiohttp import web
 
-from syshaxd.api import (embeddings, messages, model_routes, openai_routes, responses, service_routes, sse,
-                         token_routes, web_routes)
+from syshaxd.api import (embeddings, messages, model_proxy, model_routes, openai_routes, responses, service_routes,
+                         sse, token_routes, web_routes)
 from syshaxd.api.auth import KeyCheck
 from syshaxd.api.errors import APIError, error_type_for
 from syshaxd.api.keys import (CONFIG, CONNECTIONS, KEY_CHECK, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED,
@@ -80,7 +80,9 @@ def make_app(config: Config, scheduler: Scheduler, model_name: str, state: Servi
              metrics: Metrics | None = None, *, keys: KeyCheck) -> web.Application:
     """The application; `keys` were read once when the daemon started: they change with a restart."""
     state = state or ServiceState(scheduler)
-    app = web.Application(middlewares=[count_requests, openai_errors, require_api_key],
+    # a request for a chat model of [[models]] is passed on (model_proxy) once its key has been checked
+    app = web.Application(middlewares=[count_requests, openai_errors, require_api_key,
+                                       model_proxy.forward_to_chat_model],
                           client_max_size=config.max_body_bytes)
     app[KEY_CHECK] = keys
     # bound to the server by api.limits.CappedTCPSite; the live client_timeout bounds a silent new connection

@@ -20,6 +20,7 @@ from syshaxd.api.generation import read_body
 from syshaxd.api.keys import MODEL_NAME, SCHEDULER, STATE
 from syshaxd.api.state import Draining
 from syshaxd.api.validate import type_error
+from syshaxd.engine import embedders
 from syshaxd.engine.embedders import EmbeddingModel
 from syshaxd.engine.supervisor import EngineUnavailable
 from syshaxd.sdk.types import Embedded, EmbedRequest, Refusal
@@ -78,21 +79,23 @@ def _is_id(value) -> bool:
 
 
 def _chosen_model(request: web.Request, body: dict) -> EmbeddingModel:
-    embedders = request.app[SCHEDULER].embedders
-    names = ", ".join(f"`{n}`" for n in embedders.models) or "none (add a [[models]] entry)"
+    entries = request.app[SCHEDULER].entries
+    names = ", ".join(f"`{m.name}`" for m in entries.of_kind("embedding")) or "none (add a [[models]] entry)"
     model = body.get("model")
     if model is None:
         raise invalid(f"you must provide a model parameter; this server's embedding models: {names}",
                       param="model", code="missing_required_parameter")
     if not isinstance(model, str):
         raise type_error("model", "a string", model)
-    if model == request.app[MODEL_NAME]:
+    if model == request.app[MODEL_NAME] or (model in entries and entries[model].kind == "chat"):
         raise invalid(f"`{model}` is a chat model: it has no pooling to make one vector of an input. Send an "
                       f"embedding model; this server's: {names}.", param="model", code="model_not_supported")
-    if model not in embedders:
+    if model not in entries:
         raise APIError(404, f"The model `{model}` does not exist. This server's embedding models: {names}.",
                        param="model", code="model_not_found")
-    return embedders[model]
+    chosen = entries[model]
+    assert isinstance(chosen, EmbeddingModel)
+    return chosen
 
 
 def _parse(request: web.Request, body: dict) -> tuple[EmbeddingModel, tuple, str]:
@@ -140,7 +143,8 @@ async def _answered(request: web.Request) -> web.Response:
     timeout = request.app[STATE].config.request_timeout
     embed = EmbedRequest(f"embd-{uuid.uuid4().hex}", inputs)
     try:
-        event = await request.app[SCHEDULER].embedders.embed(model.name, embed, timeout, lambda: _gone(request))
+        event = await embedders.embed(request.app[SCHEDULER].entries, model.name, embed, timeout,
+                                      lambda: _gone(request))
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="model_unavailable",
                        headers={} if exc.final else {"Retry-After": "5"}) from None

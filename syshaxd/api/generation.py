@@ -120,7 +120,8 @@ async def _served(request: web.Request, endpoint: Endpoint, timer: RequestTimer)
 def _refuse_embedding_model(request: web.Request, body: dict) -> None:
     """A generation request sent to an embedding model of [[models]]: a 400 that says what to send instead."""
     model = body.get("model")
-    if isinstance(model, str) and model in request.app[SCHEDULER].embedders:
+    entries = request.app[SCHEDULER].entries
+    if isinstance(model, str) and model in entries and entries[model].kind == "embedding":
         raise invalid(f"`{model}` is an embedding model: it makes vectors (POST /v1/embeddings), not text. Send "
                       f"this request to `{request.app[MODEL_NAME]}`.", param="model", code="model_not_supported")
 

@@ -237,7 +237,7 @@ def _embedding_schemas() -> dict:
                                          "description": "Only the model's own size."}),
                 "user": _nullable({"type": "string"})}},
         "ModelName": {"type": "object", "required": ["model"], "additionalProperties": True,
-                      "properties": {"model": {"type": "string", "description": "An embedding model of [[models]]."}}},
+                      "properties": {"model": {"type": "string", "description": "A model of [[models]]."}}},
         "Success": {"type": "object", "required": ["success"], "properties": {"success": {"const": True}}},
         "EmbeddingList": {
             "type": "object", "required": ["object", "data", "model", "usage"],
@@ -452,10 +452,10 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
             "/v1/embeddings": _token_op("Vectors of texts or token ids from an embedding model of [[models]]: one "
                                         "per input, in order, each of length 1", "EmbeddingRequest", "EmbeddingList",
                                         secured, "500", "503"),
-            "/models/load": _token_op("Load an embedding model of [[models]] now (llama-server's router)", "ModelName",
+            "/models/load": _token_op("Load a model of [[models]] now (llama-server's router)", "ModelName",
                                       "Success", secured, "503"),
-            "/models/unload": _token_op("Unload an embedding model once its requests are done (llama-server's router)",
-                                        "ModelName", "Success", secured),
+            "/models/unload": _token_op("Unload a model of [[models]] once its requests are done (llama-server's "
+                                        "router)", "ModelName", "Success", secured),
             "/tokenize": _token_op("Text or chat messages to the model's token ids", "TokenizeRequest", "Tokenized",
                                    secured),
             "/detokenize": _token_op("Token ids to text", "DetokenizeRequest", "Detokenized", secured),
@@ -463,8 +463,8 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
                                         "security": secured,
                                         "responses": json_200("TokenizerInfo", "The tokenizer.") | _errors("401")}},
             "/v1/models": {"get": {"summary": "The served models", "security": secured,
-                                   "responses": json_200("ModelList", "The chat model, then the embedding models.")
-                                   | _errors("401")}},
+                                   "responses": json_200("ModelList", "The daemon's own chat model, then the "
+                                                         "models of [[models]].") | _errors("401")}},
             "/v1/models/{model}": {"get": {
                 "summary": "One model", "security": secured,
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],

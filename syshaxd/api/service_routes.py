@@ -5,6 +5,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from syshaxd.api.keys import CONNECTIONS, METRICS, OPENAPI, SCHEDULER, STATE
+from syshaxd.engine.engine_handle import EngineHandle
+from syshaxd.engine.entry_models import Loaded
 from syshaxd.engine.lifecycle import HandleState
 
 routes = web.RouteTableDef()
@@ -13,7 +15,7 @@ routes = web.RouteTableDef()
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER]
-    handles = [*scheduler.workers, *scheduler.embedders.handles]  # the embedding models' workers too
+    handles: list[EngineHandle | Loaded] = [*scheduler.workers, *scheduler.entries.handles]  # the [[models]] entries' workers and daemons too
     workers = [{"name": w.name, "state": w.state, "error": w.error or None} for w in handles]
     state = request.app[STATE]
     if state.draining:  # a load balancer should stop sending here

@@ -204,10 +204,17 @@ def _condition(where: str, j: int, table: Any) -> Condition:
     return Condition(name, op, value)
 
 
-def check_served(rules: tuple[RoutingRule, ...], served_model: str) -> None:
-    """RuleError when a rule asks for a model this daemon does not serve: it could never match."""
+def check_served(rules: tuple[RoutingRule, ...], served_model: str, chat_entries: tuple[str, ...] = ()) -> None:
+    """RuleError when a rule asks for a model this daemon does not serve: it could never match. A rule may name a
+    chat model of [[models]] (`chat_entries`) instead: that model's own daemon applies it."""
     for rule in rules:
-        _check_satisfiable(rule, served_model)
+        if not any(rule_can_match(rule, name) for name in chat_entries):
+            _check_satisfiable(rule, served_model)
+
+
+def rule_can_match(rule: RoutingRule, served_model: str) -> bool:
+    """Whether some request to `served_model` can meet all of the rule's conditions."""
+    return not _never(rule, served_model)
 
 
 def _check_satisfiable(rule: RoutingRule, served_model: str) -> None:

@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 from syshaxd.config import MODES, Config, Mode
 from syshaxd.engine import capabilities
 from syshaxd.engine.decider import Decision, EngineState, Targets, Thresholds, decide, decide_measured
-from syshaxd.engine.embedders import Embedders
+from syshaxd.engine.entry_models import EntryModels
 from syshaxd.engine.estimates import Estimates
 from syshaxd.engine.exactness import exactness
 from syshaxd.engine.routing_rules import RoutingRule
@@ -69,7 +69,7 @@ class Scheduler:
         self.vocab = self.prompts.vocab
         self.pools = {pool: [w for w in workers if w.spec.pool == pool] for pool in Pool}
         self.model_file: dict = {}  # the daemon's LoadPlan of the GGUF, for the status
-        self.embedders = Embedders([])  # the embedding models beside the chat model (the daemon sets its own)
+        self.entries = EntryModels([])  # the models of [[models]] beside the chat model (the daemon sets its own)
         self.decoders = self.pools[Pool.CPU]
         self.prefill = self.pools[Pool.PREFILL]
         self.gpu = self.pools[Pool.GPU]
@@ -139,7 +139,7 @@ class Scheduler:
         a remote node that is down costs capacity, not readiness, while another decoder serves."""
         local = [w for w in self.workers if not w.remote]
         return bool(self.workers) and all(w.state == HandleState.READY for w in local) and (
-            not self.decoders or any(w.state == HandleState.READY for w in self.decoders)) and self.embedders.is_ready()
+            not self.decoders or any(w.state == HandleState.READY for w in self.decoders)) and self.entries.is_ready()
 
     # --- admission ----------------------------------------------------------------------------
 
@@ -437,7 +437,8 @@ class Scheduler:
                             file_type=self.served_type()),
             prefix_routing=self.prefix_routing.to_json(),
             model_file=self.model_file,
-            embedding_models=self.embedders.status(),
+            embedding_models=[m.status() for m in self.entries.of_kind("embedding")],
+            chat_models=[m.status() for m in self.entries.of_kind("chat")],
             pools={str(pool): {"serving": [w.name for w in workers if w.state == HandleState.READY],
                                "out": [f"{w.name} ({w.state})" for w in workers if w.state != HandleState.READY]}
                    for pool, workers in self.pools.items() if workers},

@@ -103,6 +103,27 @@ class EmbeddingModelStatus:
 
 
 @dataclass(frozen=True)
+class ChatModelStatus:
+    """A chat model of [[models]]: its file, whether its daemon is loaded, and what it has served."""
+
+    name: str
+    file: str
+    state: str  # "unloaded", else its daemon's HandleState (starting, ready, failed, stopped)
+    load: str  # "start" or "on_demand"
+    keep_alive: float  # seconds idle before it is unloaded; -1: never
+    mode: str
+    n_ctx: int
+    requests: int  # requests forwarded to its daemon
+    failed_requests: int  # of them, those its daemon could not be reached for (it died, or did not load)
+    loads: int
+    unloads: int
+    rss_mib: int  # its daemon's and its workers' resident memory; 0 while unloaded
+    pid: int | None  # its daemon's
+    url: str  # its daemon's loopback address, once it serves
+    error: str  # why it failed, when it did
+
+
+@dataclass(frozen=True)
 class AutoDecision:
     at: float  # time.time()
     gpu: EngineState  # each pool's load as the decider saw it
@@ -159,6 +180,8 @@ class SchedulerStatus:
     model_file: dict = dataclasses.field(default_factory=dict)
     # the embedding models of [[models]] (engine/embedders.py)
     embedding_models: list[EmbeddingModelStatus] = dataclasses.field(default_factory=list)
+    # the chat models of [[models]], each served by a daemon of its own (engine/chat_models.py)
+    chat_models: list[ChatModelStatus] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

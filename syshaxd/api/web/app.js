@@ -96,6 +96,12 @@ function embeddingRow(m) {
     error: "", stats: { running: 0, max_batch_size: 1, waiting: 0, kv_usage: 0, tokens_per_second: 0 } };
 }
 
+function chatModelRow(m) {
+  // a chat model of [[models]]: its own daemon (pid, memory), loaded or not
+  return { name: `model ${m.name}`, backend: "syshaxd", role: m.mode, state: m.state, pid: m.pid, cpus: [],
+    error: m.error, stats: { running: 0, max_batch_size: 0, waiting: 0, kv_usage: 0, tokens_per_second: 0 } };
+}
+
 function ms(v) {
   if (v === null || v === undefined) return "-";
   return `${num(v >= 100 ? Math.round(v) : v)} ms`;  // 8,769 ms, 12.5 ms
@@ -106,7 +112,8 @@ function render(st) {
   const ready = $("ready");
   ready.textContent = st.draining ? "draining" : st.ready ? "ready" : "not ready";
   ready.className = "pill " + (st.draining ? "warn" : st.ready ? "ok" : "bad");
-  renderWorkers([...st.workers, ...(st.embedding_models || []).map(embeddingRow)]);
+  renderWorkers([...st.workers, ...(st.embedding_models || []).map(embeddingRow),
+    ...(st.chat_models || []).map(chatModelRow)]);
   fill($("requests"), [["in flight", st.in_flight], ["queued", st.queued],
     ["capacity", `${st.capacity} (queue ${st.max_queue_size})`], ["HTTP active", st.http_active],
     ["worker deaths", `resent ${st.rescued.resent}, resumed ${st.rescued.resumed}, lost ${st.rescued.lost}`]]);
@@ -253,6 +260,14 @@ async function poll() {
       const models = await getJSON("/v1/models");
       model = models.data[0].id;
       $("model").textContent = model;
+      // the playground's picker: the chat models (the daemon's own first, then those of [[models]])
+      const pick = $("model-pick");
+      for (const m of models.data.filter((d) => (d.syshax || {}).kind !== "embedding")) {
+        const option = document.createElement("option");
+        option.value = option.textContent = m.id;
+        pick.append(option);
+      }
+      pick.addEventListener("change", () => { model = pick.value; $("model").textContent = model; });
     }
     render(await getJSON("/v1/syshax/status"));
     showError("");

@@ -1,0 +1,250 @@
+"""The models of [[models]], loaded with the daemon or at their first request and unloaded when idle: what an
+embedding model (engine/embedders.py: a worker of this daemon) and a chat model (engine/chat_models.py: a syshaxd of
+its own) share, and their one owner, which keeps at most max_loaded_models of them loaded.
+
+The daemon's own chat model (the `model` key) is not among them: it stays loaded while the daemon runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from syshaxd.engine.lifecycle import HandleState
+from syshaxd.engine.supervisor import EngineUnavailable
+from syshaxd.model_entries import ModelEntry
+
+log = logging.getLogger(__name__)
+
+
+class ModelsError(ValueError):
+    """A [[models]] entry cannot be served; the message names it and what to do."""
+
+
+class Loaded(Protocol):
+    """What runs a loaded entry: a worker (WorkerHandle) or a child daemon (chat_models.ChildDaemon)."""
+
+    name: str
+    state: HandleState
+    error: str
+    ready: asyncio.Event
+    remote: bool
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+Room = Callable[["EntryModel", float], Awaitable[None]]  # unloads others until this one fits, by the deadline
+
+
+class EntryModel:
+    """One entry: what runs it (absent while unloaded), and whether it is in use.
+
+    Loaded with the daemon (load = "start") or at its first request; unloaded when idle past its keep_alive, to
+    make room under max_loaded_models, or when asked (`syshax models unload`), once the requests using it are
+    done. A request for an unloaded model loads it again."""
+
+    kind = ""  # "embedding" or "chat": how logs, errors and /v1/models name it
+
+    def __init__(self, entry: ModelEntry, path: Path) -> None:
+        self.entry = entry
+        self.path = path
+        self.handle: Loaded | None = None
+        self.active = 0  # requests using the loaded model now: an unload waits for them
+        self.waiting = 0  # requests (or loads asked for) waiting for it to be ready: it is not idle
+        self.last_used = time.monotonic()  # its last request's end, or its last load
+        self.unloaded = False  # it was loaded and then unloaded (it loads again when asked)
+        self._changing = asyncio.Lock()  # one load or unload at a time
+        self.requests = 0
+        self.loads = 0
+        self.unloads = 0
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def state(self) -> str:
+        return str(self.handle.state) if self.handle is not None else "unloaded"
+
+    @property
+    def busy(self) -> bool:
+        """In use, asked for, or still loading: never unloaded to make room."""
+        return bool(self.active or self.waiting) or self.state != HandleState.READY
+
+    def _new_handle(self) -> Loaded:
+        raise NotImplementedError
+
+    def status(self) -> Any:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        if self.handle is None:
+            self.handle = self._new_handle()
+            self.handle.start()
+            self.loads += 1
+            self.unloaded = False
+
+    def _restartable(self, handle: Loaded) -> bool:
+        """Whether a failed `handle` is dropped and started again by the next request (a child daemon that died)."""
+        return False
+
+    async def load(self, deadline: float, room: Room, retry: bool = False) -> Loaded:
+        """What runs the model, loading it first where it is not (room(self, deadline) unloads others to make room),
+        by the deadline (time.monotonic()); EngineUnavailable if it cannot be. `retry`: a model that failed to load
+        is loaded again (a load asked for by hand) instead of refused."""
+        self.waiting += 1
+        try:
+            while True:
+                async with self._changing:
+                    if self.handle is not None and (self._restartable(self.handle) or (
+                            retry and self.handle.state == HandleState.FAILED)):
+                        old, self.handle = self.handle, None
+                        await old.stop()
+                    if self.handle is None:
+                        await room(self, deadline)
+                        log.info("%s model %s: loading (%s)", self.kind, self.name,
+                                 "on its first request" if not self.loads else "asked for again")
+                        self.start()
+                    handle = self.handle
+                assert handle is not None
+                await self._ready(handle, deadline)
+                if self.handle is handle:  # not unloaded while it loaded
+                    self.last_used = time.monotonic()  # keep_alive counts from here, not from an older use
+                    return handle
+        finally:
+            self.waiting -= 1
+
+    async def _ready(self, handle: Loaded, deadline: float) -> None:
+        while handle.state != HandleState.READY and self.handle is handle:
+            if handle.state == HandleState.FAILED:
+                raise EngineUnavailable(f"{self.kind} model {self.name} failed to load: {handle.error}", final=True)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineUnavailable(f"{self.kind} model {self.name} is still {handle.state}; retry shortly")
+            try:
+                await asyncio.wait_for(handle.ready.wait(), min(left, 0.25))
+            except asyncio.TimeoutError:
+                pass
+
+    async def unload(self, why: str) -> bool:
+        """Stop what runs it once the requests using it are done, giving its memory back; False if not loaded."""
+        async with self._changing:
+            handle = self.handle
+            if handle is None:
+                return False
+            while self.active:
+                await asyncio.sleep(0.05)
+            rss = self.rss_mib()
+            self.handle = None
+            self.unloaded = True
+            self.unloads += 1
+            await handle.stop()
+            log.info("%s model %s: unloaded (%s); its %d MiB given back", self.kind, self.name, why, rss)
+            return True
+
+    def idle_for(self, now: float) -> float | None:
+        """Seconds it has been ready and unused; None while unloaded, loading, asked for or in use."""
+        if self.handle is None or self.busy:
+            return None
+        return now - self.last_used
+
+    def rss_mib(self) -> int:
+        """The resident memory of its processes (a child daemon's workers too) in MiB; 0 while unloaded."""
+        pid = self.handle.pid if self.handle is not None else None
+        if pid is None:
+            return 0
+        try:
+            process = psutil.Process(pid)
+            return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) >> 20
+        except psutil.Error:
+            return 0
+
+
+class EntryModels:
+    """Every entry of [[models]], by name, and the bound on how many are loaded at once."""
+
+    def __init__(self, models: list[EntryModel], max_loaded: int = 0) -> None:
+        self.models = {m.name: m for m in models}
+        self.max_loaded = max_loaded  # 0: no bound
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.models
+
+    def __getitem__(self, name: str) -> EntryModel:
+        return self.models[name]
+
+    def of_kind(self, kind: str) -> list:
+        return [m for m in self.models.values() if m.kind == kind]
+
+    @property
+    def handles(self) -> list[Loaded]:
+        return [m.handle for m in self.models.values() if m.handle is not None]
+
+    def start(self) -> None:
+        """Load the models that load with the daemon (the first max_loaded_models of them, where that is set)."""
+        for model in [m for m in self.models.values() if m.entry.load == "start"][:self.max_loaded or None]:
+            model.start()
+
+    def is_ready(self) -> bool:
+        """Every model that loads with the daemon has been ready: a reload later (keep_alive, make room) does not
+        take the daemon out of a load balancer, and an on-demand one loads when asked."""
+        return all(m.state == HandleState.READY or m.loads > 1 or m.unloaded or (self.max_loaded and m.handle is None)
+                   for m in self.models.values() if m.entry.load == "start")
+
+    def loading_line(self) -> str:
+        return ", ".join(f"{m.name} {m.state}" for m in self.models.values() if m.entry.load == "start")
+
+    async def load(self, name: str, timeout: float) -> Loaded:
+        """Load `name` as asked by hand (syshax models load, POST /models/load): a failed one is tried again."""
+        return await self.models[name].load(time.monotonic() + timeout, self.make_room, retry=True)
+
+    def status(self) -> list[dict]:
+        """Each entry's status as JSON, with its kind ("embedding" or "chat")."""
+        return [{"kind": m.kind} | dataclasses.asdict(m.status()) for m in self.models.values()]
+
+    async def make_room(self, model: EntryModel, deadline: float) -> None:
+        """Under max_loaded_models, unload the least recently used idle model until `model` fits; EngineUnavailable
+        when every loaded one stays busy until the deadline. (A model makes room only while it is not loaded, and
+        unloads only loaded ones, so two loads never wait on each other.)"""
+        while self.max_loaded:
+            loaded = [m for m in self.models.values() if m.handle is not None and m is not model]
+            if len(loaded) < self.max_loaded:
+                return
+            idle = sorted((m for m in loaded if not m.busy), key=lambda m: m.last_used)
+            if idle:
+                await idle[0].unload(f"to make room for {model.name} (max_loaded_models = {self.max_loaded})")
+                continue
+            if time.monotonic() >= deadline:
+                raise EngineUnavailable(f"{model.kind} model {model.name} cannot load: the {self.max_loaded} models "
+                                        "loaded (max_loaded_models) all stay busy; retry shortly")
+            await asyncio.sleep(0.1)
+
+    async def unload_idle(self, every: float = 0.5) -> None:
+        """Run while the daemon serves: unload each model idle past its keep_alive (-1: never; 0: once its requests
+        are done)."""
+        while True:
+            now = time.monotonic()
+            for model in self.models.values():
+                keep, idle = model.entry.keep_alive, model.idle_for(now)
+                if keep < 0 or idle is None or idle < keep:
+                    continue
+                try:
+                    await model.unload(f"idle for {idle:.0f}s, keep_alive {keep:g}s")
+                except Exception:  # one model's failed stop must not end keep_alive for every model
+                    log.exception("%s model %s: the unload after keep_alive failed", model.kind, model.name)
+            await asyncio.sleep(every)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(h.stop() for h in self.handles))

@@ -1,0 +1,239 @@
+"""Several chat models in one daemon: chat entries of [[models]], each served by a syshaxd of its own that the daemon
+starts, forwards to, and stops (engine/chat_models.py, api/model_proxy.py), beside an embedding model, under
+max_loaded_models = 2.
+
+The second chat model is families.py's qwen2 (another architecture, another vocabulary); its greedy texts are
+compared with a single-model daemon's on the same file. The third is the default model under another name, which
+answers as the daemon's own model does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import psutil
+import pytest
+
+from conftest import MODEL_DIR, MODEL_NAME, http_json, start_daemon, wait_for
+from families import make_family_model
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "List ten uses for a paperclip and say why each one works.",
+]
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def second_file():
+    return make_family_model("qwen2", MODEL_DIR / "families")
+
+
+@pytest.fixture(scope="module")
+def embed_file():
+    return make_family_model("qwen3-embedding", MODEL_DIR / "families")
+
+
+@pytest.fixture(scope="module")
+def many(default_model, second_file, embed_file, tmp_path_factory):
+    """The default model, plus [[models]]: `second` (qwen2, loaded at start), `small` (the default model's file,
+    on demand, unloaded after 3 s idle) and `embed` (loaded at start); at most two entries loaded at once."""
+    tmp = tmp_path_factory.mktemp("chat-models")
+    d = start_daemon(tmp, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024,
+                           "max_loaded_models": 2, "admin_socket": str(tmp / "admin.sock")},
+                     tables=f'[[models]]\nname = "second"\npath = "{second_file}"\n'
+                            f'[[models]]\nname = "small"\npath = "{default_model}"\nload = "on_demand"\n'
+                            'keep_alive = "3s"\n'
+                            f'[[models]]\nname = "embed"\npath = "{embed_file}"\nn_ctx = 256\n')
+    d.socket = tmp / "admin.sock"
+    yield d
+    children = [m["pid"] for m in d.status()["chat_models"] if m["pid"]]
+    assert d.stop(60) == 0, d.log()
+    assert not any(psutil.pid_exists(pid) for pid in children)  # the children stop with the daemon
+
+
+@pytest.fixture(scope="module")
+def alone(second_file, tmp_path_factory):
+    """A single-model daemon serving the qwen2 file, as a user would start one for it."""
+    tmp = tmp_path_factory.mktemp("chat-alone")
+    d = start_daemon(tmp, {"model": str(second_file), "model_name": "second", "n_ctx": 1024})
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def _client(daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _chat(daemon, model: str, prompt: str, **extra) -> str:
+    answer = _client(daemon).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0, **extra)
+    assert answer.model == model
+    return answer.choices[0].message.content
+
+
+def _states(daemon) -> dict[str, str]:
+    return {m["id"]: m["syshax"]["state"] for m in http_json(f"{daemon.url}/v1/models")[1]["data"]}
+
+
+def _chat_status(daemon, name: str) -> dict:
+    return {m["name"]: m for m in daemon.status()["chat_models"]}[name]
+
+
+def _tree_mib(pid: int) -> int:
+    process = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) >> 20
+
+
+def _syshax(daemon, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "syshaxd.cli", *args, "--socket", str(daemon.socket)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_greedy_texts_equal_a_single_model_daemons(many, alone):
+    """Chat, completions and a stream, through the daemon to its second chat model, give the single-model
+    daemon's text, token for token."""
+    client, reference = _client(many), _client(alone)
+    for prompt in PROMPTS:
+        assert _chat(many, "second", prompt) == _chat(alone, "second", prompt)
+        got = client.completions.create(model="second", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        want = reference.completions.create(model="second", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].text == want.choices[0].text and got.usage == want.usage
+    stream = client.chat.completions.create(model="second", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                            max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == _chat(alone, "second",
+                                                                                          PROMPTS[0])
+
+
+def test_each_model_answers_by_name_and_the_third_loads_in_room_for_two(many):
+    """The daemon's own model, `small` (its file under another name: the same texts), `second`, and the embedding
+    model each answer; asking for the unloaded `small` unloads the least recently used idle entry."""
+    own = [_chat(many, MODEL_NAME, p) for p in PROMPTS]
+    assert own[0] != _chat(many, "second", PROMPTS[0])  # another model, another text
+    assert len(_client(many).embeddings.create(model="embed", input="retrieval").data[0].embedding) == 256
+    assert _states(many) == {MODEL_NAME: "ready", "second": "ready", "small": "unloaded", "embed": "ready"}
+    second_pid = _chat_status(many, "second")["pid"]
+    assert [_chat(many, "small", p) for p in PROMPTS] == own  # loads small: second was used least recently
+    assert _states(many) == {MODEL_NAME: "ready", "second": "unloaded", "small": "ready", "embed": "ready"}
+    assert "chat model second: unloaded (to make room for small (max_loaded_models = 2))" in many.log()
+    assert not psutil.pid_exists(second_pid)  # its daemon, and with it its workers, are gone
+    assert _chat(many, "second", PROMPTS[1]) == _chat(many, "second", PROMPTS[1])  # loaded again: same answers
+    assert sum(s == "ready" for n, s in _states(many).items() if n != MODEL_NAME) == 2
+
+
+def test_an_unload_gives_the_memory_back(many):
+    """`syshax models unload` stops the model's daemon and workers: the daemon's processes hold that much less."""
+    assert _syshax(many, "models", "load", "second").returncode == 0
+    before, child = _tree_mib(many.proc.pid), _chat_status(many, "second")["rss_mib"]
+    assert child > 50, child  # a daemon and its llama.cpp worker
+    unloaded = _syshax(many, "models", "unload", "second")
+    assert unloaded.returncode == 0 and unloaded.stdout.strip() == "second: unloaded", unloaded.stdout
+    after = _tree_mib(many.proc.pid)
+    assert before - after >= child * 0.8, (before, after, child)
+    assert _chat_status(many, "second")["rss_mib"] == 0 and _states(many)["second"] == "unloaded"
+    assert re.search(r"chat model second: unloaded \(asked by syshax models unload\); its \d+ MiB given back",
+                     many.log())
+
+
+def test_every_surface_shows_every_model(many):
+    cards = {m["id"]: m for m in http_json(f"{many.url}/v1/models")[1]["data"]}
+    assert cards[MODEL_NAME]["syshax"]["kind"] == "chat" and cards["embed"]["syshax"]["kind"] == "embedding"
+    assert cards["second"]["syshax"] | {"state": None} == {"kind": "chat", "state": None, "load": "start",
+                                                           "mode": "cpu"}
+    shown = _syshax(many, "models", "list")
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"^second\s+chat\s+\S+\s+start\s+never\s", shown.stdout, re.M), shown.stdout
+    assert re.search(r"^small\s+chat\s+\S+\s+on_demand\s+3s\s", shown.stdout, re.M), shown.stdout
+    assert re.search(r"^embed\s+embedding\s+", shown.stdout, re.M), shown.stdout
+    status = _syshax(many, "status")
+    assert status.returncode == 0 and "chat model second (qwen2-" in status.stdout, status.stdout
+    _chat(many, "second", "hello")
+    metrics = urllib_get(f"{many.url}/metrics")
+    assert 'syshax_chat_model_loaded{model_name="second"} 1.0' in metrics
+    assert re.search(r'syshax_chat_model_requests_total\{model_name="second"\} [1-9]', metrics)
+    page = urllib_get(f"{many.url}/")
+    assert 'id="model-pick"' in page
+
+
+def urllib_get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()
+
+
+def test_requests_a_model_cannot_serve_say_why(many):
+    code, answer = http_json(f"{many.url}/v1/chat/completions", {"model": "nope", "messages": [
+        {"role": "user", "content": "hi"}]})
+    assert code == 404 and answer["error"]["code"] == "model_not_found"
+    code, answer = http_json(f"{many.url}/v1/embeddings", {"model": "second", "input": "hi"})
+    assert code == 400 and "is a chat model" in answer["error"]["message"]
+    code, answer = http_json(f"{many.url}/v1/chat/completions", {"model": "embed", "messages": [
+        {"role": "user", "content": "hi"}]})
+    assert code == 400 and "is an embedding model" in answer["error"]["message"]
+    # the child's own checks answer in the child's words, through the daemon
+    code, answer = http_json(f"{many.url}/v1/chat/completions", {"model": "second", "messages": []})
+    assert code == 400 and answer["error"]["param"] == "messages"
+
+
+def test_a_client_that_leaves_frees_the_childs_slot(many):
+    """A stream whose client closes its socket is closed at the child too: the child logs its client left."""
+    body = json.dumps({"model": "second", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 900,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    before = len(many.log())
+    with socket.create_connection(("127.0.0.1", many.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while got.count(b"data: ") < 5:
+            data = sock.recv(4096)
+            assert data, got  # the stream ended (or was refused) early
+            got += data
+    wait_for(lambda: re.search(r"model second: .*client (left|disconnected) mid-stream", many.log()[before:]), 30,
+             "the child to see its client leave")
+    assert _chat(many, "second", "still serving")  # and it serves on
+
+
+def test_keep_alive_unloads_an_idle_chat_model(many):
+    _chat(many, "small", "wake up")
+    wait_for(lambda: _states(many)["small"] == "unloaded", 60, "small's unload after 3 s idle")
+    assert re.search(r"chat model small: unloaded \(idle for \d+s, keep_alive 3s\)", many.log())
+
+
+def test_a_dead_child_is_started_again_by_the_next_request(many):
+    want = _chat(many, "second", PROMPTS[2])
+    status = _chat_status(many, "second")
+    os.kill(status["pid"], signal.SIGKILL)
+    wait_for(lambda: _chat_status(many, "second")["state"] == "failed", 30, "the daemon to see its child die")
+    assert _chat(many, "second", PROMPTS[2]) == want
+    assert _chat_status(many, "second")["loads"] == status["loads"] + 1
+
+
+def test_two_requests_for_an_unloaded_model_load_it_once(many):
+    if _states(many)["small"] != "unloaded":
+        _syshax(many, "models", "unload", "small")
+    loads = _chat_status(many, "small")["loads"]
+    with ThreadPoolExecutor(3) as pool:
+        texts = list(pool.map(lambda p: _chat(many, "small", p), PROMPTS))
+    assert texts == [_chat(many, MODEL_NAME, p) for p in PROMPTS]
+    assert _chat_status(many, "small")["loads"] == loads + 1
+
+
+def test_bad_chat_entries_are_refused_at_start(default_model, tmp_path):
+    d = start_daemon(tmp_path, {"model": str(default_model)}, wait=False,
+                     tables=f'[[models]]\nname = "c"\npath = "{default_model}"\nquantize = "q3"\n')
+    try:
+        assert d.proc.wait(120) != 0
+    finally:
+        d.stop()
+    assert 'models[0] (c): quantize: must be "" (load every file as it is), "q4_0" or "q8_0"' in d.log(), d.log()
