@@ -100,6 +100,9 @@ class Config:
                                          "draft_model, batch_slots): an embedding model answers POST /v1/embeddings "
                                          "under its name, in a worker of its own; a chat model answers the "
                                          "generation APIs under its name, from a syshaxd of its own.")
+    models_dir: str = key("", _SERVE, "A folder whose GGUF files are each served as a [[models]] entry named by its "
+                          'file name without ".gguf", loaded on demand (llama-server\'s --models-dir); an entry of '
+                          "[[models]] with the same name wins. Empty: none.")
     max_loaded_models: int = key(0, _SERVE, "The most [[models]] entries (chat and embedding) loaded at once; "
                                  "loading one more unloads the least recently used idle one first. 0: no bound. "
                                  "The daemon's own model always stays loaded and does not count.")

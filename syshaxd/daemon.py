@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--mode", choices=MODES, help="where prefill and decode run")
     p.add_argument("--model", metavar="PATH", help="GGUF file to serve (default: the prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--models-dir", metavar="DIR",
+                   help="serve every GGUF in DIR by its file name, loaded on demand (models_dir)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="how much the daemon logs (log_level; default info)")
     p.add_argument("--node", metavar="HOST:PORT",
@@ -375,9 +377,28 @@ class Service:
             await asyncio.sleep(interval)
 
 
+def stop_with_parent(env: MutableMapping[str, str]) -> bool:
+    """A chat model's daemon (SYSHAX_PARENT_PID set: engine/chat_models.py) asks the kernel for SIGTERM when its
+    parent dies, even by kill -9; False when the parent is gone already."""
+    parent = env.pop("SYSHAX_PARENT_PID", "")
+    if not parent:
+        return True
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    return str(os.getppid()) == parent  # checked after the prctl: a parent that died before it is seen here
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not stop_with_parent(os.environ):
+        print("syshaxd: the daemon that started this one is gone; not starting", file=sys.stderr)
+        return 1
     overrides = {"host": args.host, "port": args.port, "mode": args.mode, "model": args.model,
+                 "models_dir": args.models_dir,
                  "log_level": args.log_level, "quantize": os.environ.get("SYSHAX_QUANTIZE"), "node_listen": args.node}
     path = find_config(args.config)
     try:

@@ -85,6 +85,9 @@ VARIABLES: tuple[Variable, ...] = (
              "for the first token's likeliest, beside the ARM build's.", "mk/llama-arm-cross.sh"),
     Variable("SYSHAX_ARM_CACHE", "build", "Where mk/llama-arm-cross.sh keeps its ARM builds (default "
              "~/.cache/syshax/arm).", "mk/llama-arm-cross.sh"),
+    Variable("SYSHAX_PARENT_PID", "internal", "Set by syshaxd for the daemon of a chat model of [[models]] it "
+             "starts: that daemon stops (drains, then exits) when its parent does, even after kill -9.",
+             "syshaxd/daemon.py"),
     Variable("SYSHAX_FA_TILED", "internal", "Set by the llama.cpp engine from the tiled_attention key for syshax's "
              "patched llama.cpp (mk/patches/): 1 makes every query row take the tiled attention path. Use "
              "tiled_attention instead; a value set by hand is overwritten.",

@@ -8,7 +8,9 @@ does not know is refused by name, never ignored.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 LOADS = ("start", "on_demand")
@@ -123,6 +125,29 @@ def seconds(value: Any, where: str) -> float:
         return max(-1.0, float(value))
     raise EntryError(f'{where}: expected seconds (a number, or a string such as "30s", "5m", "1h"; -1: never), '
                      f"got {value!r}")
+
+
+def folder_entries(folder: Path, own: tuple[ModelEntry, ...], served: Path, served_name: str) -> tuple[ModelEntry, ...]:
+    """An entry for each GGUF of `folder` (models_dir), named by its file name, loaded on demand; not the file the
+    daemon serves itself (`served`, as `served_name`), nor one an entry of `own` names, nor what is no model of its own: a quantized
+    copy the daemon cached beside its source (NAME.q4_0.gguf beside NAME.gguf), a vision projector (mmproj), the
+    later parts of a split file."""
+    if not folder.is_dir():
+        raise EntryError(f"models_dir: {folder} is not a folder; set it to the folder of your GGUF files")
+    taken = {e.name for e in own} | {served_name}
+    files = sorted(folder.glob("*.gguf"))
+    sources = {p.name for p in files}
+    out = []
+    for path in files:
+        stem = path.name[:-len(".gguf")]
+        copy = re.fullmatch(r"(.+)\.(q4_0|q8_0)", stem)
+        if (copy and f"{copy.group(1)}.gguf" in sources) or stem.lower().startswith("mmproj") \
+                or re.search(r"-0000[2-9]-of-\d{5}$|-000[1-9]\d-of-\d{5}$", stem):
+            continue
+        if path.resolve() == served.resolve() or stem in taken:
+            continue
+        out.append(ModelEntry(name=stem, path=str(path), load="on_demand"))
+    return tuple(out)
 
 
 def models_to_json(entries: tuple[ModelEntry, ...]) -> list[dict]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import urllib.request
 
 import openai
 import pytest
 
-from conftest import MODEL_NAME, disconnect_mid_stream, http_json
+from conftest import MODEL_NAME, disconnect_mid_stream, http_json, wait_for
 
 
 def test_models_lists_the_served_model(client):
@@ -225,6 +226,20 @@ def test_daemon_still_serves_after_bad_input(client):
 def test_disconnect_mid_stream_frees_the_slot(daemon):
     disconnect_mid_stream(daemon, "/v1/completions", {"model": MODEL_NAME, "prompt": "Tell me a very long story.",
                                                       "max_tokens": 3000, "stream": True, "ignore_eos": True})
+
+
+def test_a_client_that_leaves_an_answer_without_a_stream_frees_the_slot(daemon):
+    """Tokens that keep coming do not hide a client that left a whole-answer request: its sequence ends soon, long
+    before its max_tokens (it did not, when the daemon looked only while no token came)."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 3000,
+                       "ignore_eos": True}).encode()
+    before = len(daemon.log())
+    with socket.create_connection(("127.0.0.1", daemon.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for(lambda: daemon.status()["workers"][0]["stats"]["running"] == 1, 30, "the request to run")
+    wait_for(lambda: "client left before the answer was ready" in daemon.log()[before:], 15, "the daemon to notice")
+    wait_for(lambda: daemon.status()["workers"][0]["stats"]["running"] == 0, 15, "the slot to be freed")
 
 
 def test_concurrent_requests_all_complete(client):

@@ -204,6 +204,35 @@ def test_a_client_that_leaves_frees_the_childs_slot(many):
     assert _chat(many, "second", "still serving")  # and it serves on
 
 
+def test_a_client_that_leaves_a_whole_answer_frees_the_childs_slot(many):
+    """A request without a stream whose client leaves before the answer: closed at the child too, at once."""
+    _chat(many, "small", "load")  # (small: 900 tokens of the default model take seconds here, the tiny qwen2's not)
+    body = json.dumps({"model": "small", "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 900,
+                       "n": 8, "temperature": 0, "ignore_eos": True}).encode()  # (8 x 900 tokens: many seconds)
+    before = len(many.log())
+    with socket.create_connection(("127.0.0.1", many.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(1.0)
+    wait_for(lambda: "client left; its request to chat model small is closed" in many.log()[before:], 30,
+             "the daemon to see its client leave")
+    wait_for(lambda: re.search(r"model small: .*client left before the answer was ready", many.log()[before:]), 30,
+             "the child to see its client leave")
+
+
+def test_a_reload_reaches_the_chat_models_daemons(many):
+    """A routing rule on a chat entry's model is taken (it applies in that model's daemon), which reloads too."""
+    rule = json.dumps([{"name": "second on cpu", "priority": 1, "action": {"device": "CPU"},
+                        "conditions": [{"field": "model", "operator": "eq", "value": "second"}]}])
+    _chat(many, "second", "hello")  # loaded
+    before = len(many.log())
+    done = _syshax(many, "config", "set", "routing_rules", rule)
+    assert done.returncode == 0, done.stderr
+    wait_for(lambda: re.search(r"model second: syshaxd: SIGHUP: reloaded .*routing_rules", many.log()[before:]), 30,
+             "the child's reload")
+    assert _chat(many, "second", "still serving")
+
+
 def test_keep_alive_unloads_an_idle_chat_model(many):
     _chat(many, "small", "wake up")
     wait_for(lambda: _states(many)["small"] == "unloaded", 60, "small's unload after 3 s idle")
@@ -211,12 +240,28 @@ def test_keep_alive_unloads_an_idle_chat_model(many):
 
 
 def test_a_dead_child_is_started_again_by_the_next_request(many):
+    """The daemon stays healthy (its own model serves); the model's next request starts its daemon again."""
     want = _chat(many, "second", PROMPTS[2])
     status = _chat_status(many, "second")
     os.kill(status["pid"], signal.SIGKILL)
     wait_for(lambda: _chat_status(many, "second")["state"] == "failed", 30, "the daemon to see its child die")
+    assert http_json(f"{many.url}/health")[0] == 200
     assert _chat(many, "second", PROMPTS[2]) == want
     assert _chat_status(many, "second")["loads"] == status["loads"] + 1
+
+
+def test_a_failed_model_makes_room_first(many):
+    """A model whose daemon died holds a place under max_loaded_models but serves nothing: loading another model
+    unloads it before an idle one that serves, though it was used last."""
+    assert _client(many).embeddings.create(model="embed", input="used before second").data
+    _chat(many, "second", "used last")
+    if _states(many)["small"] != "unloaded":
+        assert _syshax(many, "models", "unload", "small").returncode == 0
+    os.kill(_chat_status(many, "second")["pid"], signal.SIGKILL)
+    wait_for(lambda: _chat_status(many, "second")["state"] == "failed", 30, "the daemon to see its child die")
+    _chat(many, "small", "make room")
+    assert _states(many) | {MODEL_NAME: None} == {MODEL_NAME: None, "second": "unloaded", "small": "ready",
+                                                  "embed": "ready"}
 
 
 def test_two_requests_for_an_unloaded_model_load_it_once(many):
@@ -237,3 +282,26 @@ def test_bad_chat_entries_are_refused_at_start(default_model, tmp_path):
     finally:
         d.stop()
     assert 'models[0] (c): quantize: must be "" (load every file as it is), "q4_0" or "q8_0"' in d.log(), d.log()
+
+
+def test_models_dir_serves_each_file_by_name(default_model, second_file, embed_file, tmp_path):
+    """--models-dir: each GGUF of the folder by its file name, on demand, chat or embedding as its header says; not
+    a vision projector, nor the quantized copy the daemon caches beside a file, nor the daemon's own file."""
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    alpha = make_family_model("llama", MODEL_DIR / "families")
+    for name, target in [("alpha.gguf", alpha), ("beta.gguf", second_file), ("vectors.gguf", embed_file),
+                         ("mmproj-alpha-f16.gguf", alpha), ("beta.q4_0.gguf", second_file),
+                         ("own.gguf", default_model)]:  # (own: the daemon's own file, served as its own model)
+        (folder / name).symlink_to(target)
+    d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024},
+                     args=["--models-dir", str(folder)])
+    try:
+        cards = {m["id"]: m["syshax"] for m in http_json(f"{d.url}/v1/models")[1]["data"]}
+        assert set(cards) == {MODEL_NAME, "alpha", "beta", "vectors"}, cards
+        assert [cards[n]["kind"] for n in ("alpha", "beta", "vectors")] == ["chat", "chat", "embedding"]
+        assert all(cards[n]["state"] == "unloaded" and cards[n]["load"] == "on_demand" for n in ("alpha", "beta"))
+        assert _chat(d, "alpha", PROMPTS[0]) != _chat(d, "beta", PROMPTS[0])
+        assert len(_client(d).embeddings.create(model="vectors", input="x").data[0].embedding) == 256
+    finally:
+        assert d.stop(60) == 0, d.log()

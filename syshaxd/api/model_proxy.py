@@ -8,7 +8,6 @@ A client that leaves closes the child's request too, so the child frees its slot
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
@@ -16,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from syshaxd.api.errors import APIError
+from syshaxd.api.generation import read_body
 from syshaxd.api.keys import SCHEDULER, STATE
 from syshaxd.api.state import Draining
 from syshaxd.engine.chat_models import ChatModel, ChildDaemon
@@ -40,10 +40,12 @@ async def forward_to_chat_model(request: web.Request, handler):
     if request.method != "POST" or request.path not in FORWARDED or not entries.of_kind("chat"):
         return await handler(request)
     try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError):
-        return await handler(request)  # the handler answers the malformed body as it always does
-    name = body.get("model") if isinstance(body, dict) else None
+        body = await read_body(request)  # within client_timeout: a body that trickles in is a 408
+    except APIError as exc:
+        if exc.status == 408:
+            raise
+        return await handler(request)  # the handler answers a malformed body as it always does
+    name = body.get("model")
     model = entries[name] if isinstance(name, str) and name in entries else None
     if not isinstance(model, ChatModel):
         return await handler(request)
@@ -57,63 +59,95 @@ async def forward_to_chat_model(request: web.Request, handler):
 
 
 async def _forwarded(request: web.Request, entries, model: ChatModel) -> web.StreamResponse:
+    """The child's answer; a 499 when the client leaves first (the load, and the child's request, are dropped)."""
     timeout = request.app[STATE].config.request_timeout
+    exchange = Exchange(request, model)
+    task = asyncio.ensure_future(exchange.run(entries, time.monotonic() + timeout))
     try:
-        child = await model.load(time.monotonic() + timeout, entries.make_room)
-    except EngineUnavailable as exc:
-        raise APIError(503, str(exc), type="server_error", code="model_unavailable",
-                       headers={} if exc.final else {"Retry-After": "5"}) from None
-    assert isinstance(child, ChildDaemon)
-    model.active += 1  # no await since load() returned: an unload waits for this request
-    try:
-        return await _relay(request, model, child)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=CLIENT_CHECK)
+            if done:
+                return task.result()
+            if _gone(request):
+                task.cancel()  # closes the child's request too: the child frees its slot
+                await asyncio.gather(task, return_exceptions=True)
+                log.info("%s: client left; its request to chat model %s is closed", request.path, model.name)
+                if exchange.response is not None and exchange.response.prepared:
+                    return exchange.response
+                return web.Response(status=499, text="client closed the request")
     finally:
-        model.active -= 1
-        model.last_used = time.monotonic()
-        model.requests += 1
+        if not task.done():
+            task.cancel()
 
 
-async def _relay(request: web.Request, model: ChatModel, child: ChildDaemon) -> web.StreamResponse:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
-    headers["Authorization"] = f"Bearer {child.key}"
-    watch = None
-    response: web.StreamResponse | None = None
-    try:
-        async with child.session().post(child.url + request.path_qs, data=await request.read(), headers=headers,
-                                        auto_decompress=False) as upstream:
-            watch = asyncio.ensure_future(_close_when_gone(request, upstream))
-            back = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED}
-            if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                body = await upstream.read()
-                return web.Response(status=upstream.status, body=body, headers=back)
-            response = web.StreamResponse(status=upstream.status, headers=back)
-            await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
-    except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
-        if response is not None and response.prepared:  # the stream has begun: it ends where the child's did
-            log.info("%s: the stream from chat model %s ended early (%s)", request.path, model.name,
-                     "the client left" if _gone(request) else type(exc).__name__)
-            return response
-        if _gone(request):
-            log.info("%s: client left; its request to chat model %s is closed", request.path, model.name)
-            return web.Response(status=499, text="client closed the request")
-        model.failed_requests += 1
-        raise APIError(503, f"chat model {model.name}'s daemon did not answer ({type(exc).__name__}: {exc}); it "
-                       "is started again at the next request; retry", type="server_error",
-                       code="model_unavailable", headers={"Retry-After": "5"}) from None
-    finally:
-        if watch is not None:
-            watch.cancel()
+class Exchange:
+    """One request passed on to a chat model's daemon, and its answer passed back."""
+
+    def __init__(self, request: web.Request, model: ChatModel) -> None:
+        self.request = request
+        self.model = model
+        self.response: web.StreamResponse | None = None  # once a stream has begun
+
+    async def run(self, entries, deadline: float) -> web.StreamResponse:
+        model = self.model
+        try:
+            child = await model.load(deadline, entries.make_room)
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc), type="server_error", code="model_unavailable",
+                           headers={} if exc.final else {"Retry-After": "5"}) from None
+        assert isinstance(child, ChildDaemon)
+        model.active += 1  # no await since load() returned: an unload waits for this request
+        try:
+            return await self._relay(child)
+        finally:
+            model.active -= 1
+            model.last_used = time.monotonic()
+            model.requests += 1
+
+    async def _relay(self, child: ChildDaemon) -> web.StreamResponse:
+        request, model = self.request, self.model
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
+        headers["Authorization"] = f"Bearer {child.key}"
+        client_timeout = request.app[STATE].config.client_timeout
+        try:
+            async with child.session().post(child.url + request.path_qs, data=await request.read(),
+                                            headers=headers, auto_decompress=False) as upstream:
+                back = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED}
+                if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    body = await upstream.read()
+                    return web.Response(status=upstream.status, body=body, headers=back)
+                self.response = web.StreamResponse(status=upstream.status, headers=back)
+                await self.response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    try:  # a client that reads nothing must not hold the model (and its unload) forever
+                        await asyncio.wait_for(self.response.write(chunk), client_timeout)
+                    except asyncio.TimeoutError:
+                        log.info("%s: client read nothing of the stream from chat model %s for %gs "
+                                 "(client_timeout); cancelled", request.path, model.name, client_timeout)
+                        _abort(request)
+                        return self.response
+                await self.response.write_eof()
+                return self.response
+        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
+            if self.response is not None and self.response.prepared:
+                if not _gone(request):  # the child failed mid-stream: the client must see an error, not an end
+                    model.failed_requests += 1
+                    log.warning("%s: the stream from chat model %s broke off (%s: %s); the connection is closed",
+                                request.path, model.name, type(exc).__name__, exc)
+                    _abort(request)
+                return self.response
+            if _gone(request):
+                return web.Response(status=499, text="client closed the request")
+            model.failed_requests += 1
+            raise APIError(503, f"chat model {model.name}'s daemon did not answer ({type(exc).__name__}: {exc}); "
+                           "it is started again at the next request; retry", type="server_error",
+                           code="model_unavailable", headers={"Retry-After": "5"}) from None
 
 
-async def _close_when_gone(request: web.Request, upstream: aiohttp.ClientResponse) -> None:
-    """Close the child's answer once the client has gone: the child sees its client leave and frees the slot."""
-    while not _gone(request):
-        await asyncio.sleep(CLIENT_CHECK)
-    upstream.close()
+def _abort(request: web.Request) -> None:
+    """Close the client's connection without ending the stream: its client sees a broken answer, not a whole one."""
+    if request.transport is not None:
+        request.transport.close()
 
 
 def _gone(request: web.Request) -> bool:

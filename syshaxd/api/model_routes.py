@@ -19,7 +19,7 @@ routes = web.RouteTableDef()
 def _model_card(request: web.Request) -> dict:
     """The daemon's own chat model: loaded while the daemon runs."""
     return {"id": request.app[MODEL_NAME], "object": "model", "created": int(request.app[STARTED]),
-            "owned_by": "syshax", "syshax": {"kind": "chat", "state": "ready" if request.app[SCHEDULER].is_ready()
+            "owned_by": "syshax", "syshax": {"kind": "chat", "state": "ready" if request.app[SCHEDULER].engines_ready()
                                              else "loading", "load": "start", "mode": request.app[SCHEDULER].mode}}
 
 

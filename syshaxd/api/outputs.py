@@ -38,6 +38,8 @@ def _client_gone(request: web.Request) -> bool:
 async def next_event(request: web.Request, stream: Fanout | RequestStream, deadline: float | None):
     """The stream's next event; None if the client left. Raises APIError past the deadline."""
     while True:
+        if _client_gone(request):  # looked at each event too: tokens that keep coming must not hide a client that
+            return None            # left an answer without a stream, which would then be generated to its end
         timeout = _DISCONNECT_POLL
         if deadline is not None:
             timeout = min(timeout, max(deadline - time.monotonic(), 0.0))

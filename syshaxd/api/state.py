@@ -155,11 +155,13 @@ class ServiceState:
                 (change.applied if key in LIVE_KEYS else change.restart)[key] = (before, after)
         if "routing_rules" in change.applied:
             try:  # a rule on a model this daemon does not serve could never match
-                check_served(new.routing_rules, self.scheduler.model_name)
+                check_served(new.routing_rules, self.scheduler.model_name,
+                             tuple(m.name for m in self.scheduler.entries.of_kind("chat")))
             except RuleError as exc:
                 raise ConfigError(str(exc)) from None
         if change.applied:
             self.scheduler.config = old.replace(**{k: n for k, (_, n) in change.applied.items()})
+            self.scheduler.entries.reconfigure(self.scheduler.config)  # the chat models' daemons take them too
         if "log_level" in change.applied:
             level = change.applied["log_level"][1]
             logging.getLogger().setLevel(level.upper())

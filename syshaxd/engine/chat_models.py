@@ -10,9 +10,10 @@ memory. It listens on 127.0.0.1 with a key of its own, written where only this d
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -20,7 +21,8 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Mapping
+import tomllib
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +39,25 @@ READY_LINE = "syshaxd ready on "  # what a daemon prints on stdout once it serve
 NOT_READY = re.compile(r"engines did not become ready \((.*)\); the daemon keeps answering")
 LOG_LINE = re.compile(r"^\S+ \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) (.*)$")  # the daemon's log format
 STOP_GRACE = 10.0  # seconds past its drain_timeout a child may take to stop before it is killed
-_PR_SET_PDEATHSIG = 1
+LINE_LIMIT = 1 << 20  # bytes of one line of the child's output read at once; a longer one is read in pieces
+PARENT_VARIABLE = "SYSHAX_PARENT_PID"  # tells a child daemon to stop with this one (daemon.stop_with_parent)
 
 
-def _stop_with_parent() -> None:
-    """In the child, before exec: SIGTERM it (a drain, then a clean stop) if this daemon dies, even by kill -9."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+def folder_name(model: str) -> str:
+    """A model's name as one safe path component (names may hold "/" or ".."), unique by a hash of the name."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", model).strip(".") or "model"
+    return f"{safe[:48]}-{hashlib.sha256(model.encode()).hexdigest()[:8]}"
+
+
+def child_environment(entry: ModelEntry, env: Mapping[str, str]) -> dict[str, str]:
+    """The child's environment: this daemon's, less the variables that would override the entry's own keys
+    (SYSHAX_QUANTIZE is in this daemon's quantize already), and with the pid it stops with."""
+    dropped = {"SYSHAX_QUANTIZE"}
+    if entry.cpu_affinity:
+        dropped.add("CUSTOM_CPU_AFFINITY")
+    if entry.threads:
+        dropped.add("OMP_NUM_THREADS")
+    return {k: v for k, v in env.items() if k not in dropped} | {PARENT_VARIABLE: str(os.getpid())}
 
 
 def child_config(cfg: Config, entry: ModelEntry, path: Path, folder: Path, env: Mapping[str, str]) -> dict[str, Any]:
@@ -55,8 +67,8 @@ def child_config(cfg: Config, entry: ModelEntry, path: Path, folder: Path, env: 
     values.update(
         host="127.0.0.1", port=0, model=str(path), model_name=entry.name, models=[], max_loaded_models=0,
         admin_socket=str(folder / "admin.sock"), api_keys=[], api_key_file=str(folder / "api-key"),
-        metrics_require_key=False, web_ui=False, remote_nodes=[], local_decoders=True, node_listen="",
-        prefix_cache_dir=str(cfg.prefix_cache_dir_path(env) / "models" / entry.name),
+        web_ui=False, remote_nodes=[], local_decoders=True, node_listen="",
+        prefix_cache_dir=str(cfg.prefix_cache_dir_path(env) / "models" / folder_name(entry.name)),
         # a rule on another model could never match there (the child refuses such a rule at start)
         routing_rules=[r for r, rule in zip(plain("routing_rules", cfg.routing_rules), cfg.routing_rules)
                        if rule_can_match(rule, entry.name)])
@@ -71,8 +83,12 @@ def toml_text(values: Mapping[str, Any]) -> str:
     def value(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
-        if isinstance(v, (int, float, str)):
-            return json.dumps(v)  # JSON's strings and numbers are TOML's
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        if isinstance(v, (int, float)):
+            return json.dumps(v)
+        if isinstance(v, str):  # JSON's escapes are TOML's; TOML wants DEL escaped too, and no surrogate pairs
+            return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
         if isinstance(v, dict):
@@ -88,10 +104,11 @@ class ChildDaemon:
 
     remote = False
 
-    def __init__(self, model: str, config: dict[str, Any], drain_timeout: float) -> None:
+    def __init__(self, model: str, config: dict[str, Any], env: dict[str, str], drain_timeout: float) -> None:
         self.name = f"chat-{model}"
         self.model = model
         self.config = config
+        self.env = env
         self.drain_timeout = drain_timeout
         self.state = HandleState.STOPPED
         self.error = ""
@@ -103,6 +120,7 @@ class ChildDaemon:
         self.folder: Path | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._session = None  # an aiohttp.ClientSession to it, made by the first forwarded request
 
     @property
@@ -117,34 +135,60 @@ class ChildDaemon:
         import aiohttp
 
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+            # no bound on connections: the child's own max_queue_size and max_connections answer a crowd
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         return self._session
 
+    def _write_config(self) -> Path:
+        assert self.folder is not None
+        config = {k: (v.replace("{folder}", str(self.folder)) if isinstance(v, str) else v)
+                  for k, v in self.config.items()}
+        path = self.folder / "syshax.toml"
+        path.write_text(toml_text(config))
+        return path
+
     async def _run(self) -> None:
+        readers: asyncio.Future | None = None
         try:
             self.folder = Path(tempfile.mkdtemp(prefix="syshax-model-", dir=_runtime_dir()))
-            key_file = Path(self.config["api_key_file"].replace("{folder}", str(self.folder)))
-            config = {k: (v.replace("{folder}", str(self.folder)) if isinstance(v, str) else v)
-                      for k, v in self.config.items()}
+            key_file = self.folder / "api-key"
             key_file.write_text(self.key + "\n")
             key_file.chmod(0o600)
-            path = self.folder / "syshax.toml"
-            path.write_text(toml_text(config))
+            path = self._write_config()
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "syshaxd", "--config", str(path), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_stop_with_parent)
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self.env, limit=LINE_LIMIT)
             log.info("chat model %s: started its daemon (pid %d)", self.model, self.proc.pid)
-            await asyncio.gather(self._read_stdout(), self._read_stderr())
+            if self._stopping:  # stopped while it was being started
+                self._signal(signal.SIGTERM)
+            readers = asyncio.gather(self._read_stdout(), self._read_stderr())
             code = await self.proc.wait()
+            try:  # what it wrote last; a process it left behind holding the pipes must not hold this up
+                await asyncio.wait_for(asyncio.shield(readers), 2.0)
+            except asyncio.TimeoutError:
+                pass
         except Exception as exc:  # noqa: BLE001 - a child that cannot start must say why, not end the daemon
             log.exception("chat model %s: its daemon could not start", self.model)
+            self._signal(signal.SIGKILL)
             self._failed(f"its daemon could not start: {exc}")
             return
         finally:
+            if readers is not None:
+                readers.cancel()
             self.exited = True
+            self.ready.clear()
         if self.state != HandleState.STOPPED:  # not stopped by us: it died, or never served
             self._failed(self.error or f"its daemon exited with code {code} (see the lines above, under "
                          f"'model {self.model}:')")
+
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        """New keys for the running child (a reload of this daemon): its file rewritten, then SIGHUP, which
+        applies the live keys as a reload of any daemon does."""
+        self.config = config
+        if self.folder is not None and self.proc is not None and self.proc.returncode is None:
+            self._write_config()
+            self._signal(signal.SIGHUP)
 
     def _failed(self, why: str) -> None:
         if self.state != HandleState.FAILED:
@@ -154,7 +198,7 @@ class ChildDaemon:
 
     async def _read_stdout(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        async for raw in self.proc.stdout:
+        async for raw in _lines(self.proc.stdout):
             line = raw.decode(errors="replace").rstrip()
             if line.startswith(READY_LINE) and self.state == HandleState.STARTING:
                 self.url = line[len(READY_LINE):].strip()
@@ -169,7 +213,7 @@ class ChildDaemon:
         """The child's log lines, passed on at their own level under the model's name."""
         assert self.proc is not None and self.proc.stderr is not None
         level = logging.INFO
-        async for raw in self.proc.stderr:
+        async for raw in _lines(self.proc.stderr):
             line = raw.decode(errors="replace").rstrip()
             parsed = LOG_LINE.match(line)
             if parsed:
@@ -188,9 +232,14 @@ class ChildDaemon:
                 pass
 
     async def stop(self) -> None:
-        """Drain the child (its requests in progress finish, up to its drain_timeout), then stop it."""
+        """Drain the child (its requests in progress finish, up to its drain_timeout), then stop it. It goes on to
+        the end when the caller is cancelled (a request that was unloading it to make room, at shutdown)."""
+        await asyncio.shield(self._stop())
+
+    async def _stop(self) -> None:
         if self.state != HandleState.FAILED:
             self.state = HandleState.STOPPED
+        self._stopping = True
         self.ready.clear()
         if self._session is not None:
             await self._session.close()
@@ -202,9 +251,25 @@ class ChildDaemon:
                 log.warning("chat model %s: its daemon did not stop within %gs; killed", self.model,
                             self.drain_timeout + STOP_GRACE)
                 self._signal(signal.SIGKILL)
-                await self._task
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._task), STOP_GRACE)
+                except asyncio.TimeoutError:
+                    log.error("chat model %s: its daemon (pid %s) is still there after SIGKILL", self.model,
+                              self.proc.pid if self.proc else "?")
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+async def _lines(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The reader's lines; one longer than its limit comes in pieces rather than ending the reading."""
+    while True:
+        try:
+            line = await reader.readline()
+        except ValueError:  # over the limit: what is buffered, and the rest of the line next time
+            line = await reader.read(LINE_LIMIT)
+        if not line:
+            return
+        yield line
 
 
 def _runtime_dir() -> str | None:
@@ -220,18 +285,31 @@ class ChatModel(EntryModel):
 
     kind = "chat"
 
-    def __init__(self, entry: ModelEntry, path: Path, config: dict[str, Any], drain_timeout: float) -> None:
+    def __init__(self, entry: ModelEntry, path: Path, cfg: Config, env: Mapping[str, str]) -> None:
         super().__init__(entry, path)
-        self.config = config
-        self.drain_timeout = drain_timeout
+        self.env = dict(env)
+        self.config = child_config(cfg, entry, path, Path("{folder}"), env)
+        self.drain_timeout = cfg.drain_timeout
         self.failed_requests = 0
+
+    def reconfigure(self, cfg: Config) -> None:
+        """This daemon's keys changed (SIGHUP, syshax config set): its next load, and its running daemon now
+        (live keys only, as any daemon's reload), take them."""
+        mode = self.config["mode"]  # its mode stays as it started (syshax mode changes this daemon's own)
+        self.config = child_config(cfg, self.entry, self.path, Path("{folder}"), self.env) | {"mode": mode}
+        self.drain_timeout = cfg.drain_timeout
+        if isinstance(self.handle, ChildDaemon):
+            self.handle.reconfigure(self.config)
 
     @property
     def mode(self) -> str:
         return str(self.config["mode"])
 
     def _new_handle(self) -> ChildDaemon:
-        return ChildDaemon(self.name, self.config, self.drain_timeout)
+        return ChildDaemon(self.name, self.config, child_environment(self.entry, self.env), self.drain_timeout)
+
+    def served_once(self) -> bool:
+        return isinstance(self.handle, ChildDaemon) and self.handle.was_ready
 
     def _restartable(self, handle) -> bool:
         """A child that served and then died starts again at the next request; one that never served stays failed
@@ -253,11 +331,15 @@ class ChatModel(EntryModel):
 def plan_chat(cfg: Config, entry: ModelEntry, where: str, path: Path, env: Mapping[str, str]) -> ChatModel:
     """A chat entry: its child daemon's config, checked now as the child would check it (ModelsError names what is
     wrong), so a bad entry stops this daemon's start and not a request later."""
-    config = child_config(cfg, entry, path, Path("{folder}"), env)
+    model = ChatModel(entry, path, cfg, env)
+    config = model.config
     try:
         from_mapping({k: v for k, v in config.items() if k not in ("api_key_file", "admin_socket")})
+        tomllib.loads(toml_text(config))  # as the child will read it
     except ConfigError as exc:
         raise ModelsError(f"{where}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ModelsError(f"{where}: its daemon's config cannot be written as TOML ({exc}); see the keys' values")
     log.info("chat model %s: %s (mode %s, n_ctx %d, load %s), served by a syshaxd of its own", entry.name, path.name,
              config["mode"], config["n_ctx"], entry.load)
-    return ChatModel(entry, path, config, cfg.drain_timeout)
+    return model

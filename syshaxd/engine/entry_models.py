@@ -80,8 +80,12 @@ class EntryModel:
 
     @property
     def busy(self) -> bool:
-        """In use, asked for, or still loading: never unloaded to make room."""
-        return bool(self.active or self.waiting) or self.state != HandleState.READY
+        """In use, asked for, or still loading: never unloaded to make room (a failed one is)."""
+        return bool(self.active or self.waiting) or self.state not in (HandleState.READY, HandleState.FAILED)
+
+    def served_once(self) -> bool:
+        """Whether what runs it now was ready once (a child daemon that died since is started again on demand)."""
+        return False
 
     def _new_handle(self) -> Loaded:
         raise NotImplementedError
@@ -107,7 +111,11 @@ class EntryModel:
         self.waiting += 1
         try:
             while True:
-                async with self._changing:
+                try:  # an unload waiting for a request in use holds the lock: wait for it within the deadline
+                    await asyncio.wait_for(self._changing.acquire(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise EngineUnavailable(f"{self.kind} model {self.name} is being unloaded; retry shortly") from None
+                try:
                     if self.handle is not None and (self._restartable(self.handle) or (
                             retry and self.handle.state == HandleState.FAILED)):
                         old, self.handle = self.handle, None
@@ -118,6 +126,8 @@ class EntryModel:
                                  "on its first request" if not self.loads else "asked for again")
                         self.start()
                     handle = self.handle
+                finally:
+                    self._changing.release()
                 assert handle is not None
                 await self._ready(handle, deadline)
                 if self.handle is handle:  # not unloaded while it loaded
@@ -200,8 +210,8 @@ class EntryModels:
     def is_ready(self) -> bool:
         """Every model that loads with the daemon has been ready: a reload later (keep_alive, make room) does not
         take the daemon out of a load balancer, and an on-demand one loads when asked."""
-        return all(m.state == HandleState.READY or m.loads > 1 or m.unloaded or (self.max_loaded and m.handle is None)
-                   for m in self.models.values() if m.entry.load == "start")
+        return all(m.state == HandleState.READY or m.served_once() or m.loads > 1 or m.unloaded
+                   or (self.max_loaded and m.handle is None) for m in self.models.values() if m.entry.load == "start")
 
     def loading_line(self) -> str:
         return ", ".join(f"{m.name} {m.state}" for m in self.models.values() if m.entry.load == "start")
@@ -222,7 +232,9 @@ class EntryModels:
             loaded = [m for m in self.models.values() if m.handle is not None and m is not model]
             if len(loaded) < self.max_loaded:
                 return
-            idle = sorted((m for m in loaded if not m.busy), key=lambda m: m.last_used)
+            # a failed one first (it holds a place and serves nothing), then the least recently used
+            idle = sorted((m for m in loaded if not m.busy),
+                          key=lambda m: (m.state != HandleState.FAILED, m.last_used))
             if idle:
                 await idle[0].unload(f"to make room for {model.name} (max_loaded_models = {self.max_loaded})")
                 continue
@@ -248,3 +260,8 @@ class EntryModels:
 
     async def stop(self) -> None:
         await asyncio.gather(*(h.stop() for h in self.handles))
+
+    def reconfigure(self, cfg: Any) -> None:
+        """The daemon's config changed (SIGHUP, syshax config set): each chat model takes the new keys."""
+        for model in self.of_kind("chat"):
+            model.reconfigure(cfg)

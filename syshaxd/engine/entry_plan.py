@@ -15,6 +15,7 @@ from syshaxd.engine.chat_models import plan_chat
 from syshaxd.engine.embedders import plan_embedding
 from syshaxd.engine.entry_models import EntryModel, EntryModels, ModelsError
 from syshaxd.engine.numa import read_host_topology
+from syshaxd.model_entries import EntryError, folder_entries
 from syshaxd.sdk.gguf.header import GGUFError, read_gguf_header
 
 log = logging.getLogger(__name__)
@@ -23,11 +24,20 @@ log = logging.getLogger(__name__)
 def plan_entries(cfg: Config, chat_model: str, chat_model_path: Path, env: Mapping[str, str]) -> EntryModels:
     """The entries of cfg.models, each read and planned, under max_loaded_models."""
     models: list[EntryModel] = []
-    if not cfg.models:
+    entries = cfg.models
+    if cfg.models_dir:
+        try:
+            found = folder_entries(Path(cfg.models_dir).expanduser(), entries, chat_model_path, chat_model)
+        except EntryError as exc:
+            raise ModelsError(str(exc)) from None
+        log.info("models_dir %s: %d GGUF files served by name, loaded on demand: %s", cfg.models_dir, len(found),
+                 ", ".join(e.name for e in found) or "none")
+        entries += found
+    if not entries:
         return EntryModels(models, cfg.max_loaded_models)
     topology = read_host_topology()
-    for i, entry in enumerate(cfg.models):
-        where = f"models[{i}] ({entry.name})"
+    for i, entry in enumerate(entries):
+        where = f"models[{i}] ({entry.name})" if i < len(cfg.models) else f"models_dir ({entry.path})"
         if entry.name == chat_model:
             raise ModelsError(f"{where}: the daemon's own model is served as {chat_model!r}; give this entry "
                               "another name")

@@ -135,11 +135,15 @@ class Scheduler:
         self.config = self.config.replace(mode=Mode(mode))
 
     def is_ready(self) -> bool:
+        """The daemon's own model serves (engines_ready), and the [[models]] entries loaded at start have."""
+        return self.engines_ready() and self.entries.is_ready()
+
+    def engines_ready(self) -> bool:
         """Every worker of this host is ready, and a decoder (of this host or a remote node) where there are any:
         a remote node that is down costs capacity, not readiness, while another decoder serves."""
         local = [w for w in self.workers if not w.remote]
         return bool(self.workers) and all(w.state == HandleState.READY for w in local) and (
-            not self.decoders or any(w.state == HandleState.READY for w in self.decoders)) and self.entries.is_ready()
+            not self.decoders or any(w.state == HandleState.READY for w in self.decoders))
 
     # --- admission ----------------------------------------------------------------------------
 
