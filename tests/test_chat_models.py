@@ -274,14 +274,21 @@ def test_two_requests_for_an_unloaded_model_load_it_once(many):
     assert _chat_status(many, "small")["loads"] == loads + 1
 
 
-def test_bad_chat_entries_are_refused_at_start(default_model, tmp_path):
+@pytest.mark.parametrize("keys, words", [
+    ('quantize = "q3"', 'models[0] (c): quantize: must be "" (load every file as it is), "q4_0" or "q8_0"'),
+    ('cpu_affinity = "4096"', "models[0] (c).cpu_affinity: CPUs 4096 are not this daemon's to use"),
+    # 8,192 tokens for each of 100,000 sequences: terabytes of KV cache
+    ("n_ctx = 8192\nbatch_slots = 100000", "models: the models loaded at once (c (87 MiB file, "),
+])
+def test_bad_chat_entries_are_refused_at_start(default_model, tmp_path, keys, words):
+    """An entry its daemon could not serve stops this daemon's start, by name, not a request later."""
     d = start_daemon(tmp_path, {"model": str(default_model)}, wait=False,
-                     tables=f'[[models]]\nname = "c"\npath = "{default_model}"\nquantize = "q3"\n')
+                     tables=f'[[models]]\nname = "c"\npath = "{default_model}"\n{keys}\n')
     try:
         assert d.proc.wait(120) != 0
     finally:
         d.stop()
-    assert 'models[0] (c): quantize: must be "" (load every file as it is), "q4_0" or "q8_0"' in d.log(), d.log()
+    assert words in d.log(), d.log()
 
 
 def test_models_dir_serves_each_file_by_name(default_model, second_file, embed_file, tmp_path):

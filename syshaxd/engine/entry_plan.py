@@ -11,12 +11,13 @@ from pathlib import Path
 import psutil
 
 from syshaxd.config import Config
-from syshaxd.engine.chat_models import plan_chat
-from syshaxd.engine.embedders import plan_embedding
+from syshaxd.engine.chat_models import ChatModel, plan_chat
+from syshaxd.engine.embedders import EmbeddingModel, plan_embedding
 from syshaxd.engine.entry_models import EntryModel, EntryModels, ModelsError
 from syshaxd.engine.numa import read_host_topology
 from syshaxd.model_entries import EntryError, folder_entries
-from syshaxd.sdk.gguf.header import GGUFError, read_gguf_header
+from syshaxd.sdk.gguf.header import GGUFError, fingerprint_from_gguf, read_gguf_header
+from syshaxd.sdk.placement import format_cpulist, parse_cpulist
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +51,71 @@ def plan_entries(cfg: Config, chat_model: str, chat_model_path: Path, env: Mappi
             raise ModelsError(f"{where}: {path} is not a GGUF file llama.cpp reads ({exc})") from None
         arch = str(meta.get("general.architecture", ""))
         if int(meta.get(f"{arch}.pooling_type", 0) or 0) == 0:  # no pooling: a model that generates text
+            _check_cpus(entry.cpu_affinity, topology.cpus, where)
             models.append(plan_chat(cfg, entry, where, path, env))
         else:
             models.append(plan_embedding(entry, where, path, meta, cfg.cpu_engine, cfg.repack, topology))
-    _check_memory(models, cfg.max_loaded_models, chat_model_path)
+    _check_memory(models, cfg.max_loaded_models, cfg, chat_model_path)
+    _warn_shared_cpus(cfg.models, cfg.cpu_affinity)
     return EntryModels(models, cfg.max_loaded_models)
 
 
-def _check_memory(models: list[EntryModel], max_loaded: int, chat_model_path: Path) -> None:
-    """ModelsError when the largest files that may be loaded at once (max_loaded_models of them, or all) and the
-    daemon's own model cannot fit in this machine's memory even before their KV caches: a plan that can only
-    end in swapping or the OOM killer is refused at start, naming the models."""
-    biggest = sorted(models, key=lambda m: m.path.stat().st_size, reverse=True)[:max_loaded or None]
-    need = sum(m.path.stat().st_size for m in biggest) + chat_model_path.stat().st_size
+def _check_cpus(affinity: str, allowed: frozenset[int], where: str) -> None:
+    """ModelsError when a chat entry's cpu_affinity names CPUs this daemon may not use (its daemon would fail to
+    place its workers at its first load, long after the start)."""
+    for part in affinity.split(";") if affinity else ():
+        missing = sorted(parse_cpulist(part, what=f"{where}.cpu_affinity") - allowed)
+        if missing:
+            raise ModelsError(f"{where}.cpu_affinity: CPUs {format_cpulist(missing)} are not this daemon's to use "
+                              f"(it may use {format_cpulist(sorted(allowed))}); name CPUs among those")
+
+
+def _warn_shared_cpus(entries, own: str) -> None:
+    """A warning for models given the same CPUs by hand: they are placed as asked, and take turns when both busy."""
+    sets = [("the daemon's own model", own)] + [(e.name, e.cpu_affinity) for e in entries]
+    cpus = [(name, set().union(*(parse_cpulist(p) for p in affinity.split(";")))) for name, affinity in sets
+            if affinity]
+    for i, (a, first) in enumerate(cpus):
+        for b, second in cpus[i + 1:]:
+            if first & second:
+                log.warning("models: %s and %s share CPUs %s by their cpu_affinity; when both are busy they take "
+                            "turns on them", a, b, format_cpulist(sorted(first & second)))
+
+
+def kv_bytes_per_token(path: Path) -> int:
+    """The KV cache one token takes in F16 (K and V of every layer), from the GGUF's header; 0 when it says none."""
+    try:
+        f = fingerprint_from_gguf(path)
+    except (GGUFError, OSError):
+        return 0
+    return 2 * f.n_layer * f.n_head_kv * f.head_dim * 2
+
+
+def _need(path: Path, tokens: int) -> tuple[int, int]:
+    """(file bytes, KV bytes for `tokens`) of a model."""
+    return path.stat().st_size, kv_bytes_per_token(path) * tokens
+
+
+def _check_memory(models: list[EntryModel], max_loaded: int, cfg: Config, chat_model_path: Path) -> None:
+    """ModelsError when the entries that may be loaded at once (the max_loaded_models biggest, or all) and the
+    daemon's own model need more than this machine's memory: each its file and its KV cache (n_ctx tokens for each
+    of its sequences). A plan that can only end in swapping or the OOM killer is refused at start, naming them."""
+    def tokens(model: EntryModel) -> int:
+        if isinstance(model, ChatModel):
+            return int(model.config["n_ctx"]) * int(model.config["cpu_max_batch_size"])
+        return model.spec.n_ctx if isinstance(model, EmbeddingModel) else 0
+
+    needs = {m.name: _need(m.path, tokens(m)) for m in models}
+    biggest = sorted(models, key=lambda m: sum(needs[m.name]), reverse=True)[:max_loaded or None]
+    own = _need(chat_model_path, cfg.n_ctx * cfg.cpu_max_batch_size)
+    need = sum(sum(needs[m.name]) for m in biggest) + sum(own)
     total = psutil.virtual_memory().total
     if need > total:
-        names = ", ".join(f"{m.name} ({m.path.stat().st_size >> 20} MiB)" for m in biggest)
-        raise ModelsError(f"models: the files loaded at once ({names}, and the daemon's own model, "
-                          f"{chat_model_path.stat().st_size >> 20} MiB) need {need >> 20} MiB, more than this "
-                          f"machine's {total >> 20} MiB of memory; lower max_loaded_models or remove an entry")
-    log.info("models: %d entries; at most %s loaded at once, their files %d MiB with the daemon's own model",
-             len(models), max_loaded or "all", need >> 20)
+        names = ", ".join(f"{m.name} ({needs[m.name][0] >> 20} MiB file, {needs[m.name][1] >> 20} MiB KV)"
+                          for m in biggest)
+        raise ModelsError(f"models: the models loaded at once ({names}, and the daemon's own model: {own[0] >> 20} "
+                          f"MiB file, {own[1] >> 20} MiB KV) need {need >> 20} MiB, more than this machine's "
+                          f"{total >> 20} MiB of memory; lower max_loaded_models, an entry's n_ctx or batch_slots, "
+                          "or remove an entry")
+    log.info("models: %d entries; at most %s loaded at once, needing %d MiB with the daemon's own model (files and "
+             "KV caches)", len(models), max_loaded or "all", need >> 20)
