@@ -103,9 +103,9 @@ class Config:
     models_dir: str = key("", _SERVE, "A folder whose GGUF files are each served as a [[models]] entry named by its "
                           'file name without ".gguf", loaded on demand (llama-server\'s --models-dir); an entry of '
                           "[[models]] with the same name wins. Empty: none.")
-    max_loaded_models: int = key(0, _SERVE, "The most [[models]] entries (chat and embedding) loaded at once; "
-                                 "loading one more unloads the least recently used idle one first. 0: no bound. "
-                                 "The daemon's own model always stays loaded and does not count.")
+    max_loaded_models: int = key(0, _SERVE, "The most models loaded at once, the daemon's own model (always loaded) "
+                                 "counted: with [[models]] entries, 2 or more. Loading one more entry (chat or "
+                                 "embedding) unloads the least recently used idle one first. 0: no bound.")
 
     cpu_engine: str = key("llamacpp", _CPU_ENGINE, "The backend plugin of the CPU workers (`syshax plugins` lists the "
                           'installed ones); "llamacpp" is the built-in one.')

@@ -1,6 +1,6 @@
 """Several chat models in one daemon: chat entries of [[models]], each served by a syshaxd of its own that the daemon
 starts, forwards to, and stops (engine/chat_models.py, api/model_proxy.py), beside an embedding model, under
-max_loaded_models = 2.
+max_loaded_models = 3 (the daemon's own model counted: two entries at once).
 
 The second chat model is families.py's qwen2 (another architecture, another vocabulary); its greedy texts are
 compared with a single-model daemon's on the same file. The third is the default model under another name, which
@@ -47,10 +47,11 @@ def embed_file():
 @pytest.fixture(scope="module")
 def many(default_model, second_file, embed_file, tmp_path_factory):
     """The default model, plus [[models]]: `second` (qwen2, loaded at start), `small` (the default model's file,
-    on demand, unloaded after 3 s idle) and `embed` (loaded at start); at most two entries loaded at once."""
+    on demand, unloaded after 3 s idle) and `embed` (loaded at start); at most three models loaded at once, the
+    daemon's own counted: two entries."""
     tmp = tmp_path_factory.mktemp("chat-models")
     d = start_daemon(tmp, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024,
-                           "max_loaded_models": 2, "admin_socket": str(tmp / "admin.sock")},
+                           "max_loaded_models": 3, "admin_socket": str(tmp / "admin.sock")},
                      tables=f'[[models]]\nname = "second"\npath = "{second_file}"\n'
                             f'[[models]]\nname = "small"\npath = "{default_model}"\nload = "on_demand"\n'
                             'keep_alive = "3s"\n'
@@ -125,7 +126,8 @@ def test_each_model_answers_by_name_and_the_third_loads_in_room_for_two(many):
     second_pid = _chat_status(many, "second")["pid"]
     assert [_chat(many, "small", p) for p in PROMPTS] == own  # loads small: second was used least recently
     assert _states(many) == {MODEL_NAME: "ready", "second": "unloaded", "small": "ready", "embed": "ready"}
-    assert "chat model second: unloaded (to make room for small (max_loaded_models = 2))" in many.log()
+    assert ("chat model second: unloaded (to make room for small (max_loaded_models = 3, the daemon's own model "
+            "counted))") in many.log()
     assert not psutil.pid_exists(second_pid)  # its daemon, and with it its workers, are gone
     assert _chat(many, "second", PROMPTS[1]) == _chat(many, "second", PROMPTS[1])  # loaded again: same answers
     assert sum(s == "ready" for n, s in _states(many).items() if n != MODEL_NAME) == 2
@@ -312,3 +314,14 @@ def test_models_dir_serves_each_file_by_name(default_model, second_file, embed_f
         assert len(_client(d).embeddings.create(model="vectors", input="x").data[0].embedding) == 256
     finally:
         assert d.stop(60) == 0, d.log()
+
+
+def test_max_loaded_models_counts_the_daemons_own_model(default_model, tmp_path):
+    """1 leaves no room for an entry beside the daemon's own model, which is always loaded: refused at start."""
+    d = start_daemon(tmp_path, {"model": str(default_model), "max_loaded_models": 1}, wait=False,
+                     tables=f'[[models]]\nname = "c"\npath = "{default_model}"\n')
+    try:
+        assert d.proc.wait(120) != 0
+    finally:
+        d.stop()
+    assert "max_loaded_models = 1 leaves no room for the models of [[models]]" in d.log(), d.log()

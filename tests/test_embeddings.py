@@ -274,12 +274,12 @@ def test_entries_round_trip_through_the_admin_form(embed_file):
 
 @pytest.fixture(scope="module")
 def swapping(default_model, embed_file, tmp_path_factory):
-    """Three entries of one file under max_loaded_models = 2: one loaded at start, two on demand, one of those
-    unloaded after 2 s idle."""
+    """Three entries of one file under max_loaded_models = 3 (two entries beside the daemon's own model): one
+    loaded at start, two on demand, one of those unloaded after 2 s idle."""
     tmp = tmp_path_factory.mktemp("swapping")
     entry = f'path = "{embed_file}"\nn_ctx = {N_CTX}\n'
     d = start_daemon(tmp, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024,
-                           "max_loaded_models": 2, "admin_socket": str(tmp / "admin.sock")},
+                           "max_loaded_models": 3, "admin_socket": str(tmp / "admin.sock")},
                      tables=f'[[models]]\nname = "a"\n{entry}'
                             f'[[models]]\nname = "b"\n{entry}load = "on_demand"\n'
                             f'[[models]]\nname = "c"\n{entry}load = "on_demand"\nkeep_alive = "2s"\n')
@@ -304,7 +304,8 @@ def test_max_loaded_models_unloads_the_least_recently_used(swapping):
     pid_a = {m["name"]: m for m in swapping.status()["embedding_models"]}["a"]["worker"]["pid"]
     assert _post(swapping, {"model": "c", "input": "load c"})[0] == 200  # a is the least recently used
     assert _states(swapping)["a"] == "unloaded" and _states(swapping)["c"] == "ready"
-    assert "embedding model a: unloaded (to make room for c (max_loaded_models = 2))" in swapping.log()
+    assert ("embedding model a: unloaded (to make room for c (max_loaded_models = 3, the daemon's own model "
+            "counted))") in swapping.log()
     assert not _alive(pid_a)  # its memory is given back with its process
     assert http_json(f"{swapping.url}/health")[0] == 200  # unloaded on purpose: still healthy
 
@@ -374,12 +375,12 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def tight(default_model, embed_file, tmp_path_factory):
-    """Room for one entry at a time (max_loaded_models = 1): x, and y with keep_alive 0 (unloaded once its
-    requests are done), both on demand."""
+    """Room for one entry at a time (max_loaded_models = 2, the daemon's own model counted): x, and y with
+    keep_alive 0 (unloaded once its requests are done), both on demand."""
     tmp = tmp_path_factory.mktemp("tight")
     entry = f'path = "{embed_file}"\nn_ctx = {N_CTX}\nload = "on_demand"\n'
     d = start_daemon(tmp, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024,
-                           "max_loaded_models": 1},
+                           "max_loaded_models": 2},
                      tables=f'[[models]]\nname = "x"\n{entry}[[models]]\nname = "y"\n{entry}keep_alive = 0\n')
     yield d
     assert d.stop() == 0, d.log()

@@ -1,6 +1,8 @@
 """The models of [[models]], loaded with the daemon or at their first request and unloaded when idle: what an
 embedding model (engine/embedders.py: a worker of this daemon) and a chat model (engine/chat_models.py: a syshaxd of
-its own) share, and their one owner, which keeps at most max_loaded_models of them loaded.
+its own) share, and their one owner, which keeps at most max_loaded_models models loaded, the daemon's own model
+(always loaded) counted among them, as Ollama's OLLAMA_MAX_LOADED_MODELS and llama-server's --models-max count every
+model.
 
 The daemon's own chat model (the `model` key) is not among them: it stays loaded while the daemon runs.
 """
@@ -187,7 +189,8 @@ class EntryModels:
 
     def __init__(self, models: list[EntryModel], max_loaded: int = 0) -> None:
         self.models = {m.name: m for m in models}
-        self.max_loaded = max_loaded  # 0: no bound
+        self.max_loaded = max_loaded  # 0: no bound; else the daemon's own model and the entries loaded together
+        self.room: int | None = max_loaded - 1 if max_loaded else None  # entries loaded at once; None: any
 
     def __contains__(self, name: str) -> bool:
         return name in self.models
@@ -203,15 +206,16 @@ class EntryModels:
         return [m.handle for m in self.models.values() if m.handle is not None]
 
     def start(self) -> None:
-        """Load the models that load with the daemon (the first max_loaded_models of them, where that is set)."""
-        for model in [m for m in self.models.values() if m.entry.load == "start"][:self.max_loaded or None]:
+        """Load the models that load with the daemon (the first of them that fit under max_loaded_models)."""
+        for model in [m for m in self.models.values() if m.entry.load == "start"][:self.room]:
             model.start()
 
     def is_ready(self) -> bool:
         """Every model that loads with the daemon has been ready: a reload later (keep_alive, make room) does not
         take the daemon out of a load balancer, and an on-demand one loads when asked."""
         return all(m.state == HandleState.READY or m.served_once() or m.loads > 1 or m.unloaded
-                   or (self.max_loaded and m.handle is None) for m in self.models.values() if m.entry.load == "start")
+                   or (self.room is not None and m.handle is None) for m in self.models.values()
+                   if m.entry.load == "start")
 
     def loading_line(self) -> str:
         return ", ".join(f"{m.name} {m.state}" for m in self.models.values() if m.entry.load == "start")
@@ -228,19 +232,21 @@ class EntryModels:
         """Under max_loaded_models, unload the least recently used idle model until `model` fits; EngineUnavailable
         when every loaded one stays busy until the deadline. (A model makes room only while it is not loaded, and
         unloads only loaded ones, so two loads never wait on each other.)"""
-        while self.max_loaded:
+        while self.room is not None:
             loaded = [m for m in self.models.values() if m.handle is not None and m is not model]
-            if len(loaded) < self.max_loaded:
+            if len(loaded) < self.room:
                 return
             # a failed one first (it holds a place and serves nothing), then the least recently used
             idle = sorted((m for m in loaded if not m.busy),
                           key=lambda m: (m.state != HandleState.FAILED, m.last_used))
             if idle:
-                await idle[0].unload(f"to make room for {model.name} (max_loaded_models = {self.max_loaded})")
+                await idle[0].unload(f"to make room for {model.name} (max_loaded_models = {self.max_loaded}, the "
+                                     "daemon's own model counted)")
                 continue
             if time.monotonic() >= deadline:
-                raise EngineUnavailable(f"{model.kind} model {model.name} cannot load: the {self.max_loaded} models "
-                                        "loaded (max_loaded_models) all stay busy; retry shortly")
+                raise EngineUnavailable(f"{model.kind} model {model.name} cannot load: the {self.room} models of "
+                                        "[[models]] loaded beside the daemon's own (max_loaded_models = "
+                                        f"{self.max_loaded}) all stay busy; retry shortly")
             await asyncio.sleep(0.1)
 
     async def unload_idle(self, every: float = 0.5) -> None:

@@ -36,6 +36,9 @@ def plan_entries(cfg: Config, chat_model: str, chat_model_path: Path, env: Mappi
         entries += found
     if not entries:
         return EntryModels(models, cfg.max_loaded_models)
+    if cfg.max_loaded_models == 1:
+        raise ModelsError("max_loaded_models = 1 leaves no room for the models of [[models]]: it counts the daemon's "
+                          "own model, which is always loaded; set 2 or more (2: one entry at a time), or 0 (no bound)")
     topology = read_host_topology()
     for i, entry in enumerate(entries):
         where = f"models[{i}] ({entry.name})" if i < len(cfg.models) else f"models_dir ({entry.path})"
@@ -97,16 +100,16 @@ def _need(path: Path, tokens: int) -> tuple[int, int]:
 
 
 def _check_memory(models: list[EntryModel], max_loaded: int, cfg: Config, chat_model_path: Path) -> None:
-    """ModelsError when the entries that may be loaded at once (the max_loaded_models biggest, or all) and the
-    daemon's own model need more than this machine's memory: each its file and its KV cache (n_ctx tokens for each
-    of its sequences). A plan that can only end in swapping or the OOM killer is refused at start, naming them."""
+    """ModelsError when the entries that may be loaded at once (the biggest that fit under max_loaded_models, or
+    all) and the daemon's own model need more than this machine's memory: each its file and its KV cache (n_ctx
+    tokens for each of its sequences). A plan that can only end in swapping or the OOM killer is refused at start, naming them."""
     def tokens(model: EntryModel) -> int:
         if isinstance(model, ChatModel):
             return int(model.config["n_ctx"]) * int(model.config["cpu_max_batch_size"])
         return model.spec.n_ctx if isinstance(model, EmbeddingModel) else 0
 
     needs = {m.name: _need(m.path, tokens(m)) for m in models}
-    biggest = sorted(models, key=lambda m: sum(needs[m.name]), reverse=True)[:max_loaded or None]
+    biggest = sorted(models, key=lambda m: sum(needs[m.name]), reverse=True)[:max_loaded - 1 if max_loaded else None]
     own = _need(chat_model_path, cfg.n_ctx * cfg.cpu_max_batch_size)
     need = sum(sum(needs[m.name]) for m in biggest) + sum(own)
     total = psutil.virtual_memory().total
