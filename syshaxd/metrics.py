@@ -37,11 +37,11 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
 
@@ -102,10 +102,35 @@ class Metrics:
     def count_http(self, route: str, method: str, status: int) -> None:
         self.http_requests.labels(route, method, str(status)).inc()
 
-    def render(self, accept: str | None = None) -> tuple[bytes, str]:
-        """The exposition in the format the scraper asks for (Accept), and its content type."""
+    def render(self, accept: str | None = None, others: Iterable[Metric] = ()) -> tuple[bytes, str]:
+        """The exposition in the format the scraper asks for (Accept), and its content type; `others`: families of
+        other models (the chat models of [[models]], each under its model_name), their samples added to this
+        daemon's families of the same name."""
         encode, content_type = choose_encoder(accept or "")  # Prometheus' text 0.0.4 unless OpenMetrics is asked for
-        return encode(self.registry), content_type
+        return encode(_Merged(self.registry, list(others))), content_type
+
+
+class _Merged:
+    """A registry's families with other models' samples of the same families added (a family once, as the
+    exposition formats require), and the other families after them."""
+
+    def __init__(self, registry: CollectorRegistry, others: list[Metric]) -> None:
+        self.registry = registry
+        self.others = others
+
+    def collect(self) -> Iterator[Metric]:
+        extra: dict[str, list] = {}
+        for family in self.others:
+            extra.setdefault(family.name, []).append(family)
+        for family in self.registry.collect():
+            for other in extra.pop(family.name, []):
+                family.samples.extend(other.samples)
+            yield family
+        for families in extra.values():
+            first = families[0]
+            for other in families[1:]:
+                first.samples.extend(other.samples)
+            yield first
 
 
 @dataclass(frozen=True)
@@ -146,7 +171,7 @@ class TokenSeries:
     def describe(self):
         return []  # unchecked, as _EngineCollector: the registry learns the names when it collects
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         label = [self.model_name]
         generated = CounterMetricFamily("vllm:generation_tokens", "Tokens generated.", labels=["model_name"])
         generated.add_metric(label, self.generated)
@@ -258,7 +283,7 @@ class _EngineCollector:
     def describe(self):
         return []  # unchecked: the families depend on what status() holds at scrape time
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         try:
             status = self.status()
             service = self.service() or {}

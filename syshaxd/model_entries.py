@@ -141,8 +141,9 @@ def folder_entries(folder: Path, own: tuple[ModelEntry, ...], served: Path, serv
     for path in files:
         stem = path.name[:-len(".gguf")]
         copy = re.fullmatch(r"(.+)\.(q4_0|q8_0)", stem)
+        part = re.search(r"-(\d{5})-of-\d{5}$", stem)
         if (copy and f"{copy.group(1)}.gguf" in sources) or stem.lower().startswith("mmproj") \
-                or re.search(r"-0000[2-9]-of-\d{5}$|-000[1-9]\d-of-\d{5}$", stem):
+                or (part and int(part.group(1)) > 1):
             continue
         if path.resolve() == served.resolve() or stem in taken:
             continue

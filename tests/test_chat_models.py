@@ -116,6 +116,18 @@ def test_greedy_texts_equal_a_single_model_daemons(many, alone):
                                                                                           PROMPTS[0])
 
 
+def test_a_dead_child_is_started_again_by_the_next_request(many):
+    """The daemon stays healthy (its own model serves); the model's next request starts its daemon again."""
+    want = _chat(many, "second", PROMPTS[2])
+    status = _chat_status(many, "second")
+    assert status["loads"] == 1  # (loaded once, at start: a later load would keep /health up by itself)
+    os.kill(status["pid"], signal.SIGKILL)
+    wait_for(lambda: _chat_status(many, "second")["state"] == "failed", 30, "the daemon to see its child die")
+    assert http_json(f"{many.url}/health")[0] == 200
+    assert _chat(many, "second", PROMPTS[2]) == want
+    assert _chat_status(many, "second")["loads"] == status["loads"] + 1
+
+
 def test_each_model_answers_by_name_and_the_third_loads_in_room_for_two(many):
     """The daemon's own model, `small` (its file under another name: the same texts), `second`, and the embedding
     model each answer; asking for the unloaded `small` unloads the least recently used idle entry."""
@@ -160,9 +172,18 @@ def test_every_surface_shows_every_model(many):
     status = _syshax(many, "status")
     assert status.returncode == 0 and "chat model second (qwen2-" in status.stdout, status.stdout
     _chat(many, "second", "hello")
+    _chat(many, MODEL_NAME, "hello")
     metrics = urllib_get(f"{many.url}/metrics")
     assert 'syshax_chat_model_loaded{model_name="second"} 1.0' in metrics
     assert re.search(r'syshax_chat_model_requests_total\{model_name="second"\} [1-9]', metrics)
+    # the model's own series (vLLM's, under its model_name) join the daemon's, each family once
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = [f.name for f in text_string_to_metric_families(metrics)]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    ttft = {s.labels["model_name"]: s.value for f in text_string_to_metric_families(metrics)
+            if f.name == "vllm:time_to_first_token_seconds" for s in f.samples if s.name.endswith("_count")}
+    assert ttft[MODEL_NAME] >= 1 and ttft["second"] >= 1, ttft
     page = urllib_get(f"{many.url}/")
     assert 'id="model-pick"' in page
 
@@ -241,17 +262,6 @@ def test_keep_alive_unloads_an_idle_chat_model(many):
     assert re.search(r"chat model small: unloaded \(idle for \d+s, keep_alive 3s\)", many.log())
 
 
-def test_a_dead_child_is_started_again_by_the_next_request(many):
-    """The daemon stays healthy (its own model serves); the model's next request starts its daemon again."""
-    want = _chat(many, "second", PROMPTS[2])
-    status = _chat_status(many, "second")
-    os.kill(status["pid"], signal.SIGKILL)
-    wait_for(lambda: _chat_status(many, "second")["state"] == "failed", 30, "the daemon to see its child die")
-    assert http_json(f"{many.url}/health")[0] == 200
-    assert _chat(many, "second", PROMPTS[2]) == want
-    assert _chat_status(many, "second")["loads"] == status["loads"] + 1
-
-
 def test_a_failed_model_makes_room_first(many):
     """A model whose daemon died holds a place under max_loaded_models but serves nothing: loading another model
     unloads it before an idle one that serves, though it was used last."""
@@ -303,11 +313,13 @@ def test_models_dir_serves_each_file_by_name(default_model, second_file, embed_f
                          ("mmproj-alpha-f16.gguf", alpha), ("beta.q4_0.gguf", second_file),
                          ("own.gguf", default_model)]:  # (own: the daemon's own file, served as its own model)
         (folder / name).symlink_to(target)
+    (folder / "partial.gguf").write_bytes(b"GGUF\x03\x00")  # a file still downloading: left out, with a warning
     d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024},
                      args=["--models-dir", str(folder)])
     try:
         cards = {m["id"]: m["syshax"] for m in http_json(f"{d.url}/v1/models")[1]["data"]}
         assert set(cards) == {MODEL_NAME, "alpha", "beta", "vectors"}, cards
+        assert re.search(r"WARNING .*models_dir \(.*partial.gguf\): .* is not a GGUF file .*; not served", d.log())
         assert [cards[n]["kind"] for n in ("alpha", "beta", "vectors")] == ["chat", "chat", "embedding"]
         assert all(cards[n]["state"] == "unloaded" and cards[n]["load"] == "on_demand" for n in ("alpha", "beta"))
         assert _chat(d, "alpha", PROMPTS[0]) != _chat(d, "beta", PROMPTS[0])

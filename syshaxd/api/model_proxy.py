@@ -19,6 +19,7 @@ from syshaxd.api.generation import read_body
 from syshaxd.api.keys import SCHEDULER, STATE
 from syshaxd.api.state import Draining
 from syshaxd.engine.chat_models import ChatModel, ChildDaemon
+from syshaxd.engine.lifecycle import HandleState
 from syshaxd.engine.supervisor import EngineUnavailable
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ _DROPPED = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "
                       "upgrade", "proxy-authorization", "authorization", "x-api-key", "content-encoding", "date",
                       "server"})
 CLIENT_CHECK = 0.5  # seconds between looks at whether the client is still there while the child answers
+METRICS_TIMEOUT = 2.0  # seconds a chat model's daemon has to answer this daemon's scrape of its /metrics
 
 
 @web.middleware
@@ -120,11 +122,13 @@ class Exchange:
                 await self.response.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     try:  # a client that reads nothing must not hold the model (and its unload) forever
-                        await asyncio.wait_for(self.response.write(chunk), client_timeout)
-                    except asyncio.TimeoutError:
+                        async with asyncio.timeout(client_timeout):  # (no task per chunk, as wait_for makes)
+                            await self.response.write(chunk)
+                    except TimeoutError:
                         log.info("%s: client read nothing of the stream from chat model %s for %gs "
                                  "(client_timeout); cancelled", request.path, model.name, client_timeout)
-                        _abort(request)
+                        if request.transport is not None:
+                            request.transport.abort()  # (close() would wait for a buffer it never reads)
                         return self.response
                 await self.response.write_eof()
                 return self.response
@@ -152,3 +156,30 @@ def _abort(request: web.Request) -> None:
 
 def _gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
+
+
+async def chat_model_metrics(entries) -> list:
+    """The per-model families (those labelled model_name, as vLLM's) of each chat model's daemon that serves now,
+    for this daemon's /metrics; a daemon that does not answer within METRICS_TIMEOUT is left out of this scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def scrape(model: ChatModel, child: ChildDaemon) -> list:
+        try:
+            async with child.session().get(child.url + "/metrics", headers={"Authorization": f"Bearer {child.key}",
+                                                                            "Accept": "text/plain"},
+                                           timeout=aiohttp.ClientTimeout(total=METRICS_TIMEOUT)) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+            return []
+        families = []
+        for family in text_string_to_metric_families(text):
+            family.samples = [s for s in family.samples if s.labels.get("model_name") == model.name
+                              and not s.name.endswith("_created")]  # (written by the exposition itself)
+            if family.samples and not family.name.endswith("_created"):
+                families.append(family)
+        return families
+
+    served = [(m, m.handle) for m in entries.of_kind("chat")
+              if isinstance(m.handle, ChildDaemon) and m.handle.state == HandleState.READY]
+    found = await asyncio.gather(*(scrape(m, child) for m, child in served))
+    return [family for families in found for family in families]

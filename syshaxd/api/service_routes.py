@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from syshaxd.api.keys import CONNECTIONS, METRICS, OPENAPI, SCHEDULER, STATE
+from syshaxd.api.model_proxy import chat_model_metrics
 from syshaxd.engine.engine_handle import EngineHandle
 from syshaxd.engine.entry_models import Loaded
 from syshaxd.engine.lifecycle import HandleState
@@ -39,7 +40,9 @@ async def status(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    body, content_type = request.app[METRICS].render(request.headers.get("Accept"))
+    # the chat models of [[models]] each count their requests in their own daemon: their series join these
+    others = await chat_model_metrics(request.app[SCHEDULER].entries)
+    body, content_type = request.app[METRICS].render(request.headers.get("Accept"), others)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 

@@ -65,7 +65,7 @@ def child_config(cfg: Config, entry: ModelEntry, path: Path, folder: Path, env: 
     (loopback, a port of its own, its own admin socket and key, no [[models]], no remote nodes, no web page)."""
     values = {k: plain(k, getattr(cfg, k)) for k in KEYS}
     values.update(
-        host="127.0.0.1", port=0, model=str(path), model_name=entry.name, models=[], max_loaded_models=0,
+        host="127.0.0.1", port=0, model=str(path), model_name=entry.name, models=[], models_dir="", max_loaded_models=0,
         admin_socket=str(folder / "admin.sock"), api_keys=[], api_key_file=str(folder / "api-key"),
         web_ui=False, remote_nodes=[], local_decoders=True, node_listen="",
         prefix_cache_dir=str(cfg.prefix_cache_dir_path(env) / "models" / folder_name(entry.name)),
@@ -121,6 +121,7 @@ class ChildDaemon:
         self.proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._reload_when_ready = False  # new keys came while it started
         self._session = None  # an aiohttp.ClientSession to it, made by the first forwarded request
 
     @property
@@ -145,7 +146,9 @@ class ChildDaemon:
         config = {k: (v.replace("{folder}", str(self.folder)) if isinstance(v, str) else v)
                   for k, v in self.config.items()}
         path = self.folder / "syshax.toml"
-        path.write_text(toml_text(config))
+        partial = path.with_suffix(".toml.new")  # a child reading it at that moment gets the old or the new file
+        partial.write_text(toml_text(config), encoding="utf-8")
+        os.replace(partial, path)
         return path
 
     async def _run(self) -> None:
@@ -153,7 +156,7 @@ class ChildDaemon:
         try:
             self.folder = Path(tempfile.mkdtemp(prefix="syshax-model-", dir=_runtime_dir()))
             key_file = self.folder / "api-key"
-            key_file.write_text(self.key + "\n")
+            key_file.write_text(self.key + "\n", encoding="utf-8")
             key_file.chmod(0o600)
             path = self._write_config()
             self.proc = await asyncio.create_subprocess_exec(
@@ -188,7 +191,10 @@ class ChildDaemon:
         self.config = config
         if self.folder is not None and self.proc is not None and self.proc.returncode is None:
             self._write_config()
-            self._signal(signal.SIGHUP)
+            if self.state == HandleState.READY:
+                self._signal(signal.SIGHUP)
+            else:  # SIGHUP before the child handles it would end it: it reloads once it says it serves
+                self._reload_when_ready = True
 
     def _failed(self, why: str) -> None:
         if self.state != HandleState.FAILED:
@@ -206,6 +212,8 @@ class ChildDaemon:
                 self.was_ready = True
                 self.ready.set()
                 log.info("chat model %s: ready (its daemon on %s)", self.model, self.url)
+                if self._reload_when_ready:
+                    self._signal(signal.SIGHUP)
             elif line:
                 log.info("model %s: %s", self.model, line)
 
@@ -264,9 +272,11 @@ async def _lines(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
     """The reader's lines; one longer than its limit comes in pieces rather than ending the reading."""
     while True:
         try:
-            line = await reader.readline()
-        except ValueError:  # over the limit: what is buffered, and the rest of the line next time
-            line = await reader.read(LINE_LIMIT)
+            line = await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:  # the end: what is left without a newline
+            line = exc.partial
+        except asyncio.LimitOverrunError as exc:  # over the limit: this much of it now, the rest next time
+            line = await reader.readexactly(exc.consumed)
         if not line:
             return
         yield line

@@ -121,7 +121,7 @@ class EntryModel:
                     if self.handle is not None and (self._restartable(self.handle) or (
                             retry and self.handle.state == HandleState.FAILED)):
                         old, self.handle = self.handle, None
-                        await old.stop()
+                        await asyncio.shield(old.stop())  # to its end, even when the request waiting leaves
                     if self.handle is None:
                         await room(self, deadline)
                         log.info("%s model %s: loading (%s)", self.kind, self.name,
@@ -167,8 +167,9 @@ class EntryModel:
             return True
 
     def idle_for(self, now: float) -> float | None:
-        """Seconds it has been ready and unused; None while unloaded, loading, asked for or in use."""
-        if self.handle is None or self.busy:
+        """Seconds it has been ready and unused; None while unloaded, loading, asked for or in use, or failed (a
+        failed one stays, its error shown, until it is loaded by hand or makes room for another)."""
+        if self.handle is None or self.busy or self.state == HandleState.FAILED:
             return None
         return now - self.last_used
 
@@ -239,9 +240,9 @@ class EntryModels:
             # a failed one first (it holds a place and serves nothing), then the least recently used
             idle = sorted((m for m in loaded if not m.busy),
                           key=lambda m: (m.state != HandleState.FAILED, m.last_used))
-            if idle:
-                await idle[0].unload(f"to make room for {model.name} (max_loaded_models = {self.max_loaded}, the "
-                                     "daemon's own model counted)")
+            if idle:  # to its end, even when the request that makes room leaves (its own task, shielded)
+                await asyncio.shield(idle[0].unload(f"to make room for {model.name} (max_loaded_models = {self.max_loaded}, the "
+                                     "daemon's own model counted)"))
                 continue
             if time.monotonic() >= deadline:
                 raise EngineUnavailable(f"{model.kind} model {model.name} cannot load: the {self.room} models of "
@@ -270,4 +271,8 @@ class EntryModels:
     def reconfigure(self, cfg: Any) -> None:
         """The daemon's config changed (SIGHUP, syshax config set): each chat model takes the new keys."""
         for model in self.of_kind("chat"):
-            model.reconfigure(cfg)
+            try:
+                model.reconfigure(cfg)
+            except OSError as exc:  # its folder gone: it takes the keys at its next load
+                log.error("chat model %s: its running daemon cannot take the new keys now (%s); it takes them "
+                          "when it is next loaded", model.name, exc)

@@ -14,8 +14,8 @@ from syshaxd.config import Config
 from syshaxd.engine.chat_models import ChatModel, plan_chat
 from syshaxd.engine.embedders import EmbeddingModel, plan_embedding
 from syshaxd.engine.entry_models import EntryModel, EntryModels, ModelsError
-from syshaxd.engine.numa import read_host_topology
-from syshaxd.model_entries import EntryError, folder_entries
+from syshaxd.engine.numa import Topology, read_host_topology
+from syshaxd.model_entries import EntryError, ModelEntry, folder_entries
 from syshaxd.sdk.gguf.header import GGUFError, fingerprint_from_gguf, read_gguf_header
 from syshaxd.sdk.placement import format_cpulist, parse_cpulist
 
@@ -42,25 +42,37 @@ def plan_entries(cfg: Config, chat_model: str, chat_model_path: Path, env: Mappi
     topology = read_host_topology()
     for i, entry in enumerate(entries):
         where = f"models[{i}] ({entry.name})" if i < len(cfg.models) else f"models_dir ({entry.path})"
-        if entry.name == chat_model:
-            raise ModelsError(f"{where}: the daemon's own model is served as {chat_model!r}; give this entry "
-                              "another name")
-        path = Path(entry.path).expanduser().absolute()
-        if not path.is_file():
-            raise ModelsError(f"{where}: {path} does not exist; set path to a GGUF file")
         try:
-            meta, _ = read_gguf_header(path)
-        except (GGUFError, OSError) as exc:
-            raise ModelsError(f"{where}: {path} is not a GGUF file llama.cpp reads ({exc})") from None
-        arch = str(meta.get("general.architecture", ""))
-        if int(meta.get(f"{arch}.pooling_type", 0) or 0) == 0:  # no pooling: a model that generates text
-            _check_cpus(entry.cpu_affinity, topology.cpus, where)
-            models.append(plan_chat(cfg, entry, where, path, env))
-        else:
-            models.append(plan_embedding(entry, where, path, meta, cfg.cpu_engine, cfg.repack, topology))
-    _check_memory(models, cfg.max_loaded_models, cfg, chat_model_path)
+            models.append(_plan_one(cfg, entry, where, chat_model, topology, env))
+        except ModelsError as exc:
+            if i < len(cfg.models):
+                raise
+            # a file of the folder that cannot serve (a reranker, one still downloading) is left out, as
+            # llama-server's router leaves it; an entry written by hand stops the start
+            log.warning("%s; not served", exc)
+    _check_memory(models, cfg.max_loaded_models, cfg, chat_model_path, strict=not cfg.models_dir)
     _warn_shared_cpus(cfg.models, cfg.cpu_affinity)
     return EntryModels(models, cfg.max_loaded_models)
+
+
+def _plan_one(cfg: Config, entry: ModelEntry, where: str, chat_model: str, topology: Topology,
+              env: Mapping[str, str]) -> EntryModel:
+    """One entry, read and planned as what its header says it is; ModelsError names what cannot serve."""
+    if entry.name == chat_model:
+        raise ModelsError(f"{where}: the daemon's own model is served as {chat_model!r}; give this entry "
+                          "another name")
+    path = Path(entry.path).expanduser().absolute()
+    if not path.is_file():
+        raise ModelsError(f"{where}: {path} does not exist; set path to a GGUF file")
+    try:
+        meta, _ = read_gguf_header(path)
+    except (GGUFError, OSError) as exc:
+        raise ModelsError(f"{where}: {path} is not a GGUF file llama.cpp reads ({exc})") from None
+    arch = str(meta.get("general.architecture", ""))
+    if int(meta.get(f"{arch}.pooling_type", 0) or 0) == 0:  # no pooling: a model that generates text
+        _check_cpus(entry.cpu_affinity, topology.cpus, where)
+        return plan_chat(cfg, entry, where, path, env)
+    return plan_embedding(entry, where, path, meta, cfg.cpu_engine, cfg.repack, topology)
 
 
 def _check_cpus(affinity: str, allowed: frozenset[int], where: str) -> None:
@@ -99,7 +111,8 @@ def _need(path: Path, tokens: int) -> tuple[int, int]:
     return path.stat().st_size, kv_bytes_per_token(path) * tokens
 
 
-def _check_memory(models: list[EntryModel], max_loaded: int, cfg: Config, chat_model_path: Path) -> None:
+def _check_memory(models: list[EntryModel], max_loaded: int, cfg: Config, chat_model_path: Path,
+                  strict: bool = True) -> None:
     """ModelsError when the entries that may be loaded at once (the biggest that fit under max_loaded_models, or
     all) and the daemon's own model need more than this machine's memory: each its file and its KV cache (n_ctx
     tokens for each of its sequences). A plan that can only end in swapping or the OOM killer is refused at start, naming them."""
@@ -113,7 +126,10 @@ def _check_memory(models: list[EntryModel], max_loaded: int, cfg: Config, chat_m
     own = _need(chat_model_path, cfg.n_ctx * cfg.cpu_max_batch_size)
     need = sum(sum(needs[m.name]) for m in biggest) + sum(own)
     total = psutil.virtual_memory().total
-    if need > total:
+    if need > total and not strict:  # a folder's files, unbounded: the operator learns it now, not from the OOM killer
+        log.warning("models: the %d models that may be loaded at once need %d MiB, more than this machine's %d MiB; "
+                    "set max_loaded_models", len(biggest) + 1, need >> 20, total >> 20)
+    elif need > total:
         names = ", ".join(f"{m.name} ({needs[m.name][0] >> 20} MiB file, {needs[m.name][1] >> 20} MiB KV)"
                           for m in biggest)
         raise ModelsError(f"models: the models loaded at once ({names}, and the daemon's own model: {own[0] >> 20} "
