@@ -256,6 +256,20 @@ def test_a_reload_reaches_the_chat_models_daemons(many):
     assert _chat(many, "second", "still serving")
 
 
+def test_a_requests_keep_alive_holds_until_the_unload(many):
+    """Ollama's keep_alive in a request: 0 unloads the model once the request is done; a bad one is a 400."""
+    answer = _client(many).chat.completions.create(model="second", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, extra_body={"keep_alive": 0})
+    assert answer.choices[0].message.content
+    # (the log line comes once its daemon has stopped, after the state says unloaded)
+    wait_for(lambda: re.search(r"chat model second: unloaded \(idle for \d+s, keep_alive 0s\)", many.log()), 30,
+             "second's unload after keep_alive 0")
+    assert _chat_status(many, "second")["keep_alive"] == -1  # its entry's again, from its next load
+    code, answer = http_json(f"{many.url}/v1/chat/completions", {"model": "second", "keep_alive": "soon",
+                                                                  "messages": [{"role": "user", "content": "hi"}]})
+    assert code == 400 and answer["error"]["param"] == "keep_alive", answer
+
+
 def test_keep_alive_unloads_an_idle_chat_model(many):
     _chat(many, "small", "wake up")
     wait_for(lambda: _states(many)["small"] == "unloaded", 60, "small's unload after 3 s idle")

@@ -326,6 +326,16 @@ def test_keep_alive_unloads_an_idle_model(swapping):
     assert _states(swapping)["c"] == "ready"
 
 
+def test_a_requests_keep_alive_unloads_it_when_done(swapping):
+    """Ollama's keep_alive in the request: 0 unloads the model once the request is done; a bad one is a 400."""
+    code, answer = _post(swapping, {"model": "b", "input": "one", "keep_alive": 0})
+    assert code == 200 and len(answer["data"]) == 1
+    wait_for(lambda: re.search(r"embedding model b: unloaded \(idle for \d+s, keep_alive 0s\)", swapping.log()), 30,
+             "b's unload after keep_alive 0")
+    code, answer = _post(swapping, {"model": "b", "input": "one", "keep_alive": "later"})
+    assert code == 400 and answer["error"]["param"] == "keep_alive", answer
+
+
 def test_syshax_models_list_load_unload(swapping):
     shown = _syshax(swapping, "models", "list")
     assert shown.returncode == 0, shown.stderr

@@ -18,6 +18,7 @@ from aiohttp import web
 from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.generation import read_body
 from syshaxd.api.keys import MODEL_NAME, SCHEDULER, STATE
+from syshaxd.api.model_proxy import ask_keep_alive
 from syshaxd.api.state import Draining
 from syshaxd.api.validate import type_error
 from syshaxd.engine import embedders
@@ -28,7 +29,7 @@ from syshaxd.sdk.types import Embedded, EmbedRequest, Refusal
 routes = web.RouteTableDef()
 
 MAX_INPUTS = 2048  # inputs one request may hold (OpenAI's limit)
-FIELDS = ("input", "model", "encoding_format", "dimensions", "user")
+FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "keep_alive")
 ENCODINGS = ("float", "base64")
 _STATUS = {Refusal.INVALID: 400, Refusal.UNAVAILABLE: 503, Refusal.FAILED: 500}
 _JSON_OFF_LOOP = 200_000  # numbers in an answer past which it is written off the event loop
@@ -122,6 +123,7 @@ def _parse(request: web.Request, body: dict) -> tuple[EmbeddingModel, tuple, str
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise type_error("user", "a string", user)
+    ask_keep_alive(model, body)
     return model, inputs, encoding
 
 

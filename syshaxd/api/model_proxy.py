@@ -8,19 +8,21 @@ A client that leaves closes the child's request too, so the child frees its slot
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
 import aiohttp
 from aiohttp import web
 
-from syshaxd.api.errors import APIError
+from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.generation import read_body
 from syshaxd.api.keys import SCHEDULER, STATE
 from syshaxd.api.state import Draining
 from syshaxd.engine.chat_models import ChatModel, ChildDaemon
 from syshaxd.engine.lifecycle import HandleState
 from syshaxd.engine.supervisor import EngineUnavailable
+from syshaxd.model_entries import EntryError, seconds
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +53,23 @@ async def forward_to_chat_model(request: web.Request, handler):
     model = entries[name] if isinstance(name, str) and name in entries else None
     if not isinstance(model, ChatModel):
         return await handler(request)
+    ask_keep_alive(model, body)
+    # keep_alive is this daemon's to apply; the model's daemon, which loads nothing, refuses a field it does not read
+    data = json.dumps({k: v for k, v in body.items() if k != "keep_alive"}).encode() if "keep_alive" in body \
+        else await request.read()
     try:
         with request.app[STATE].one_request():
-            return await _forwarded(request, entries, model)
+            return await _forwarded(request, entries, model, data)
     except Draining as exc:
         raise APIError(503, f"syshaxd is draining ({exc}) and takes no new requests; retry shortly or send the "
                        "request to another instance.", type="server_error", code="draining",
                        headers={"Retry-After": "5"}) from None
 
 
-async def _forwarded(request: web.Request, entries, model: ChatModel) -> web.StreamResponse:
+async def _forwarded(request: web.Request, entries, model: ChatModel, data: bytes) -> web.StreamResponse:
     """The child's answer; a 499 when the client leaves first (the load, and the child's request, are dropped)."""
     timeout = request.app[STATE].config.request_timeout
-    exchange = Exchange(request, model)
+    exchange = Exchange(request, model, data)
     task = asyncio.ensure_future(exchange.run(entries, time.monotonic() + timeout))
     try:
         while True:
@@ -85,9 +91,10 @@ async def _forwarded(request: web.Request, entries, model: ChatModel) -> web.Str
 class Exchange:
     """One request passed on to a chat model's daemon, and its answer passed back."""
 
-    def __init__(self, request: web.Request, model: ChatModel) -> None:
+    def __init__(self, request: web.Request, model: ChatModel, data: bytes) -> None:
         self.request = request
         self.model = model
+        self.data = data  # the body passed on
         self.response: web.StreamResponse | None = None  # once a stream has begun
 
     async def run(self, entries, deadline: float) -> web.StreamResponse:
@@ -112,7 +119,7 @@ class Exchange:
         headers["Authorization"] = f"Bearer {child.key}"
         client_timeout = request.app[STATE].config.client_timeout
         try:
-            async with child.session().post(child.url + request.path_qs, data=await request.read(),
+            async with child.session().post(child.url + request.path_qs, data=self.data,
                                             headers=headers, auto_decompress=False) as upstream:
                 back = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED}
                 if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -146,6 +153,17 @@ class Exchange:
             raise APIError(503, f"chat model {model.name}'s daemon did not answer ({type(exc).__name__}: {exc}); "
                            "it is started again at the next request; retry", type="server_error",
                            code="model_unavailable", headers={"Retry-After": "5"}) from None
+
+
+def ask_keep_alive(model, body: dict) -> None:
+    """A request's keep_alive (Ollama's field: seconds, "5m", -1 never, 0 at once): how long `model` stays loaded
+    after it, until it is unloaded; a 400 when it is no duration."""
+    if body.get("keep_alive") is None:
+        return
+    try:
+        model.keep_alive_asked = seconds(body["keep_alive"], "keep_alive")
+    except EntryError as exc:
+        raise invalid(f"Invalid {exc}", param="keep_alive") from None
 
 
 def _abort(request: web.Request) -> None:

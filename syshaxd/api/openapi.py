@@ -235,7 +235,11 @@ def _embedding_schemas() -> dict:
                                               "description": "base64: the float32 little-endian bytes."}),
                 "dimensions": _nullable({"type": "integer", "minimum": 1,
                                          "description": "Only the model's own size."}),
-                "user": _nullable({"type": "string"})}},
+                "user": _nullable({"type": "string"}),
+                "keep_alive": _nullable({"description": "Ollama's: how long the model stays loaded after this "
+                                                        "request, seconds or \"5m\" (-1: until unloaded by hand; "
+                                                        "0: once done)", "anyOf": [{"type": "number"},
+                                                                                   {"type": "string"}]})}},
         "ModelName": {"type": "object", "required": ["model"], "additionalProperties": True,
                       "properties": {"model": {"type": "string", "description": "A model of [[models]]."}}},
         "Success": {"type": "object", "required": ["success"], "properties": {"success": {"const": True}}},

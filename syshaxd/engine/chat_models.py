@@ -331,7 +331,7 @@ class ChatModel(EntryModel):
         handle = self.handle
         return ChatModelStatus(
             name=self.name, file=self.path.name, state=self.state, load=self.entry.load,
-            keep_alive=self.entry.keep_alive, mode=self.mode, n_ctx=int(self.config["n_ctx"]),
+            keep_alive=self.keep_alive, mode=self.mode, n_ctx=int(self.config["n_ctx"]),
             requests=self.requests, failed_requests=self.failed_requests, loads=self.loads, unloads=self.unloads,
             rss_mib=self.rss_mib(), pid=handle.pid if handle is not None else None,
             url=handle.url if isinstance(handle, ChildDaemon) else "",

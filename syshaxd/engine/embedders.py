@@ -120,7 +120,7 @@ class EmbeddingModel(EntryModel):
         handle = self.handle
         return EmbeddingModelStatus(
             name=self.name, file=self.path.name, state=self.state, load=self.entry.load,
-            keep_alive=self.entry.keep_alive, pooling=self.file.pooling, dimensions=self.file.n_embd,
+            keep_alive=self.keep_alive, pooling=self.file.pooling, dimensions=self.file.n_embd,
             n_ctx=self.spec.n_ctx, requests=self.requests, inputs=self.inputs, tokens=self.tokens,
             refused=self.refused, loads=self.loads, unloads=self.unloads,
             rss_mib=self.rss_mib(), worker=handle.status() if isinstance(handle, WorkerHandle) else None)

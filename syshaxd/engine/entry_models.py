@@ -67,6 +67,7 @@ class EntryModel:
         self.waiting = 0  # requests (or loads asked for) waiting for it to be ready: it is not idle
         self.last_used = time.monotonic()  # its last request's end, or its last load
         self.unloaded = False  # it was loaded and then unloaded (it loads again when asked)
+        self.keep_alive_asked: float | None = None  # a request's keep_alive (Ollama's field), until the unload
         self._changing = asyncio.Lock()  # one load or unload at a time
         self.requests = 0
         self.loads = 0
@@ -75,6 +76,11 @@ class EntryModel:
     @property
     def name(self) -> str:
         return self.entry.name
+
+    @property
+    def keep_alive(self) -> float:
+        """Seconds idle before it is unloaded (-1: never): its last request's keep_alive, else its entry's."""
+        return self.entry.keep_alive if self.keep_alive_asked is None else self.keep_alive_asked
 
     @property
     def state(self) -> str:
@@ -162,6 +168,7 @@ class EntryModel:
             self.handle = None
             self.unloaded = True
             self.unloads += 1
+            self.keep_alive_asked = None  # its next load starts from its entry's again
             await handle.stop()
             log.info("%s model %s: unloaded (%s); its %d MiB given back", self.kind, self.name, why, rss)
             return True
@@ -256,7 +263,7 @@ class EntryModels:
         while True:
             now = time.monotonic()
             for model in self.models.values():
-                keep, idle = model.entry.keep_alive, model.idle_for(now)
+                keep, idle = model.keep_alive, model.idle_for(now)
                 if keep < 0 or idle is None or idle < keep:
                     continue
                 try:
