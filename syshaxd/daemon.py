@@ -183,9 +183,9 @@ class Service:
         # prompts are tokenized once, in the daemon, as the engines would (and the prefix cache planned from them)
         self.scheduler = Scheduler(cfg, self.workers, ledger, PromptTokenizer(DaemonVocab(str(model_path)), cfg.n_ctx))
         self.entries = entries or EntryModels([])
-        bind_workers(self.entries, lambda name, spec: WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay,
-                                                            cfg.worker_heartbeat_timeout,
-                                                            on_failed=self._worker_failed))
+        bind_workers(self.entries, lambda name, spec: WorkerHandle(
+            name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
+            on_failed=self._worker_failed))
         self.scheduler.entries = self.entries  # the status and /health show them beside the workers
         self.state = ServiceState(self.scheduler, reload)
         self.app = make_app(cfg, self.scheduler, model_name, self.state, keys=keys)

@@ -127,11 +127,12 @@ def seconds(value: Any, where: str) -> float:
                      f"got {value!r}")
 
 
-def folder_entries(folder: Path, own: tuple[ModelEntry, ...], served: Path, served_name: str) -> tuple[ModelEntry, ...]:
+def folder_entries(folder: Path, own: tuple[ModelEntry, ...], served: Path,
+                   served_name: str) -> tuple[ModelEntry, ...]:
     """An entry for each GGUF of `folder` (models_dir), named by its file name, loaded on demand; not the file the
-    daemon serves itself (`served`, as `served_name`), nor one an entry of `own` names, nor what is no model of its own: a quantized
-    copy the daemon cached beside its source (NAME.q4_0.gguf beside NAME.gguf), a vision projector (mmproj), the
-    later parts of a split file."""
+    daemon serves itself (`served`, as `served_name`), nor one an entry of `own` names, nor what is no model of its
+    own: a quantized copy the daemon cached beside its source (NAME.q4_0.gguf beside NAME.gguf), a vision projector
+    (mmproj), the later parts of a split file."""
     if not folder.is_dir():
         raise EntryError(f"models_dir: {folder} is not a folder; set it to the folder of your GGUF files")
     taken = {e.name for e in own} | {served_name}

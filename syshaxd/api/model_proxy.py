@@ -15,6 +15,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from syshaxd.api import sse
 from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.generation import read_body
 from syshaxd.api.keys import SCHEDULER, STATE
@@ -113,11 +114,13 @@ class Exchange:
             model.last_used = time.monotonic()
             model.requests += 1
 
+    def _started(self, response: web.StreamResponse) -> None:
+        self.response = response
+
     async def _relay(self, child: ChildDaemon) -> web.StreamResponse:
         request, model = self.request, self.model
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
         headers["Authorization"] = f"Bearer {child.key}"
-        client_timeout = request.app[STATE].config.client_timeout
         try:
             async with child.session().post(child.url + request.path_qs, data=self.data,
                                             headers=headers, auto_decompress=False) as upstream:
@@ -125,28 +128,16 @@ class Exchange:
                 if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
                     body = await upstream.read()
                     return web.Response(status=upstream.status, body=body, headers=back)
-                self.response = web.StreamResponse(status=upstream.status, headers=back)
-                await self.response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    try:  # a client that reads nothing must not hold the model (and its unload) forever
-                        async with asyncio.timeout(client_timeout):  # (no task per chunk, as wait_for makes)
-                            await self.response.write(chunk)
-                    except TimeoutError:
-                        log.info("%s: client read nothing of the stream from chat model %s for %gs "
-                                 "(client_timeout); cancelled", request.path, model.name, client_timeout)
-                        if request.transport is not None:
-                            request.transport.abort()  # (close() would wait for a buffer it never reads)
-                        return self.response
-                await self.response.write_eof()
-                return self.response
-        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
-            if self.response is not None and self.response.prepared:
-                if not _gone(request):  # the child failed mid-stream: the client must see an error, not an end
+                what = f"{request.path} to chat model {model.name}"
+                try:  # a stream is written as every stream here (sse.py): client_timeout, a client that leaves
+                    return await sse.relay(request, upstream.status, back, upstream.content.iter_any(), what,
+                                           self._started)
+                except sse.SourceFailed as exc:  # its daemon failed mid-stream
                     model.failed_requests += 1
-                    log.warning("%s: the stream from chat model %s broke off (%s: %s); the connection is closed",
-                                request.path, model.name, type(exc).__name__, exc)
-                    _abort(request)
-                return self.response
+                    log.warning("%s: the stream broke off (%s); the client's connection is closed", what, exc)
+                    assert self.response is not None
+                    return self.response
+        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
             if _gone(request):
                 return web.Response(status=499, text="client closed the request")
             model.failed_requests += 1
@@ -164,12 +155,6 @@ def ask_keep_alive(model, body: dict) -> None:
         model.keep_alive_asked = seconds(body["keep_alive"], "keep_alive")
     except EntryError as exc:
         raise invalid(f"Invalid {exc}", param="keep_alive") from None
-
-
-def _abort(request: web.Request) -> None:
-    """Close the client's connection without ending the stream: its client sees a broken answer, not a whole one."""
-    if request.transport is not None:
-        request.transport.close()
 
 
 def _gone(request: web.Request) -> bool:
@@ -190,11 +175,14 @@ async def chat_model_metrics(entries) -> list:
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
             return []
         families = []
-        for family in text_string_to_metric_families(text):
-            family.samples = [s for s in family.samples if s.labels.get("model_name") == model.name
-                              and not s.name.endswith("_created")]  # (written by the exposition itself)
-            if family.samples and not family.name.endswith("_created"):
-                families.append(family)
+        try:
+            for family in text_string_to_metric_families(text):
+                family.samples = [s for s in family.samples if s.labels.get("model_name") == model.name
+                                  and not s.name.endswith("_created")]  # (written by the exposition itself)
+                if family.samples and not family.name.endswith("_created"):
+                    families.append(family)
+        except ValueError:  # an exposition cut short (its daemon stopping): this scrape goes without it
+            return []
         return families
 
     served = [(m, m.handle) for m in entries.of_kind("chat")

@@ -236,10 +236,8 @@ def _embedding_schemas() -> dict:
                 "dimensions": _nullable({"type": "integer", "minimum": 1,
                                          "description": "Only the model's own size."}),
                 "user": _nullable({"type": "string"}),
-                "keep_alive": _nullable({"description": "Ollama's: how long the model stays loaded after this "
-                                                        "request, seconds or \"5m\" (-1: until unloaded by hand; "
-                                                        "0: once done)", "anyOf": [{"type": "number"},
-                                                                                   {"type": "string"}]})}},
+                "keep_alive": _nullable({"anyOf": [{"type": "number"}, {"type": "string"}], "description":
+                                         "Ollama's: seconds the model stays loaded after it, or \"5m\" (-1 never)"})}},
         "ModelName": {"type": "object", "required": ["model"], "additionalProperties": True,
                       "properties": {"model": {"type": "string", "description": "A model of [[models]]."}}},
         "Success": {"type": "object", "required": ["success"], "properties": {"success": {"const": True}}},

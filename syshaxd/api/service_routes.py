@@ -16,7 +16,8 @@ routes = web.RouteTableDef()
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER]
-    handles: list[EngineHandle | Loaded] = [*scheduler.workers, *scheduler.entries.handles]  # the [[models]] entries' workers and daemons too
+    # the [[models]] entries' workers and daemons too
+    handles: list[EngineHandle | Loaded] = [*scheduler.workers, *scheduler.entries.handles]
     workers = [{"name": w.name, "state": w.state, "error": w.error or None} for w in handles]
     state = request.app[STATE]
     if state.draining:  # a load balancer should stop sending here

@@ -221,6 +221,46 @@ async def stream(request: web.Request, route: Callable[[], str], request_id: str
     return resp
 
 
+class SourceFailed(Exception):
+    """The stream relay() passes on broke off after its headers went; the client's connection was closed."""
+
+
+async def relay(request: web.Request, status: int, headers: dict, chunks: AsyncIterator[bytes], what: str,
+                started: Callable[[web.StreamResponse], None]) -> web.StreamResponse:
+    """Another server's stream passed on as it comes (a chat model's daemon: api/model_proxy.py): its status and
+    headers, each chunk within client_timeout, its end. `started` hears of the response once its headers went. A
+    client that leaves or stops reading ends it as any stream here; `chunks` failing after the headers closes the
+    client's connection (its client sees a broken answer, never a short whole one) and raises SourceFailed."""
+    resp = web.StreamResponse(status=status, headers=headers)
+    await resp.prepare(request)
+    started(resp)
+    timeout = request.app[STATE].config.client_timeout
+    writes = StreamWrites(request, resp, timeout, request.app[PASS_WRITES])
+    try:
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except Exception as exc:
+                writes.flush()
+                if request.transport is not None:
+                    request.transport.close()
+                raise SourceFailed(f"{type(exc).__name__}: {exc}") from exc
+            if not writes.hold(chunk):
+                await writes.write(chunk)
+        await writes.end(b"")
+    except (ConnectionResetError, ConnectionError):
+        log.info("%s: client disconnected mid-stream", what)
+    except asyncio.TimeoutError:
+        log.info("%s: client read nothing of the stream for %gs (client_timeout); cancelled", what, timeout)
+        if request.transport is not None:
+            request.transport.abort()  # what it has not read goes: it is not reading
+    finally:
+        writes.flush()
+    return resp
+
+
 async def _close(events: AsyncIterator) -> None:
     """Close the events' iterator (an endpoint's generator: its reading of the engines ends with it)."""
     aclose = getattr(events, "aclose", None)

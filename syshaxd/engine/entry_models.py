@@ -248,8 +248,9 @@ class EntryModels:
             idle = sorted((m for m in loaded if not m.busy),
                           key=lambda m: (m.state != HandleState.FAILED, m.last_used))
             if idle:  # to its end, even when the request that makes room leaves (its own task, shielded)
-                await asyncio.shield(idle[0].unload(f"to make room for {model.name} (max_loaded_models = {self.max_loaded}, the "
-                                     "daemon's own model counted)"))
+                why = f"to make room for {model.name} (max_loaded_models = {self.max_loaded}, the daemon's own model " \
+                      "counted)"
+                await asyncio.shield(idle[0].unload(why))
                 continue
             if time.monotonic() >= deadline:
                 raise EngineUnavailable(f"{model.kind} model {model.name} cannot load: the {self.room} models of "

@@ -115,7 +115,8 @@ def _check_memory(models: list[EntryModel], max_loaded: int, cfg: Config, chat_m
                   strict: bool = True) -> None:
     """ModelsError when the entries that may be loaded at once (the biggest that fit under max_loaded_models, or
     all) and the daemon's own model need more than this machine's memory: each its file and its KV cache (n_ctx
-    tokens for each of its sequences). A plan that can only end in swapping or the OOM killer is refused at start, naming them."""
+    tokens for each of its sequences). A plan that can only end in swapping or the OOM killer is refused at start,
+    naming them."""
     def tokens(model: EntryModel) -> int:
         if isinstance(model, ChatModel):
             return int(model.config["n_ctx"]) * int(model.config["cpu_max_batch_size"])
