@@ -364,3 +364,35 @@ def test_the_latency_chart_reads_past_an_outlier_with_units_and_quantiles(browse
         assert p.errors == []
     finally:
         p.close()
+
+
+def test_the_model_picker_chats_with_a_chat_model_of_models(browser, default_model, tmp_path):
+    """The playground offers the daemon's own model and the chat models of [[models]] (not an embedding model);
+    picking one sends the chat to it, which loads it, and its row shows it loaded."""
+    from families import make_family_model
+    from conftest import MODEL_DIR
+
+    embed = make_family_model("qwen3-embedding", MODEL_DIR / "families")
+    d = start_daemon(tmp_path, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024},
+                     tables=f'[[models]]\nname = "small"\npath = "{default_model}"\nload = "on_demand"\n'
+                            f'[[models]]\nname = "embed"\npath = "{embed}"\nn_ctx = 256\nload = "on_demand"\n')
+    p = Page(browser, f"{d.url}/")
+    try:
+        picker = p.page.locator("#model-pick")
+        p.page.locator("#model-pick option", has_text="small").wait_for(state="attached", timeout=15_000)
+        assert picker.locator("option").all_inner_texts() == [MODEL_NAME, "small"]
+        picker.select_option("small")
+        p.page.locator("#model", has_text="small").wait_for()
+        p.page.fill("#temperature", "0")
+        p.page.fill("#max-tokens", "16")
+        send(p, "Tell me about the sea.")
+        finished(p)
+        assert p.page.locator(".turn.assistant .text").first.inner_text().strip()
+        small = {m["name"]: m for m in d.status()["chat_models"]}["small"]
+        assert small["state"] == "ready" and small["requests"] >= 1, small
+        p.page.locator("#workers tbody tr", has_text="model small").wait_for(timeout=15_000)
+        p.screenshot("model-picker")
+        assert p.errors == []
+    finally:
+        p.close()
+        assert d.stop(60) == 0, d.log()
