@@ -10,7 +10,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
-from syshaxd.engine.routing_rules import RoutingRule, RuleError, parse_rules, rules_to_json
+from syshaxd.routing_rules import RoutingRule, RuleError, parse_rules, rules_to_json
 from syshaxd.model_entries import EntryError, ModelEntry, models_to_json, parse_models
 from syshaxd.sdk.types import REPACK_SETTINGS
 

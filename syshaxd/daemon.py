@@ -36,7 +36,7 @@ from syshaxd.engine.prefix_cache import PrefixCache
 from syshaxd.engine.prefix_disk import DiskTier
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.sdk.kv.ring import KVRing
-from syshaxd.engine.routing_rules import RuleError, check_served
+from syshaxd.routing_rules import RuleError, check_served
 from syshaxd.sdk.gguf.header import GGUFError
 from syshaxd.sdk.gguf.quantize import load_plan
 from syshaxd.model import ModelError, resolve_model, served_name

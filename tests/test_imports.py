@@ -1,8 +1,9 @@
 """Who imports whom, read from the source with ast: no import cycles, plugins stand on the core and never on each other.
 
 The core is the `syshaxd` package; a plugin is each package under plugins/<name>/ (its own distribution).
-Cycles are counted among imports that run when a module is imported (not those inside functions or under
-`if TYPE_CHECKING:`); the plugin and core rules count every import, wherever it is written.
+Cycles are counted among imports that run when a module is imported, and then among every import, those inside
+functions and under `if TYPE_CHECKING:` too: a type-only circle is still two modules that cannot be read apart. The
+plugin, core and floor rules count every import, wherever it is written.
 """
 
 from __future__ import annotations
@@ -139,12 +140,12 @@ def sdk_strays(imports: list[Import], sdk_modules: set[str], plugins: set[str]) 
     return sorted(m for m in sdk_modules if m not in reached and m not in packages and m != SDK)
 
 
-def import_cycles(imports: list[Import], deferred: bool = False) -> list[list[str]]:
-    """Cycles among the imports that run at import time, or with deferred, among those and the imports inside
-    functions too (each found once, as the modules along it)."""
+def import_cycles(imports: list[Import], every: bool = False) -> list[list[str]]:
+    """Cycles among the imports that run at import time, or with every, among all imports: those inside functions
+    and under `if TYPE_CHECKING:` too (each found once, as the modules along it)."""
     graph: dict[str, set[str]] = {}
     for i in imports:
-        if i.at_import_time or (deferred and not i.type_checking):
+        if i.at_import_time or every:
             graph.setdefault(i.importer, set()).add(i.imported)
     cycles: list[list[str]] = []
     done: set[tuple[str, ...]] = set()
@@ -173,12 +174,12 @@ def import_cycles(imports: list[Import], deferred: bool = False) -> list[list[st
     return cycles
 
 
-def analyse(root: Path, deferred: bool = False) -> tuple[list[str], list[list[str]]]:
+def analyse(root: Path, every: bool = False) -> tuple[list[str], list[list[str]]]:
     core, plugin_dirs = project_packages(root)
     modules = modules_under(root, [core, *plugin_dirs])
     known = set(modules)
     imports = [i for name, path in modules.items() for i in imports_of(name, path, known)]
-    return layering_errors(imports, {p.name for p in plugin_dirs}), import_cycles(imports, deferred)
+    return layering_errors(imports, {p.name for p in plugin_dirs}), import_cycles(imports, every)
 
 
 def test_the_sdk_holds_only_what_plugins_and_workers_import():
@@ -202,9 +203,51 @@ def test_plugins_depend_on_the_core_only():
     assert not errors, "\n".join(errors)
 
 
-def test_no_import_cycles_not_even_a_deferred_one():
-    _, cycles = analyse(REPO, deferred=True)
+def test_no_import_cycles_not_even_a_deferred_or_type_only_one():
+    _, cycles = analyse(REPO, every=True)
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+# The core's rooms by floor: a room imports only rooms on its floor's level or below (a package room is every
+# module under it). A module that is in no room here fails the test below until it is given its floor.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("syshaxd",),  # the package itself: its version
+    ("syshaxd.sdk", "syshaxd.environment", "syshaxd.notify", "syshaxd.recent"),
+    ("syshaxd.model", "syshaxd.model_entries", "syshaxd.routing_rules"),  # what a config's tables are
+    ("syshaxd.config",),
+    ("syshaxd.engine",),
+    ("syshaxd.metrics", "syshaxd.startup", "syshaxd.status_text", "syshaxd.bench"),
+    ("syshaxd.api", "syshaxd.remote"),
+    ("syshaxd.daemon", "syshaxd.cli"),
+    ("syshaxd.docs_reference", "syshaxd.__main__"),
+)
+
+
+def floor_of(module: str, floors: tuple[tuple[str, ...], ...] = FLOORS) -> int | None:
+    """The floor of the longest room that holds module; None where no room does."""
+    best: tuple[int, int] | None = None
+    for level, rooms in enumerate(floors):
+        for room in rooms:
+            if (module == room or module.startswith(room + ".")) and (best is None or len(room) > best[1]):
+                best = (level, len(room))
+    return best[0] if best is not None else None
+
+
+def floor_errors(imports: list[Import], modules: set[str], floors: tuple[tuple[str, ...], ...] = FLOORS) -> list[str]:
+    errors = [f"{m}: in no room of FLOORS; give it its floor" for m in sorted(modules) if floor_of(m, floors) is None]
+    for i in imports:
+        low, high = floor_of(i.importer, floors), floor_of(i.imported, floors)
+        if low is not None and high is not None and high > low:
+            errors.append(f"{i.importer}:{i.line}: imports {i.imported}, a floor above it")
+    return list(dict.fromkeys(errors))  # one line for an import of several names
+
+
+def test_each_room_of_the_core_imports_only_rooms_below_it():
+    core = REPO / CORE
+    modules = modules_under(REPO, [core])
+    imports = [i for name, path in modules.items() for i in imports_of(name, path, set(modules))]
+    errors = floor_errors(imports, set(modules))
+    assert not errors, "\n".join(errors)
 
 
 def write(root: Path, files: dict[str, str]) -> None:
@@ -221,7 +264,7 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
         "syshaxd/b.py": "from . import a\n",  # a cycle, through a relative import
         "syshaxd/c.py": "def late():\n    import syshax_one.engine\n",  # the core reaching into a plugin
         "syshaxd/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from syshaxd import e\n",
-        "syshaxd/e.py": "import syshaxd.d\n",  # not a cycle: d imports e for type checking only
+        "syshaxd/e.py": "import syshaxd.d\n",  # a cycle only when type-only imports count (every=True)
         "syshaxd/f.py": "def late():\n    import syshaxd.g\n",  # a deferred cycle
         "syshaxd/g.py": "import syshaxd.f\n",
         "syshaxd/sdk/__init__.py": "",
@@ -242,5 +285,13 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
     modules = modules_under(tmp_path, [tmp_path / "syshaxd", tmp_path / "plugins/one/syshax_one"])
     imports = [i for name, path in modules.items() for i in imports_of(name, path, set(modules))]
     assert sdk_strays(imports, {m for m in modules if in_sdk(m)}, {"syshax_one"}) == ["syshaxd.sdk.pipe"]
-    _, all_cycles = analyse(tmp_path, deferred=True)
-    assert all_cycles == [["syshaxd.a", "syshaxd.b", "syshaxd.a"], ["syshaxd.f", "syshaxd.g", "syshaxd.f"]]
+    _, all_cycles = analyse(tmp_path, every=True)
+    assert all_cycles == [["syshaxd.a", "syshaxd.b", "syshaxd.a"], ["syshaxd.d", "syshaxd.e", "syshaxd.d"],
+                          ["syshaxd.f", "syshaxd.g", "syshaxd.f"]]
+    floors = (("syshaxd.sdk",), ("syshaxd.a", "syshaxd.b"), ("syshaxd.c",))
+    core_imports = [i for name, path in modules_under(tmp_path, [tmp_path / "syshaxd"]).items()
+                    for i in imports_of(name, path, set(modules_under(tmp_path, [tmp_path / "syshaxd"])))]
+    assert floor_errors([i for i in core_imports if i.importer == "syshaxd.sdk.types"], {"syshaxd.sdk.types"},
+                        floors) == ["syshaxd.sdk.types:2: imports syshaxd.a, a floor above it"]
+    assert floor_errors([], {"syshaxd.sdk.types", "syshaxd.z"}, floors) == [
+        "syshaxd.z: in no room of FLOORS; give it its floor"]

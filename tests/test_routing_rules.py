@@ -1,4 +1,4 @@
-"""Routing rules (sysHAX's, engine/routing_rules.py): what each operator matches, priority, soft placement, and every
+"""Routing rules (sysHAX's, routing_rules.py): what each operator matches, priority, soft placement, and every
 way a rule can be wrong, refused when the config is read (at start and at a reload), naming the rule.
 
 The daemon tests run auto mode with a llama.cpp "GPU" engine on CPU 0 (room for two sequences) and a CPU decoder on
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import MODEL_NAME, http_json, start_daemon, wait_for
 from syshaxd.config import ConfigError, from_mapping
-from syshaxd.engine.routing_rules import RuleError, check_served, parse_rules
+from syshaxd.routing_rules import RuleError, check_served, parse_rules
 
 
 def rule(name, conditions, device="CPU", priority=0):

@@ -20,11 +20,12 @@ from dataclasses import replace
 import pytest
 
 from syshaxd.engine.decider import Decision
+from syshaxd.engine.engine_handle import EngineUnavailable
 from syshaxd.engine.journey import Journey, SchedulerCalls, Stage
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
-from syshaxd.sdk.types import Accepted, Delta, EngineSpec, GenerateRequest, Pool, Rejected, Route, SamplingParams
+from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.sdk.kv.ring import KVRing
+from syshaxd.sdk.types import Accepted, Delta, EngineSpec, GenerateRequest, Pool, Rejected, Route, SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 

@@ -363,7 +363,7 @@ class AdminServer:
     async def cmd_cache_warm(self, request: dict) -> dict:
         from syshaxd.engine.prefix_warm import WarmError, warm
         from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
-        from syshaxd.engine.supervisor import EngineUnavailable
+        from syshaxd.engine.engine_handle import EngineUnavailable
 
         self._prefix_cache()
         try:
@@ -386,7 +386,7 @@ class AdminServer:
         return self.state.scheduler.entries.status()
 
     async def cmd_models_load(self, request: dict) -> dict:
-        from syshaxd.engine.supervisor import EngineUnavailable
+        from syshaxd.engine.engine_handle import EngineUnavailable
 
         name = self._entry_model(request)
         entries = self.state.scheduler.entries

@@ -23,7 +23,7 @@ from syshaxd.api.state import Draining
 from syshaxd.api.validate import type_error
 from syshaxd.engine import embedders
 from syshaxd.engine.embedders import EmbeddingModel
-from syshaxd.engine.supervisor import EngineUnavailable
+from syshaxd.engine.engine_handle import EngineUnavailable
 from syshaxd.sdk.types import Embedded, EmbedRequest, Refusal
 
 routes = web.RouteTableDef()

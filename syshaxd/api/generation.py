@@ -31,8 +31,8 @@ from syshaxd.api.sse import E, Batch, ClientGone, Framing
 from syshaxd.api.state import Draining
 from syshaxd.api.validate import ParsedRequest, parse_json_body
 from syshaxd.engine.capabilities import Unsupported
+from syshaxd.engine.engine_handle import EngineUnavailable
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
-from syshaxd.engine.supervisor import EngineUnavailable
 from syshaxd.metrics import RequestTimer
 from syshaxd.sdk.gguf.chat import THINK_OPEN
 from syshaxd.sdk.types import Accepted, Delta, GenerateRequest, Rejected, RequestStream
@@ -161,7 +161,7 @@ def _submit(request: web.Request, generate: GenerateRequest, route: str, fields:
 
 
 def rule_fields(parsed: ParsedRequest) -> dict:
-    """The request's fields as routing rules read them (engine/routing_rules.py's FIELDS; the scheduler adds
+    """The request's fields as routing rules read them (routing_rules.py's FIELDS; the scheduler adds
     prompt_tokens): what the client set, in chat's terms (the Responses and Messages APIs arrive translated); a field
     it did not set is absent, so that only `exists = false` holds for it."""
     g = parsed.generate

@@ -21,8 +21,8 @@ from syshaxd.api.generation import read_body
 from syshaxd.api.keys import SCHEDULER, STATE
 from syshaxd.api.state import Draining
 from syshaxd.engine.chat_models import ChatModel, ChildDaemon
+from syshaxd.engine.engine_handle import EngineUnavailable
 from syshaxd.engine.lifecycle import HandleState
-from syshaxd.engine.supervisor import EngineUnavailable
 from syshaxd.model_entries import EntryError, seconds
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.keys import CONFIG, MODEL_NAME, SCHEDULER, STARTED
 from syshaxd.api.validate import parse_json_body, type_error
 from syshaxd.engine.embedders import EmbeddingModel
+from syshaxd.engine.engine_handle import EngineUnavailable
 from syshaxd.engine.entry_models import EntryModel
-from syshaxd.engine.supervisor import EngineUnavailable
 
 routes = web.RouteTableDef()
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from syshaxd.config import KEYS, LIVE_KEYS, MODES, Config, ConfigError, coerce, shown
-from syshaxd.engine.routing_rules import RuleError, check_served
+from syshaxd.routing_rules import RuleError, check_served
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any
 from syshaxd.config import KEYS, Config, ConfigError, from_mapping, plain
 from syshaxd.engine.entry_models import EntryModel, ModelsError
 from syshaxd.engine.lifecycle import HandleState
-from syshaxd.engine.routing_rules import rule_can_match
+from syshaxd.routing_rules import rule_can_match
 from syshaxd.engine.status import ChatModelStatus
 from syshaxd.model_entries import ModelEntry
 

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from syshaxd.engine.engine_handle import EngineUnavailable
 from syshaxd.engine.entry_models import EntryModel, EntryModels, ModelsError, Room
 from syshaxd.engine.numa import plan_prefill_worker
 from syshaxd.engine.status import EmbeddingModelStatus
-from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle
+from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.model_entries import CHAT_ONLY_KEYS, ModelEntry
 from syshaxd.sdk.placement import PlacementError, parse_cpulist
 from syshaxd.sdk.types import Embedded, EmbedRequest, EngineSpec, Pool, Rejected, Role, WorkerLost

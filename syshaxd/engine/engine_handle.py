@@ -1,4 +1,5 @@
-"""What the scheduler holds for each engine it sends requests to: the EngineHandle protocol.
+"""What the scheduler holds for each engine it sends requests to: the EngineHandle protocol, the WorkerStream an
+attempt's events arrive on, and EngineUnavailable, raised where no engine can take a request.
 
 Two classes implement it: a worker process of this host (engine/supervisor.py: WorkerHandle, which runs
 prefill, decode or both) and a decode node on another host (remote/front.py: RemoteNode, one more CPU decoder
@@ -10,14 +11,68 @@ wherever the daemon puts them in its list (tests/test_types.py runs it).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from syshaxd.engine.lifecycle import HandleState
-from syshaxd.sdk.types import EngineSpec, EngineStats, GenerateRequest, Handling
+from syshaxd.engine.status import RemoteNodeStatus, WorkerStatus
+from syshaxd.sdk.types import (
+    Delta,
+    Embedded,
+    EngineSpec,
+    EngineStats,
+    GenerateRequest,
+    Handling,
+    Prefilled,
+    Rejected,
+    Route,
+    WorkerLost,
+)
 
-if TYPE_CHECKING:
-    from syshaxd.engine.status import RemoteNodeStatus, WorkerStatus
-    from syshaxd.engine.supervisor import WorkerStream
+
+class EngineUnavailable(RuntimeError):
+    """No worker can take the request right now (loading, restarting or failed); final: all failed for good."""
+
+    def __init__(self, message: str, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
+
+
+@dataclass(eq=False)
+class WorkerStream:
+    """One attempt of a request on a worker, its events in order; the last is a finished Delta, Rejected or Prefilled.
+
+    A journey (engine/journey.py) reads it; a worker's death ends it with a WorkerLost. The worker knows the request
+    by `attempt` (engine/attempts.py); the events read here carry `request_id`, the journey's.
+    """
+
+    request_id: str
+    worker: "EngineHandle"  # a local WorkerHandle or a remote node
+    attempt: str = ""  # the id the worker knows this submission by; empty: request_id
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tokens_sent: int = 0
+    finished: bool = False
+    route: Route = Route.CPU  # where the scheduler sent it, and why (auto mode), for the response and the logs
+    reason: str = ""
+    moved_to: str = ""  # a worker's own stream never moves
+    decided_by: str = ""
+    handoff: bool = False  # only its prompt runs here (its KV goes on to a decoder): it holds no batch slot
+
+    async def next_event(self):
+        event = await self.queue.get()
+        if isinstance(event, Delta):
+            self.tokens_sent += event.n_tokens
+            if event.finish_reason is not None:
+                self.finished = True
+        elif isinstance(event, (Rejected, Prefilled, WorkerLost, Embedded)):
+            self.finished = True
+        return event
+
+    def cancel(self) -> None:
+        """Stop generating (client gone, timeout); frees the sequence on the worker."""
+        if not self.finished:
+            self.finished = True
+            self.worker.cancel(self.attempt or self.request_id)
 
 
 class EngineHandle(Protocol):

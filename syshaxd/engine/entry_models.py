@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from syshaxd.engine.engine_handle import EngineUnavailable
 from syshaxd.engine.lifecycle import HandleState
-from syshaxd.engine.supervisor import EngineUnavailable
 from syshaxd.model_entries import ModelEntry
 
 log = logging.getLogger(__name__)

@@ -10,15 +10,24 @@ agreement, KL: tests/teacher_forced.py), not token for token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from syshaxd.sdk.gguf.quantize import ROW_EXACT_TYPES
-from syshaxd.sdk.types import Pool
 from syshaxd.engine.lifecycle import HandleState
+from syshaxd.sdk.gguf.quantize import ROW_EXACT_TYPES
+from syshaxd.sdk.types import EngineSpec, Pool
 
-if TYPE_CHECKING:
-    from syshaxd.engine.engine_handle import EngineHandle
+
+class ProvingEngine(Protocol):
+    """What the promises read of an engine: every EngineHandle (engine/engine_handle.py) is one."""
+
+    name: str
+    spec: EngineSpec
+    info: dict
+
+    @property
+    def state(self) -> HandleState: ...
 
 
 @dataclass(frozen=True)
@@ -30,7 +39,7 @@ class ExactStatus:
     why: list[str] = field(default_factory=list)  # one line per worker that breaks a promise, naming it
 
 
-def _proved(worker) -> bool | None:
+def _proved(worker: ProvingEngine) -> bool | None:
     """Whether the worker's engine proved a decode step gives a prompt chunk's bits: its last ready report, or the
     proof its supervisor keeps across restarts; None while it has said nothing yet."""
     if "exact_decode" in worker.info:
@@ -39,7 +48,7 @@ def _proved(worker) -> bool | None:
     return proven.exact_decode if proven is not None else None
 
 
-def _why_not(worker, file_type: str = "") -> str:
+def _why_not(worker: ProvingEngine, file_type: str = "") -> str:
     attention = worker.info.get("attention")
     if _proved(worker) is None and not attention:
         if worker.state != HandleState.READY:
@@ -58,7 +67,7 @@ def _why_not(worker, file_type: str = "") -> str:
             "built by mk/llama-wheel.sh, or a CPU other than x86's?): a near-tie can flip")
 
 
-def exactness(workers: list[EngineHandle], hetero: bool, file_type: str = "") -> ExactStatus:
+def exactness(workers: Sequence[ProvingEngine], hetero: bool, file_type: str = "") -> ExactStatus:
     """The promises over `workers` (local handles and remote nodes); `hetero`: the daemon serves the hetero route;
     `file_type`: the served GGUF's weight type (Q4_K_M, ...), named where it is why a promise fails."""
     decoders = [w for w in workers if w.spec.pool in (Pool.CPU, Pool.GPU)]  # they generate: resumes run there

@@ -50,10 +50,9 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from syshaxd.engine.decider import Decision
+from syshaxd.engine.engine_handle import EngineHandle, EngineUnavailable, WorkerStream
 from syshaxd.engine.estimates import Estimates
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.engine_handle import EngineHandle
-from syshaxd.engine.supervisor import EngineUnavailable, WorkerStream
 from syshaxd.sdk.types import (Accepted, Delta, Event, Fallback, GenerateRequest, Handling, Imported, Pool,
                                   Prefilled, Refusal, Rejected, Route, WorkerLost)
 

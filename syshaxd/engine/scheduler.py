@@ -12,18 +12,17 @@ from dataclasses import asdict, replace
 from syshaxd.config import MODES, Config, Mode
 from syshaxd.engine import capabilities
 from syshaxd.engine.decider import Decision, EngineState, Targets, Thresholds, decide, decide_measured
+from syshaxd.engine.engine_handle import EngineHandle, EngineUnavailable
 from syshaxd.engine.entry_models import EntryModels
 from syshaxd.engine.estimates import Estimates
 from syshaxd.engine.exactness import exactness
-from syshaxd.engine.routing_rules import RoutingRule
 from syshaxd.engine.journey import Journey, JourneyCounts, SchedulerCalls
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.lifecycle import HandleState
 from syshaxd.engine.prefix_routing import PrefixRouting
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
+from syshaxd.routing_rules import RoutingRule
 from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
-from syshaxd.engine.engine_handle import EngineHandle
-from syshaxd.engine.supervisor import EngineUnavailable
 from syshaxd.sdk.plugins import backend_capabilities
 from syshaxd.sdk.types import Fallback, GenerateRequest, Handling, Pool, Rejected, RequestStream, Route
 

@@ -10,18 +10,17 @@ import signal
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import psutil
 
 from syshaxd.engine.attempts import new_attempt, request_of
 from syshaxd.engine.channel import ChannelClosed, ChannelFull, WorkerChannel
+from syshaxd.engine.engine_handle import EngineUnavailable, WorkerStream
 from syshaxd.engine.kv_ledger import KVLedger
 from syshaxd.engine.lifecycle import WORKER_MOVES, HandleState, Lifecycle, LifecycleState
 from syshaxd.engine.status import WorkerStatus
 from syshaxd.sdk.types import (
-    Accepted,
     Cached,
     Cancel,
     Delta,
@@ -35,7 +34,6 @@ from syshaxd.sdk.types import (
     Imported,
     Prefilled,
     Rejected,
-    Route,
     Shutdown,
     Submit,
     WorkerFailed,
@@ -46,55 +44,7 @@ from syshaxd.sdk.types import (
 )
 from syshaxd.sdk.worker import worker_main
 
-if TYPE_CHECKING:
-    from syshaxd.engine.engine_handle import EngineHandle
-
 log = logging.getLogger(__name__)
-
-
-class EngineUnavailable(RuntimeError):
-    """No worker can take the request right now (loading, restarting or failed); final: all failed for good."""
-
-    def __init__(self, message: str, final: bool = False) -> None:
-        super().__init__(message)
-        self.final = final
-
-
-@dataclass(eq=False)
-class WorkerStream:
-    """One attempt of a request on a worker, its events in order; the last is a finished Delta, Rejected or Prefilled.
-
-    A journey (engine/journey.py) reads it; a worker's death ends it with a WorkerLost. The worker knows the request
-    by `attempt` (engine/attempts.py); the events read here carry `request_id`, the journey's.
-    """
-
-    request_id: str
-    worker: "EngineHandle"  # a local WorkerHandle or a remote node
-    attempt: str = ""  # the id the worker knows this submission by; empty: request_id
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    tokens_sent: int = 0
-    finished: bool = False
-    route: Route = Route.CPU  # where the scheduler sent it, and why (auto mode), for the response and the logs
-    reason: str = ""
-    moved_to: str = ""  # a worker's own stream never moves
-    decided_by: str = ""
-    handoff: bool = False  # only its prompt runs here (its KV goes on to a decoder): it holds no batch slot
-
-    async def next_event(self):
-        event = await self.queue.get()
-        if isinstance(event, Delta):
-            self.tokens_sent += event.n_tokens
-            if event.finish_reason is not None:
-                self.finished = True
-        elif isinstance(event, (Rejected, Prefilled, WorkerLost, Embedded)):
-            self.finished = True
-        return event
-
-    def cancel(self) -> None:
-        """Stop generating (client gone, timeout); frees the sequence on the worker."""
-        if not self.finished:
-            self.finished = True
-            self.worker.cancel(self.attempt or self.request_id)
 
 
 class WorkerHandle:
@@ -481,4 +431,4 @@ def _exit_words(code: int | None) -> str:
     return f"exit code {code}"
 
 
-__all__ = ["Accepted", "EngineUnavailable", "WorkerStream", "WorkerHandle"]
+__all__ = ["WorkerHandle"]

@@ -28,10 +28,10 @@ from dataclasses import replace
 
 from syshaxd.config import split_address
 from syshaxd.engine.attempts import new_attempt, request_of
+from syshaxd.engine.engine_handle import EngineUnavailable, WorkerStream
 from syshaxd.engine.kv_ledger import KVLedger, Quantiles
 from syshaxd.engine.lifecycle import NODE_MOVES, HandleState, Lifecycle, LifecycleState
 from syshaxd.engine.status import NodeDecoderStatus, RemoteNodeStatus, WorkerStatus
-from syshaxd.engine.supervisor import EngineUnavailable, WorkerStream
 from syshaxd.remote import wire
 from syshaxd.remote.transfer import (
     TransferEngine,

@@ -30,8 +30,9 @@ import os
 import time
 from collections import deque
 
+from syshaxd.engine.engine_handle import EngineUnavailable, WorkerStream
 from syshaxd.engine.kv_ledger import KVLedger
-from syshaxd.engine.supervisor import EngineUnavailable, WorkerHandle, WorkerStream
+from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.remote import wire
 from syshaxd.remote.transfer import TransferEngine, TransferUnavailable, mapping_address
 from syshaxd.remote.wire import (
@@ -46,9 +47,9 @@ from syshaxd.remote.wire import (
     ReserveKV,
     ToNode,
 )
+from syshaxd.engine.lifecycle import HandleState
 from syshaxd.sdk.kv.ring import RECORD_HEADER, KVRing, RingError
 from syshaxd.sdk.types import Cancel, Refusal, Rejected, Submit, WorkerLost
-from syshaxd.engine.lifecycle import HandleState
 
 log = logging.getLogger(__name__)
 

@@ -504,7 +504,7 @@ class RequestStream(Protocol):
 
     The API reads a journey (engine/journey.py): one request from admission to its last event, over
     whichever workers it takes (prefill, handoff, decode, a resume after a worker died, a move back to
-    the GPU). A journey reads workers' own streams (supervisor.WorkerStream). The API sees Accepted
+    the GPU). A journey reads workers' own streams (engine_handle.WorkerStream). The API sees Accepted
     first, then Deltas until one has a finish_reason, or a Rejected instead; never a WorkerLost.
     """
 
