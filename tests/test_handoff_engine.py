@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from conftest import MODEL_DIR
-from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.kv_ledger import Dropped, KVLedger, Lent, Written
 from syshaxd.sdk.types import (Delta, EngineSpec, Fallback, GenerateRequest, Handling, Imported, Prefilled,
                                SamplingParams)
 from syshaxd.sdk.kv.ring import KVRing
@@ -47,9 +47,9 @@ def run(eng, request, ledger=None, handling=Handling()):
         events += eng.step()
     for event in events if ledger is not None else ():  # what the worker's handle reports in the daemon
         if isinstance(event, Prefilled) and event.handle is not None:
-            ledger.written(event.request_id, event.handle, os.getpid())
+            ledger.tell(Written(event.request_id, event.handle, os.getpid()))
         elif isinstance(event, Imported):
-            ledger.imported(event)
+            ledger.tell(event)
     return events
 
 
@@ -120,12 +120,12 @@ def test_a_queued_request_cancelled_before_its_import_gives_its_record_back(defa
         waiting = request()
         handed = prefill(pre, ledger, waiting)
         dec.submit(waiting, Handling(kv=handed.handle))
-        ledger.lend(waiting.request_id, "decode0")
-        ledger.drop(waiting.request_id)  # the client left; the decoder may still read the record
+        ledger.tell(Lent(waiting.request_id, "decode0"))
+        ledger.tell(Dropped(waiting.request_id))  # the client left; the decoder may still read the record
         assert ring.stats().used_bytes > 0
         (returned,) = dec.cancel(waiting.request_id)
         assert isinstance(returned, Imported) and returned.reason == Fallback.CANCELLED
-        ledger.imported(returned)
+        ledger.tell(returned)
         assert ring.stats().used_bytes == 0 and ledger.status().fallbacks == {}
     finally:
         dec.close()

@@ -277,7 +277,7 @@ def test_an_aborted_reservation_gives_its_space_back(instance):
 def test_records_a_dead_producer_committed_but_never_handed_on_are_freed(instance):
     # The daemon's side: a KV producer commits two records, reports one (a hetero request holds it) and dies
     # before reporting the other. The ledger frees the unreported one so the ring's tail does not stick.
-    from syshaxd.engine.kv_ledger import KVLedger
+    from syshaxd.engine.kv_ledger import Dropped, KVLedger, Lent, Written
     from syshaxd.sdk.types import Imported, KVHandle
 
     with KVRing.create(instance, 64 * 1024) as ring:
@@ -289,16 +289,58 @@ def test_records_a_dead_producer_committed_but_never_handed_on_are_freed(instanc
         told, lost = map(int, producer.stdout.readline().split())
         assert producer.wait(10) == 0
         ledger = KVLedger(ring)
-        ledger.written("req-1", KVHandle(told, 4000, 0, 0, 1, 0, 0.0), producer.pid)
+        ledger.tell(Written("req-1", KVHandle(told, 4000, 0, 0, 1, 0, 0.0), producer.pid))
         assert ledger.release_orphans(producer.pid) == 1
         assert [(r.offset, r.state) for r in ring.records()] == [(told, "committed"), (lost, "released")]
         assert ledger.status().orphans_released == 1
         assert ledger.release_orphans(producer.pid + 1) == 0  # another writer's records are not touched
-        ledger.lend("req-1", "decode0")
-        ledger.drop("req-1")  # cancelled while its decoder reads it: the space stays until the decoder reports
+        ledger.tell(Lent("req-1", "decode0"))
+        ledger.tell(Dropped("req-1"))  # cancelled while its decoder reads it: the space stays until it reports
         assert ring.stats().used_bytes > 0
-        ledger.imported(Imported("req-1", False, reason="cancelled"))
+        ledger.tell(Imported("req-1", False, reason="cancelled"))
         assert ring.stats().used_bytes == 0 and ledger.held() == 0
+
+
+def test_the_ledger_frees_a_record_on_the_events_it_is_told(instance):
+    # each event the ledger takes, on records in a real ring: a record goes only when nobody holds or reads it
+    import asyncio
+
+    from syshaxd.engine.kv_ledger import Dropped, KVLedger, Lent, SentAway, WentWithout, WorkerGone, Written
+    from syshaxd.sdk.types import Fallback, KVHandle
+
+    async def run(ring: KVRing) -> None:
+        ledger = KVLedger(ring, orphan_grace=60)
+        a, b = ring.write(b"a" * 4000), ring.write(b"b" * 4000)
+        ledger.tell(Written("req-a", KVHandle(a, 4000, 0, 0, 1, 0, 0.0), os.getpid()))
+        ledger.tell(Written("req-b", KVHandle(b, 4000, 0, 0, 1, 0, 0.0), os.getpid()))
+        ledger.tell(Lent("req-a", "decode0"))
+        ledger.tell(WorkerGone("decode0", 999_999))  # its reader died; the request still holds it
+        assert ledger.held() == 2
+        ledger.tell(Dropped("req-a"))
+        assert ledger.held() == 1 and [r.offset for r in ring.records() if r.state == "committed"] == [b]
+        ledger.tell(Lent("req-b", "node 10.0.0.2:8701"))
+        ledger.tell(SentAway("req-b"))  # copied to another host: this copy goes though it was lent
+        assert ledger.held() == 0 and ring.stats().used_bytes == 0
+        ledger.tell(WentWithout(Fallback.PREFILL_UNAVAILABLE))
+        status = ledger.status()
+        assert (status.records_written, status.fallbacks) == (2, {"prefill_unavailable": 1})
+        with pytest.raises(TypeError, match="not told str"):
+            ledger.tell("req-a")  # type: ignore[arg-type]
+
+    with KVRing.create(instance, 64 * 1024) as ring:
+        asyncio.run(run(ring))
+
+
+def test_the_ledger_is_told_through_one_door():
+    # every change of a KV record follows an event given to KVLedger.tell; what else the daemon calls on a ledger
+    # only asks (a prefix plan, a status): a new method that changes records would be a second door
+    import re
+
+    asks = {"tell", "plan_prefix", "prefix_from_disk", "status", "prefix_status", "held"}
+    root = Path(__file__).resolve().parents[1] / "syshaxd"
+    calls = {(path.name, m.group(1)) for path in root.rglob("*.py") if path.name != "kv_ledger.py"
+             for m in re.finditer(r"ledger\.(\w+)\(", path.read_text())}
+    assert calls and {name for _, name in calls} <= asks, sorted(c for c in calls if c[1] not in asks)
 
 
 def test_two_producers_write_one_ring_at_once_and_every_record_is_whole(instance):

@@ -52,7 +52,7 @@ from enum import StrEnum
 from syshaxd.engine.decider import Decision
 from syshaxd.engine.engine_handle import EngineHandle, EngineUnavailable, WorkerStream
 from syshaxd.engine.estimates import Estimates
-from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.kv_ledger import Dropped, KVLedger, Lent, PlanReleased
 from syshaxd.sdk.types import (Accepted, Delta, Event, Fallback, GenerateRequest, Handling, Imported, Pool,
                                   Prefilled, Refusal, Rejected, Route, WorkerLost)
 
@@ -155,7 +155,7 @@ class Journey:
         self.finished = True
         self._task.cancel()
         self._inner.cancel()
-        self._ledger.drop(self.request_id)
+        self._ledger.tell(Dropped(self.request_id))
         self.stage = Stage.DONE
 
     # --- the journey ---------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ class Journey:
         try:
             return worker.submit(self._request, self._scheduler.with_prefix(self._request, handling, worker))
         except EngineUnavailable:
-            self._ledger.prefix_release(self.request_id)
+            self._ledger.tell(PlanReleased(self.request_id))
             raise
 
     def _emit(self, event: Event) -> None:
@@ -184,7 +184,7 @@ class Journey:
             raise
         except Exception as exc:  # never leave the client waiting on a stream nobody feeds
             log.exception("%s: the request failed in the daemon", self.request_id)
-            self._ledger.drop(self.request_id)
+            self._ledger.tell(Dropped(self.request_id))
             self._emit(Delta(self.request_id, "", 0, "error", f"the request failed in the daemon: {exc}"))
 
     async def _prefill(self) -> None:
@@ -214,10 +214,10 @@ class Journey:
             worker = self._scheduler.pick(Pool.CPU)
             self._inner = worker.submit(self._request, handling)
         except EngineUnavailable as exc:
-            self._ledger.drop(self.request_id)
+            self._ledger.tell(Dropped(self.request_id))
             return self._emit(Rejected(self.request_id, Refusal.UNAVAILABLE, str(exc), "engine_unavailable"))
         if handling.kv is not None:
-            self._ledger.lend(self.request_id, worker.name)
+            self._ledger.tell(Lent(self.request_id, worker.name))
         self.stage = Stage.HANDOFF if handling.kv is not None else Stage.DECODE
 
     async def _decode(self) -> None:
@@ -243,7 +243,7 @@ class Journey:
                                         f"moving the decode to the GPU failed: {event.message}"))
             self._emit(event)
             if isinstance(event, Rejected):
-                self._ledger.drop(self.request_id)
+                self._ledger.tell(Dropped(self.request_id))
                 return
             if isinstance(event, Delta):
                 self._observe(event)
@@ -280,7 +280,7 @@ class Journey:
             self._resent = True
             counts.resent += 1
             # the record, if the dead decoder took it, went with it: the next one recomputes the prompt
-            self._ledger.drop(self.request_id)
+            self._ledger.tell(Dropped(self.request_id))
             request = self._request
             handling = Handling(kv_missing=Fallback.DECODER_DIED if self._handling.kv is not None else "")
         elif self._generated and self._resumes < MAX_RESUMES and self._resumable(pool):
@@ -303,7 +303,7 @@ class Journey:
         """End the request over a death it does not survive: a 503 before its first token (nothing was sent:
         the client may retry), an error that ends the answer after."""
         self._scheduler.counts.lost += 1
-        self._ledger.drop(self.request_id)
+        self._ledger.tell(Dropped(self.request_id))
         if self._generated:
             during = f"the engine worker {event.why} mid-stream"
             self._emit(Delta(self.request_id, "", 0, "error", f"{during}, and {why}" if why else during))

@@ -5,15 +5,17 @@ daemon in a Prefilled event; from then on this ledger alone frees its ring space
 once nobody holds it and nobody reads it:
 
 * holders are references: the request the record was written for holds one until it no longer
-  needs it (its decoder reported, it was cancelled, or it was re-routed); anything that keeps
-  records beyond their request (a prompt cache) holds its own with ``hold`` / ``unhold``;
+  needs it (its decoder reported, it was cancelled, or it was re-routed);
 * a reader is the decode worker a request lent the record to: it may read the ring at any time
   until it reports Imported (used, refused, or never read because the request was cancelled) or
   dies. Space is never freed under a reader.
 
-Workers report to the ledger through their handles (supervisor.py), request streams through
-``lend`` and ``drop``; neither frees ring space itself. Records a producer committed but never
-reported (it died in between) are swept ``ORPHAN_GRACE`` seconds after its death.
+The ledger is told what happens through one door, ``tell``, and a small set of events (LedgerEvent):
+what workers report through their handles (supervisor.py, remote/front.py: Written, Imported, Cached,
+WorkerGone, EngineReady, PlanReleased), what request streams do with a record (journey.py,
+remote/node.py: Lent, Dropped, SentAway) and what the scheduler decides (WentWithout). Every change of a
+record follows from one of them, here; nobody else frees ring space. Records a producer committed but
+never reported (it died in between) are swept ``ORPHAN_GRACE`` seconds after its death.
 
 The ledger also owns the prefix cache's index (engine/prefix_cache.py): which prompt blocks the
 block store keeps, which request holds which, which are evicted. Workers report what they wrote
@@ -35,6 +37,76 @@ log = logging.getLogger(__name__)
 
 ORPHAN_GRACE = 2.0  # seconds after a KV producer died before its unreported records are freed
 LATENCY_WINDOW = 1000  # handoffs kept for the latency quantiles
+
+
+# --- what the ledger is told ----------------------------------------------------------------------
+# Besides these, it takes two of the workers' own messages as they come: Imported (a decoder is done with a
+# request's record) and Cached (blocks a worker wrote into the prefix cache's store).
+
+@dataclass(frozen=True)
+class Written:
+    """A producer reported the record it wrote for request_id: the request holds it."""
+
+    request_id: str
+    handle: KVHandle
+    producer_pid: int
+
+
+@dataclass(frozen=True)
+class Lent:
+    """The request's record goes to `worker` for import: it is read until the worker reports or dies."""
+
+    request_id: str
+    worker: str
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """The request needs its record no more (cancelled, re-routed, its decoder died)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SentAway:
+    """The request's record was copied to a decode node on another host, or will not be: the node's copy is that
+    node's ledger's, and this one is let go (remote/front.py, once its write is over)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class WentWithout:
+    """A request went to a decoder without any record (e.g. the prefill engine was restarting): counted."""
+
+    reason: Fallback
+
+
+@dataclass(frozen=True)
+class WorkerGone:
+    """A worker died: what it was reading is read no more; what it wrote and never reported is swept soon."""
+
+    worker: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class PlanReleased:
+    """The request's stream ended on a worker: whatever of the prefix cache its plan held is let go."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """An engine is ready: the prefix cache's disk tier opens for the kernels it names."""
+
+    name: str
+    info: dict
+
+
+LedgerEvent = (Written | Imported | Cached | Lent | Dropped | SentAway | WentWithout | WorkerGone | PlanReleased
+               | EngineReady)
 
 
 @dataclass(frozen=True)
@@ -103,17 +175,53 @@ class KVLedger:
         self._latency: deque = deque(maxlen=LATENCY_WINDOW)
         self._reading: dict[int, asyncio.Future] = {}  # prefix cache block key -> the read bringing it back from disk
 
-    # --- what producers and decoders report (through their worker handles) --------------------
+    # --- the one door ----------------------------------------------------------------------------
 
-    def written(self, request_id: str, handle: KVHandle, producer_pid: int) -> None:
-        """A producer reported the record it wrote for request_id; the request holds it."""
-        self._records[handle.offset] = _Record(handle, request_id, producer_pid, {request_id},
+    def tell(self, event: LedgerEvent) -> None:
+        """What happened to a record, a prefix plan or an engine; the ledger alone decides what follows."""
+        match event:
+            case Written():
+                self._record_written(event)
+            case Imported():
+                self._imported(event)
+            case Cached():
+                if self.prefix is not None:
+                    self.prefix.cached(event)
+            case Lent():
+                record = self._record_of(event.request_id)
+                if record is not None:
+                    record.reader = event.worker
+            case Dropped():
+                self._dropped(event.request_id)
+            case SentAway():
+                self._let_go(event.request_id)
+            case WentWithout():
+                self._fallbacks[str(event.reason)] += 1
+            case WorkerGone():
+                self._worker_gone(event)
+            case PlanReleased():
+                if self.prefix is not None:
+                    self.prefix.release(event.request_id)
+            case EngineReady():
+                self._engine_ready(event)
+            case _:
+                raise TypeError(f"the KV ledger is not told {type(event).__name__}")
+
+    def held(self) -> int:
+        """Records the ledger keeps."""
+        return len(self._records)
+
+    # --- what each event does --------------------------------------------------------------------
+
+    def _record_written(self, event: Written) -> None:
+        handle = event.handle
+        self._records[handle.offset] = _Record(handle, event.request_id, event.producer_pid, {event.request_id},
                                                reported_at=time.monotonic())
-        self._by_request[request_id] = handle.offset
+        self._by_request[event.request_id] = handle.offset
         self._written += 1
         self._bytes += handle.length
 
-    def imported(self, event: Imported) -> None:
+    def _imported(self, event: Imported) -> None:
         """A decoder is done with the request's record (used, refused, or never read): count it, free it."""
         if event.ok:
             self._read += 1
@@ -131,25 +239,15 @@ class KVLedger:
         record.holders.discard(event.request_id)
         self._free_if_unused(record)
 
-    def worker_gone(self, worker: str, pid: int) -> None:
-        """A worker died: what it was reading is read no more; what it wrote and never reported is swept soon."""
+    def _worker_gone(self, event: WorkerGone) -> None:
         for record in list(self._records.values()):
-            if record.reader == worker:
+            if record.reader == event.worker:
                 record.reader = ""
                 self._free_if_unused(record)
         if self.ring is not None:
-            asyncio.get_running_loop().call_later(self.orphan_grace, self.release_orphans, pid)
+            asyncio.get_running_loop().call_later(self.orphan_grace, self.release_orphans, event.pid)
 
-    # --- what request streams do with a record ------------------------------------------------
-
-    def lend(self, request_id: str, worker: str) -> None:
-        """The request's record goes to `worker` for import; it is read until the worker reports."""
-        record = self._record_of(request_id)
-        if record is not None:
-            record.reader = worker
-
-    def drop(self, request_id: str) -> None:
-        """The request needs its record no more (cancelled, re-routed, its decoder died)."""
+    def _dropped(self, request_id: str) -> None:
         record = self._record_of(request_id)
         if record is None:
             self._by_request.pop(request_id, None)
@@ -157,9 +255,7 @@ class KVLedger:
         record.holders.discard(request_id)
         self._free_if_unused(record)  # a reader still reports (or dies) before the space goes
 
-    def sent(self, request_id: str) -> None:
-        """The request's record was copied to a decode node on another host, or will not be: the node's copy is
-        that node's ledger's, and this one is freed (remote/front.py calls this once its write is over)."""
+    def _let_go(self, request_id: str) -> None:
         record = self._record_of(request_id)
         if record is None:
             return
@@ -167,40 +263,17 @@ class KVLedger:
         record.holders.discard(request_id)
         self._free_if_unused(record)
 
-    def fallback(self, reason: Fallback) -> None:
-        """A request went to a decoder without any record (e.g. the prefill engine was restarting)."""
-        self._fallbacks[str(reason)] += 1
+    def _engine_ready(self, event: EngineReady) -> None:
+        disk = self.prefix.disk if self.prefix is not None else None
+        if disk is not None and event.info.get("prefix_cache"):
+            asyncio.get_running_loop().run_in_executor(None, disk.open_for, event.info | {"name": event.name})
 
-    # --- references beyond a request ----------------------------------------------------------
-
-    def hold(self, offset: int, holder: str) -> None:
-        """Keep the record at offset for `holder` (besides its request); KeyError if it is gone."""
-        self._records[offset].holders.add(holder)
-
-    def unhold(self, offset: int, holder: str) -> None:
-        record = self._records.get(offset)
-        if record is not None:
-            record.holders.discard(holder)
-            self._free_if_unused(record)
-
-    def held(self) -> int:
-        return len(self._records)
-
-    # --- the prefix cache ----------------------------------------------------------------------
+    # --- what the scheduler asks of the prefix cache (a plan holds its blocks until PlanReleased) ---
 
     def plan_prefix(self, request_id: str, tokens, generate: int = 0) -> PrefixPlan | None:
         """The prompt's cached blocks and slots for its new ones (and for blocks of up to `generate` tokens it
         generates), held for request_id; None without a cache."""
         return self.prefix.plan(request_id, tokens, generate) if self.prefix is not None else None
-
-    def prefix_cached(self, event: Cached) -> None:
-        if self.prefix is not None:
-            self.prefix.cached(event)
-
-    def prefix_release(self, request_id: str) -> None:
-        """The request's stream ended on a worker: whatever of the prefix cache its plan held is let go."""
-        if self.prefix is not None:
-            self.prefix.release(request_id)
 
     async def prefix_from_disk(self, tokens) -> None:
         """Read back from the disk tier the blocks the prompt starts with that only the disk still holds, before
@@ -231,12 +304,6 @@ class KVLedger:
             reads.add(task)
         if reads:
             await asyncio.shield(asyncio.gather(*reads, return_exceptions=True))
-
-    def engine_ready(self, name: str, info: dict) -> None:
-        """An engine is ready: the disk tier opens for the kernels it names (in a thread; it scans its folder)."""
-        disk = self.prefix.disk if self.prefix is not None else None
-        if disk is not None and info.get("prefix_cache"):
-            asyncio.get_running_loop().run_in_executor(None, disk.open_for, info | {"name": name})
 
     def prefix_status(self) -> PrefixStatus | None:
         return self.prefix.status() if self.prefix is not None else None

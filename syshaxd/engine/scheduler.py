@@ -17,7 +17,7 @@ from syshaxd.engine.entry_models import EntryModels
 from syshaxd.engine.estimates import Estimates
 from syshaxd.engine.exactness import exactness
 from syshaxd.engine.journey import Journey, JourneyCounts, SchedulerCalls
-from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.kv_ledger import KVLedger, WentWithout
 from syshaxd.engine.lifecycle import HandleState
 from syshaxd.engine.prefix_routing import PrefixRouting
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
@@ -321,7 +321,7 @@ class Scheduler:
         prefill = (self._by_prefix(ready, request) or min(ready, key=lambda w: w.in_flight)) if ready else None
         if prefill is None:
             # every prefill engine is restarting (or dropped): decode it on the CPU meanwhile, and say so
-            self.ledger.fallback(Fallback.PREFILL_UNAVAILABLE)
+            self.ledger.tell(WentWithout(Fallback.PREFILL_UNAVAILABLE))
         return Journey(request, route, self.calls, self.ledger, prefill=prefill, reason=reason,
                        token_limit=decision.token_limit if decision is not None else 0, decided_by=by)
 

@@ -17,7 +17,7 @@ import psutil
 from syshaxd.engine.attempts import new_attempt, request_of
 from syshaxd.engine.channel import ChannelClosed, ChannelFull, WorkerChannel
 from syshaxd.engine.engine_handle import EngineUnavailable, WorkerStream
-from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.kv_ledger import Dropped, EngineReady, KVLedger, PlanReleased, WorkerGone, Written
 from syshaxd.engine.lifecycle import WORKER_MOVES, HandleState, Lifecycle, LifecycleState
 from syshaxd.engine.status import WorkerStatus
 from syshaxd.sdk.types import (
@@ -229,7 +229,7 @@ class WorkerHandle:
                 if isinstance(event, (Rejected, Prefilled, Embedded)) or (isinstance(event, Delta)
                                                                           and event.finish_reason):
                     del self.streams[attempt]
-                    self.ledger.prefix_release(event.request_id)
+                    self.ledger.tell(PlanReleased(event.request_id))
                 stream.queue.put_nowait(event)
         elif isinstance(msg, WorkerStats):
             self.stats = msg.stats
@@ -248,7 +248,7 @@ class WorkerHandle:
             self.state = HandleState.READY
             self.error = ""
             self.ready.set()
-            self.ledger.engine_ready(self.name, self.info)
+            self.ledger.tell(EngineReady(self.name, self.info))
             log.info("%s: ready (%s, n_ctx=%s, batch=%s, cpus=%s)", self.name, self.info.get("model_name"),
                      self.info.get("n_ctx"), self.info.get("max_batch_size"), self.info.get("cpus"))
         elif isinstance(msg, WorkerFailed):
@@ -262,14 +262,14 @@ class WorkerHandle:
         """Tell the ledger of a record written (and, when its attempt was cancelled, no longer wanted) or read."""
         if isinstance(event, Prefilled) and event.handle is not None:
             if orphaned:  # no request holds it: known by its attempt alone, and freed at once
-                self.ledger.written(attempt, event.handle, self.pid or 0)
-                self.ledger.drop(attempt)
+                self.ledger.tell(Written(attempt, event.handle, self.pid or 0))
+                self.ledger.tell(Dropped(attempt))
             else:
-                self.ledger.written(event.request_id, event.handle, self.pid or 0)
+                self.ledger.tell(Written(event.request_id, event.handle, self.pid or 0))
         elif isinstance(event, Imported):
-            self.ledger.imported(event)
+            self.ledger.tell(event)
         elif isinstance(event, Cached):
-            self.ledger.prefix_cached(event)
+            self.ledger.tell(event)
 
     def _on_exit(self) -> None:
         if self._process is None:
@@ -285,7 +285,7 @@ class WorkerHandle:
         lost = list(self.streams.values())
         self.streams.clear()
         for stream in lost:
-            self.ledger.prefix_release(stream.request_id)
+            self.ledger.tell(PlanReleased(stream.request_id))
         verdict = ""  # how this death is answered: "" restart as it was, "safer" (kernels) or "failed"
         if not self._stopping and not was_failed:
             self.barren_deaths += 1
@@ -300,7 +300,7 @@ class WorkerHandle:
             stream.queue.put_nowait(WorkerLost(stream.request_id, why, failed=verdict == "failed", error=self.error,
                                                stopping=self._stopping))
         if not self._stopping and pid is not None:  # it ran (a process never started has no pid)
-            self.ledger.worker_gone(self.name, pid)
+            self.ledger.tell(WorkerGone(self.name, pid))
         if self._stopping or was_failed or verdict == "failed":
             return  # the engine cannot be built or keeps dying; restarting would fail the same way
         self.state = HandleState.RESTARTING
@@ -380,7 +380,7 @@ class WorkerHandle:
         """Cancel an attempt (WorkerStream.cancel): what the worker still sends of it is dropped on arrival."""
         stream = self.streams.pop(attempt, None)
         if stream is not None:
-            self.ledger.prefix_release(stream.request_id)
+            self.ledger.tell(PlanReleased(stream.request_id))
         if self._channel is not None:
             try:
                 self._channel.send(Cancel(attempt), bounded=False)

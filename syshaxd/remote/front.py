@@ -29,7 +29,7 @@ from dataclasses import replace
 from syshaxd.config import split_address
 from syshaxd.engine.attempts import new_attempt, request_of
 from syshaxd.engine.engine_handle import EngineUnavailable, WorkerStream
-from syshaxd.engine.kv_ledger import KVLedger, Quantiles
+from syshaxd.engine.kv_ledger import KVLedger, Quantiles, SentAway
 from syshaxd.engine.lifecycle import NODE_MOVES, HandleState, Lifecycle, LifecycleState
 from syshaxd.engine.status import NodeDecoderStatus, RemoteNodeStatus, WorkerStatus
 from syshaxd.remote import wire
@@ -327,7 +327,7 @@ class RemoteNode:
         # the request's own id from here on, as the ledger and the journey know it
         event = replace(event, request_id=stream.request_id if stream is not None else request_of(attempt))
         if isinstance(event, Imported):
-            self.ledger.imported(event)  # counts it; the front's copy was freed when the write ended
+            self.ledger.tell(event)  # counts it; the front's copy was freed when the write ended
         if stream is None:
             return  # an attempt given up on here (cancelled, or its link lost): what it still sends is dropped
         if isinstance(event, (Rejected, Prefilled, WorkerLost)) or (isinstance(event, Delta) and event.finish_reason):
@@ -415,7 +415,7 @@ class RemoteNode:
         """Once nothing writes any more (a timed-out write may still be under way in its thread): free the front's
         copy, and give the node's room back unless the Submit that commits it goes (or went) out."""
         def done(_=None) -> None:
-            self.ledger.sent(stream.request_id)
+            self.ledger.tell(SentAway(stream.request_id))
             if reserved is not None and not reserved.error and not (sent and self.streams.get(stream.attempt)
                                                                     is stream):
                 self._send(AbortKV(stream.attempt))

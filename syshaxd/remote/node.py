@@ -31,7 +31,7 @@ import time
 from collections import deque
 
 from syshaxd.engine.engine_handle import EngineUnavailable, WorkerStream
-from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.kv_ledger import Dropped, KVLedger, Lent, Written
 from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.remote import wire
 from syshaxd.remote.transfer import TransferEngine, TransferUnavailable, mapping_address
@@ -235,10 +235,10 @@ class FrontSession:
                  len(self.streams) + len(self.waiting))
         for request_id, stream in list(self.streams.items()):
             stream.cancel()
-            self.node.ledger.drop(request_id)
+            self.node.ledger.tell(Dropped(request_id))
         self.streams.clear()
         for submit in self.waiting:
-            self.node.ledger.drop(submit.request.request_id)
+            self.node.ledger.tell(Dropped(submit.request.request_id))
         self.waiting.clear()
         # a write the front started may still land: the room goes back once it cannot any more
         reservations, self.reservations = list(self.reservations.values()), {}
@@ -302,7 +302,7 @@ class FrontSession:
                 relay.cancel()  # its stream gets no more events: the worker forgot the request
             for submit in [s for s in self.waiting if s.request.request_id == request_id]:
                 self.waiting.remove(submit)
-            self.node.ledger.drop(request_id)
+            self.node.ledger.tell(Dropped(request_id))
             self._start_waiting()
         else:
             raise wire.WireError(f"a {type(message).__name__} is not a front's message")
@@ -367,7 +367,7 @@ class FrontSession:
                                      "and this room: altered or written by someone else on the way, or replayed)")
             return
         reservation.commit()  # the front wrote the payload: publish it to the decoders
-        self.node.ledger.written(rid, kv, os.getpid())
+        self.node.ledger.tell(Written(rid, kv, os.getpid()))
         self._queue(submit)
 
     def _record_is(self, reservation, length: int, request_id: str, mac: bytes) -> bool:
@@ -399,13 +399,13 @@ class FrontSession:
                 raise EngineUnavailable("no decoder of this node is ready")
             stream = worker.submit(request, handling)
         except EngineUnavailable as exc:
-            ledger.drop(request.request_id)
+            ledger.tell(Dropped(request.request_id))
             # the front's journey goes on elsewhere, as after a worker's death before its first token
             self._send(FromNode((WorkerLost(request.request_id, f"found no decoder on node {self.node.host}:"
                                                                 f"{self.node.port} ({exc})"),)))
             return
         if handling.kv is not None:
-            ledger.lend(request.request_id, worker.name)
+            ledger.tell(Lent(request.request_id, worker.name))
         self.streams[request.request_id] = stream
         task = asyncio.ensure_future(self._relay(stream))
         self._tasks.add(task)
@@ -428,7 +428,7 @@ class FrontSession:
             if stream.finished:
                 break
         del self.streams[request_id]
-        self.node.ledger.drop(request_id)
+        self.node.ledger.tell(Dropped(request_id))
         self._start_waiting()
 
     def _start_waiting(self) -> None:
