@@ -24,6 +24,7 @@ ONE_PLACE = {
     "engine_failed(": {"outputs.py"},
     "scheduler.check_capabilities(": {"generation.py"},  # the capability check, once per request
     "scheduler.prepare(": {"generation.py"},
+    "is_closing()": {"outputs.py", "sse.py", "limits.py"},  # whether a client left: outputs.client_gone
 }
 
 

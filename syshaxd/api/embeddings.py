@@ -19,6 +19,7 @@ from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.generation import read_body
 from syshaxd.api.keys import MODEL_NAME, SCHEDULER, STATE
 from syshaxd.api.model_proxy import ask_keep_alive
+from syshaxd.api.outputs import client_gone
 from syshaxd.api.state import Draining
 from syshaxd.api.validate import type_error
 from syshaxd.engine import embedders
@@ -146,7 +147,7 @@ async def _answered(request: web.Request) -> web.Response:
     embed = EmbedRequest(f"embd-{uuid.uuid4().hex}", inputs)
     try:
         event = await embedders.embed(request.app[SCHEDULER].entries, model.name, embed, timeout,
-                                      lambda: _gone(request))
+                                      lambda: client_gone(request))
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="model_unavailable",
                        headers={} if exc.final else {"Retry-After": "5"}) from None
@@ -161,10 +162,6 @@ async def _answered(request: web.Request) -> web.Response:
     numbers = len(event.vectors) * model.file.n_embd
     text = await asyncio.to_thread(json.dumps, answer) if numbers > _JSON_OFF_LOOP else json.dumps(answer)
     return web.Response(text=text, content_type="application/json")
-
-
-def _gone(request: web.Request) -> bool:
-    return request.transport is None or request.transport.is_closing()
 
 
 def _encoded(vector: bytes, encoding: str) -> list[float] | str:

@@ -19,6 +19,7 @@ from syshaxd.api import sse
 from syshaxd.api.errors import APIError, invalid
 from syshaxd.api.generation import read_body
 from syshaxd.api.keys import SCHEDULER, STATE
+from syshaxd.api.outputs import client_gone
 from syshaxd.api.state import Draining
 from syshaxd.engine.chat_models import ChatModel, ChildDaemon
 from syshaxd.engine.engine_handle import EngineUnavailable
@@ -77,7 +78,7 @@ async def _forwarded(request: web.Request, entries, model: ChatModel, data: byte
             done, _ = await asyncio.wait({task}, timeout=CLIENT_CHECK)
             if done:
                 return task.result()
-            if _gone(request):
+            if client_gone(request):
                 task.cancel()  # closes the child's request too: the child frees its slot
                 await asyncio.gather(task, return_exceptions=True)
                 log.info("%s: client left; its request to chat model %s is closed", request.path, model.name)
@@ -138,7 +139,7 @@ class Exchange:
                     assert self.response is not None
                     return self.response
         except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
-            if _gone(request):
+            if client_gone(request):
                 return web.Response(status=499, text="client closed the request")
             model.failed_requests += 1
             raise APIError(503, f"chat model {model.name}'s daemon did not answer ({type(exc).__name__}: {exc}); "
@@ -155,10 +156,6 @@ def ask_keep_alive(model, body: dict) -> None:
         model.keep_alive_asked = seconds(body["keep_alive"], "keep_alive")
     except EntryError as exc:
         raise invalid(f"Invalid {exc}", param="keep_alive") from None
-
-
-def _gone(request: web.Request) -> bool:
-    return request.transport is None or request.transport.is_closing()
 
 
 async def chat_model_metrics(entries) -> list:

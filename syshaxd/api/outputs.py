@@ -30,7 +30,8 @@ from syshaxd.sdk.types import Accepted, Delta, Refusal, Rejected, RequestStream
 _DISCONNECT_POLL = 1.0  # seconds between checks that a waiting client is still there
 
 
-def _client_gone(request: web.Request) -> bool:
+def client_gone(request: web.Request) -> bool:
+    """Whether the client closed its connection (or it broke): what it asked for need not go on."""
     transport = request.transport
     return transport is None or transport.is_closing()
 
@@ -38,7 +39,7 @@ def _client_gone(request: web.Request) -> bool:
 async def next_event(request: web.Request, stream: Fanout | RequestStream, deadline: float | None):
     """The stream's next event; None if the client left. Raises APIError past the deadline."""
     while True:
-        if _client_gone(request):  # looked at each event too: tokens that keep coming must not hide a client that
+        if client_gone(request):  # looked at each event too: tokens that keep coming must not hide a client that
             return None            # left an answer without a stream, which would then be generated to its end
         timeout = _DISCONNECT_POLL
         if deadline is not None:
@@ -47,7 +48,7 @@ async def next_event(request: web.Request, stream: Fanout | RequestStream, deadl
             async with asyncio.timeout(timeout):  # no task per call, as wait_for would make: this runs per token
                 return await stream.next_event()
         except asyncio.TimeoutError:
-            if _client_gone(request):
+            if client_gone(request):
                 return None
             if deadline is not None and time.monotonic() >= deadline:
                 raise APIError(503, "The request waited too long for the engine (request_timeout); retry later.",
