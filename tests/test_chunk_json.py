@@ -19,8 +19,8 @@ TEXTS = ["", " Paris", "a \"quoted\" word", "back\\slash", "line\nbreak\ttab\r",
 
 def exchanges():
     chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 3},
-                      "m", 16)
-    completion = parse_completion({"model": "m", "prompt": ["one", "two"], "stream": True, "n": 2}, "m", 16)
+                      "m")
+    completion = parse_completion({"model": "m", "prompt": ["one", "two"], "stream": True, "n": 2}, "m")
     return [ChatExchange(chat, "m \"model\" é", None, [], None),
             CompletionExchange(completion, "m", None, [], None)]
 

@@ -80,7 +80,7 @@ async def _answer(ex, parsed):
 
 
 def test_completions_count_and_show_every_token_of_a_multi_token_delta():
-    parsed = parse_completion({"model": "m", "prompt": "x", "max_tokens": 6, "logprobs": 1}, "m", 16)
+    parsed = parse_completion({"model": "m", "prompt": "x", "max_tokens": 6, "logprobs": 1}, "m")
     body, chunks, counted = asyncio.run(_answer(CompletionExchange(parsed, "m", Pieces(), [], None), parsed))
     choice = body["choices"][0]
     assert choice["text"] == " Paris is big. Yes!" and choice["finish_reason"] == "length"
@@ -96,7 +96,7 @@ def test_completions_count_and_show_every_token_of_a_multi_token_delta():
 @pytest.mark.parametrize("logprobs", [False, True])
 def test_chat_counts_and_shows_every_token_of_a_multi_token_delta(logprobs):
     parsed = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-                         "logprobs": logprobs, "stream": True}, "m", 16)
+                         "logprobs": logprobs, "stream": True}, "m")
     body, chunks, counted = asyncio.run(_answer(ChatExchange(parsed, "m", Pieces(), [], None), parsed))
     choice = body["choices"][0]
     assert choice["message"]["content"] == " Paris is big. Yes!" and choice["finish_reason"] == "length"

@@ -277,14 +277,14 @@ def test_only_the_room_of_the_record_in_flight_is_open_to_the_transfer_engine(tm
 
 
 def test_a_peer_of_the_old_protocol_is_told_so(tmp_path, front_engine, caplog):
-    """syshax-node/1 sent a bare challenge and answered with a bare proof; in syshax-node/2 each side names what it
-    speaks, so a peer of /1 is refused."""
+    """syshax-node/1 sent a bare challenge and answered with a bare proof; since syshax-node/2 each side names what
+    it speaks, so a peer of /1 is refused (and one of /2, whose requests had other fields, by name: below)."""
     async def scenario():
         async with serving(tmp_path) as node:
             # a front of syshax-node/1: reads the challenge, answers with a 64-byte proof and challenge
             reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
             size = int.from_bytes(await reader.readexactly(4), "big")
-            assert (await reader.readexactly(size)).startswith(b"syshax-node/2 ")
+            assert (await reader.readexactly(size)).startswith(wire.PROTOCOL + b" ")
             writer.write((64).to_bytes(4, "big") + os.urandom(64))
             assert await reader.read() == b""  # closed
             writer.close()
@@ -307,11 +307,34 @@ def test_a_peer_of_the_old_protocol_is_told_so(tmp_path, front_engine, caplog):
 
     with caplog.at_level(logging.INFO, logger="syshaxd.remote"):
         said = asyncio.run(scenario())
-    assert said == ("the node speaks syshax-node/1, this end syshax-node/2: run the same syshax version on the front "
-                    "and its nodes")
+    assert said == (f"the node speaks syshax-node/1, this end {wire.PROTOCOL.decode()}: run the same syshax version "
+                    "on the front and its nodes")
     line = _refused_line(caplog, "refused a connection")
-    assert "the front speaks syshax-node/1, this end syshax-node/2" in line, line
+    assert f"the front speaks syshax-node/1, this end {wire.PROTOCOL.decode()}" in line, line
 
+
+
+def test_a_node_of_the_previous_protocol_is_named():
+    # syshax-node/2's requests carried default_max_tokens, which the daemon now decides alone: a front refuses
+    # such a node by its protocol's name before any request crosses
+    async def scenario():
+        async def node_of_2(reader, writer):
+            data = b"syshax-node/2 " + os.urandom(32)
+            writer.write(len(data).to_bytes(4, "big") + data)
+            await writer.drain()
+            await asyncio.sleep(0.5)
+            writer.close()
+
+        server = await asyncio.start_server(node_of_2, "127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        with pytest.raises(wire.AuthFailed) as refused:
+            await wire.prove_as_front(reader, writer, SECRET)
+        writer.close()
+        server.close()
+        return str(refused.value)
+
+    assert asyncio.run(scenario()) == (f"the node speaks syshax-node/2, this end {wire.PROTOCOL.decode()}: run the "
+                                       "same syshax version on the front and its nodes")
 
 # --- TLS ------------------------------------------------------------------------------------------------------------
 

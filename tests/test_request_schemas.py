@@ -180,8 +180,8 @@ def _validation_takes(parse, body: dict) -> bool:
 
 
 ENDPOINTS = [
-    ("chat", "ChatCompletionRequest", CHAT, lambda b: parse_chat(b, MODEL, 256)),
-    ("completions", "CompletionRequest", COMPLETION, lambda b: parse_completion(b, MODEL, 256)),
+    ("chat", "ChatCompletionRequest", CHAT, lambda b: parse_chat(b, MODEL)),
+    ("completions", "CompletionRequest", COMPLETION, lambda b: parse_completion(b, MODEL)),
 ]
 
 
@@ -236,5 +236,5 @@ def test_enums_hold_every_value_validation_takes():
     assert mode["enum"] == list(MODES)
     for role, mode in itertools.product(CHAT_ROLES, MODES):
         message = {"role": role, "content": "hi"} | ({"tool_call_id": "c"} if role == "tool" else {})
-        assert _validation_takes(lambda b: parse_chat(b, MODEL, 256), CHAT | {"messages": [message],
+        assert _validation_takes(lambda b: parse_chat(b, MODEL), CHAT | {"messages": [message],
                                                                                "syshax": {"mode": mode}})

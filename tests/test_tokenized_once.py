@@ -7,6 +7,7 @@ wrapping the real method. The engines then get token ids, which they take as the
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from conftest import MODEL_NAME
 from syshaxd.api.validate import parse_chat, parse_completion
@@ -17,10 +18,10 @@ from syshaxd.sdk.types import Rejected
 from syshaxd.sdk.prompt_fit import fit_prompt
 
 
-def prepared_counting(default_model, parsed):
+def prepared_counting(default_model, parsed, config: Config | None = None, n_ctx: int = 4096):
     """The scheduler's prepared choices, and how many times the tokenizer ran for them."""
     async def go():
-        prompts = PromptTokenizer(DaemonVocab(str(default_model)), 4096)
+        prompts = PromptTokenizer(DaemonVocab(str(default_model)), n_ctx)
         vocab = await prompts.vocab.get()
         calls = []
         real = vocab.tokenize
@@ -30,7 +31,7 @@ def prepared_counting(default_model, parsed):
             return real(*args, **kwargs)
 
         vocab.tokenize = counted
-        choices = await Scheduler(Config(), [], prompts=prompts).prepare(parsed.generates, parsed.n)
+        choices = await Scheduler(config or Config(), [], prompts=prompts).prepare(parsed.generates, parsed.n)
         return choices, calls, vocab
 
     return asyncio.run(go())
@@ -38,7 +39,7 @@ def prepared_counting(default_model, parsed):
 
 def test_n_choices_of_a_chat_prompt_are_tokenized_once(default_model):
     parsed = parse_chat({"model": MODEL_NAME, "n": 5, "messages": [{"role": "user", "content": "Name a colour."}]},
-                        MODEL_NAME, 64)
+                        MODEL_NAME)
     choices, calls, vocab = prepared_counting(default_model, parsed)
     assert len(calls) == 1 and len(choices) == 5
     expected = vocab.tokenize(vocab.template.render(list(parsed.generate.messages), None), add_special=False)
@@ -52,7 +53,7 @@ def test_n_choices_of_a_chat_prompt_are_tokenized_once(default_model):
 
 def test_each_of_several_prompts_is_tokenized_once_for_all_its_choices(default_model):
     parsed = parse_completion({"model": MODEL_NAME, "n": 3, "prompt": ["One", "Two", "Three"], "max_tokens": 2},
-                              MODEL_NAME, 64)
+                              MODEL_NAME)
     choices, calls, vocab = prepared_counting(default_model, parsed)
     assert calls == ["One", "Two", "Three"] and len(choices) == 9
     for i, word in enumerate(["One", "Two", "Three"]):
@@ -60,6 +61,22 @@ def test_each_of_several_prompts_is_tokenized_once_for_all_its_choices(default_m
 
 
 def test_a_prompt_that_cannot_run_is_refused_before_any_engine(default_model):
-    parsed = parse_completion({"model": MODEL_NAME, "prompt": "word " * 5000, "max_tokens": 2}, MODEL_NAME, 64)
+    parsed = parse_completion({"model": MODEL_NAME, "prompt": "word " * 5000, "max_tokens": 2}, MODEL_NAME)
     refused, calls, _ = prepared_counting(default_model, parsed)
     assert isinstance(refused, Rejected) and refused.code == "context_length_exceeded" and refused.param == "prompt"
+
+
+def test_the_daemon_alone_gives_a_chat_without_max_tokens_its_default(default_model):
+    # default_max_tokens within the room the prompt leaves; the engines get it as the request's max_tokens
+    chat = {"model": MODEL_NAME, "n": 2, "messages": [{"role": "user", "content": "Name a colour."}]}
+    parsed = parse_chat(chat, MODEL_NAME)
+    assert parsed.generate.max_tokens is None
+    choices, _, vocab = prepared_counting(default_model, parsed, Config(default_max_tokens=7))
+    assert [c.max_tokens for c in choices] == [7, 7]
+    prompt = len(choices[0].prompt_tokens)
+    choices, _, _ = prepared_counting(default_model, parsed, Config(default_max_tokens=7), n_ctx=prompt + 3)
+    assert [c.max_tokens for c in choices] == [3, 3]  # the room, where it is less
+    asked = parse_chat(chat | {"max_tokens": 9}, MODEL_NAME)
+    choices, _, _ = prepared_counting(default_model, asked, Config(default_max_tokens=7))
+    assert [c.max_tokens for c in choices] == [9, 9]  # what the client asked for stands
+    assert fit_prompt(vocab, replace(choices[0], max_tokens=None), prompt + 3)[1] == 3  # an engine's own rule

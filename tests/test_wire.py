@@ -40,7 +40,7 @@ def _example(cls):
     if cls in samples:
         return samples[cls]
     request = GenerateRequest("r1", 8, _example(SamplingParams), prompt_tokens=tuple(range(2048)), stop=("\n", "##"),
-                              ignore_eos=True, default_max_tokens=99, cache_prompt=False, logprobs=2,
+                              ignore_eos=True, cache_prompt=False, logprobs=2,
                               prompt_logprobs=1, grammar='root ::= "a"', grammar_field="tools",
                               tools=({"type": "function", "function": {"name": "f", "parameters": {}}},),
                               prompt="hi", messages=({"role": "user", "content": "hi"},),

@@ -130,7 +130,7 @@ class Translated:
         self.body = body
         chat, self.renames = self.translate(body)  # its errors name the endpoint's fields already
         cfg = self.request.app[STATE].config
-        parsed = parse_chat(chat, self.request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages)
+        parsed = parse_chat(chat, self.request.app[MODEL_NAME], cfg.max_messages)
         if self.renames.thinking_field and parsed.thinking is not None:  # parse_chat gives every chat one
             parsed = replace(parsed, thinking=replace(parsed.thinking, demanded_by=self.renames.thinking_field))
         return parsed

@@ -356,7 +356,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     cfg = request.app[STATE].config
     chat, renames = to_chat(await read_body(request), counting=True)
     try:
-        parsed = parse_chat(chat, request.app[MODEL_NAME], cfg.default_max_tokens, cfg.max_messages)
+        parsed = parse_chat(chat, request.app[MODEL_NAME], cfg.max_messages)
         vocab = await request.app[VOCAB].get()
         try:
             tokens = await asyncio.to_thread(vocab.prompt_tokens, parsed.generate)

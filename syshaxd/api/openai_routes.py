@@ -51,8 +51,8 @@ class _OpenAI:
         cfg = self.request.app[STATE].config
         model = self.request.app[MODEL_NAME]
         if self.chat:
-            return parse_chat(body, model, cfg.default_max_tokens, cfg.max_messages)
-        return parse_completion(body, model, cfg.default_max_tokens)
+            return parse_chat(body, model, cfg.max_messages)
+        return parse_completion(body, model)
 
     def renamed(self, exc: APIError) -> APIError:
         return exc

@@ -264,7 +264,7 @@ def _logprobs_k(body: dict, name: str) -> int | None:
     return _integer(body, name, None, 0, MAX_LOGPROBS)
 
 
-def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> ParsedRequest:
+def parse_completion(body: dict, served_model: str) -> ParsedRequest:
     check_fields(body, fields.COMPLETIONS)
     model, sampling, stream, include_usage, stop, ignore_eos, n = _common(body, served_model)
     prompts = _prompts(body)
@@ -283,7 +283,6 @@ def parse_completion(body: dict, served_model: str, default_max_tokens: int) -> 
         sampling=sampling,
         stop=stop,
         ignore_eos=ignore_eos,
-        default_max_tokens=default_max_tokens,
         cache_prompt=_boolean(body, "cache_prompt", True),  # llama-server's opt-out of the prefix cache
         logprobs=k,
         prompt_logprobs=k if echo else None,
@@ -382,7 +381,7 @@ def _tool_calls(where: str, calls: Any) -> list[dict]:
     return out
 
 
-def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messages: int = 2048) -> ParsedRequest:
+def parse_chat(body: dict, served_model: str, max_messages: int = 2048) -> ParsedRequest:
     check_fields(body, fields.CHAT)
     model, sampling, stream, include_usage, stop, ignore_eos, n = _common(body, served_model)
     messages = body.get("messages")
@@ -418,7 +417,6 @@ def parse_chat(body: dict, served_model: str, default_max_tokens: int, max_messa
         messages=parsed,
         stop=stop,
         ignore_eos=ignore_eos,
-        default_max_tokens=default_max_tokens,
         cache_prompt=_boolean(body, "cache_prompt", True),  # llama-server's opt-out of the prefix cache
         logprobs=(top or 0) if logprobs else None,
         grammar=constraint.grammar if constraint else "",

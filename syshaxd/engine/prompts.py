@@ -5,6 +5,9 @@ loop, so token ids and chat rendering are the engines' own. The prefix cache is 
 prompt's token ids before the request goes to a worker (PromptTokenizer); /tokenize, /detokenize
 and the token texts of logprobs read the same copy. A prompt that cannot run is refused here,
 before any engine work, with the Rejected an engine would have answered.
+
+Here too, and only here, a request that names no max_tokens gets its default: the config's
+default_max_tokens, within the room its prompt leaves in the context.
 """
 
 from __future__ import annotations
@@ -58,14 +61,15 @@ class PromptTokenizer:
         self.vocab = vocab
         self.n_ctx = n_ctx  # capped by the model's training context, as the engines cap it
 
-    async def tokenize(self, request: GenerateRequest) -> GenerateRequest | Rejected:
-        """The request with its prompt as token ids, or why it cannot run."""
-        if request.prompt_tokens is not None:
-            return request
+    async def tokenize(self, request: GenerateRequest, default_max_tokens: int) -> GenerateRequest | Rejected:
+        """The request with its prompt as token ids and its max_tokens (default_max_tokens within the prompt's room
+        where it names none), or why it cannot run."""
         vocab = await self.vocab.get()
         n_ctx = min(self.n_ctx, vocab.n_ctx_train or self.n_ctx)
         fitted = await asyncio.to_thread(fit_prompt, vocab, request, n_ctx)
         if isinstance(fitted, Rejected):
             return fitted
-        tokens, _ = fitted
-        return replace(request, prompt_tokens=tuple(tokens), prompt=None, messages=None, chat_template_kwargs=None)
+        tokens, room = fitted
+        max_tokens = min(default_max_tokens, room) if request.max_tokens is None else request.max_tokens
+        return replace(request, prompt_tokens=tuple(tokens), max_tokens=max_tokens, prompt=None, messages=None,
+                       chat_template_kwargs=None)

@@ -212,13 +212,13 @@ class Scheduler:
         (an engine's own answer) when a prompt cannot run."""
         prepared: list[GenerateRequest] = []
         for first in range(0, len(choices), n):
-            tokenized = await self.prompts.tokenize(choices[first])
+            tokenized = await self.prompts.tokenize(choices[first], self.config.default_max_tokens)
             if isinstance(tokenized, Rejected):
                 return tokenized
             if choices[first].cache_prompt and choices[first].prompt_logprobs is None:
                 await self.ledger.prefix_from_disk(tokenized.prompt_tokens)  # its blocks only the disk still holds
-            prepared += [replace(choice, prompt_tokens=tokenized.prompt_tokens, prompt=None, messages=None,
-                                 chat_template_kwargs=None)
+            prepared += [replace(choice, prompt_tokens=tokenized.prompt_tokens, max_tokens=tokenized.max_tokens,
+                                 prompt=None, messages=None, chat_template_kwargs=None)
                          for choice in choices[first:first + n]]
         return prepared
 
@@ -230,7 +230,7 @@ class Scheduler:
                 or not worker.info.get("prefix_cache")):
             return handling
         # a worker that proved its decode steps give a prompt chunk's bits keeps what the request generates
-        generate = (request.max_tokens or request.default_max_tokens) if worker.info.get("keeps_generated") else 0
+        generate = (request.max_tokens or 0) if worker.info.get("keeps_generated") else 0  # prepare() set it
         plan = self.ledger.plan_prefix(request.request_id, request.prompt_tokens, generate)
         return replace(handling, prefix=plan) if plan is not None else handling
 

@@ -14,7 +14,7 @@ only after its tag checks, and only into the types of FRONT_MESSAGES and NODE_ME
 its declared type and a size (MAX_NAME, MAX_TEXT, MAX_ITEMS, MAX_TOKEN, MAX_BYTES): nothing runs on load, and no
 field asks for more memory than its bytes in the frame (a container's declared length is checked against the bytes
 left). A frame that fails is refused with what was wrong, and its connection closed. The handshake names the
-protocol (syshax-node/2), so a peer of another version is told so.
+protocol (syshax-node/3), so a peer of another version is told so.
 
 The channel is encrypted only with TLS configured (node_tls_cert, node_tls_key, node_tls_ca: tls_context); without
 it prompts' token ids and the generated text cross in the clear, authenticated but readable. With it the handshake
@@ -64,7 +64,7 @@ from syshaxd.sdk.types import (
 
 MAX_FRAME = 16 << 20  # a Submit carries one request: 2**20 prompt tokens take at most 5 MiB
 CHALLENGE_BYTES = 32
-PROTOCOL = b"syshax-node/2"  # /1: pickled frames, before 2026-12
+PROTOCOL = b"syshax-node/3"  # /2: requests carried default_max_tokens; /1: pickled frames
 _HEADER = struct.Struct("!I")
 
 

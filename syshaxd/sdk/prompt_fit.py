@@ -10,6 +10,9 @@ from syshaxd.sdk.types import GenerateRequest, Refusal, Rejected
 def fit_prompt(vocab: Vocab, request: GenerateRequest, n_ctx: int) -> tuple[list[int], int] | Rejected:
     """(prompt tokens, max_tokens) for a request, or why it cannot run (a Rejected, as every engine answers).
 
+    A request without max_tokens may fill the context; the daemon gives every request it sends a max_tokens
+    (its default_max_tokens within this room: engine/prompts.py), so that rule is the only default here.
+
     A prompt that cannot fit is refused from its size before it is rendered or tokenized: tokenizing
     a 4 MB prompt takes seconds of the engine's one thread, which its other requests would wait out.
     """
@@ -34,7 +37,7 @@ def fit_prompt(vocab: Vocab, request: GenerateRequest, n_ctx: int) -> tuple[list
                         f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab.n_vocab - 1})",
                         "invalid_prompt", "prompt")
     room = n_ctx - len(prompt)
-    max_tokens = min(request.default_max_tokens, room) if request.max_tokens is None else request.max_tokens
+    max_tokens = room if request.max_tokens is None else request.max_tokens
     if room < 1 or max_tokens > room:
         asked = len(prompt) + (max_tokens if request.max_tokens is not None else 1)
         return Rejected(

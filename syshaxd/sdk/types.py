@@ -214,14 +214,13 @@ class GenerateRequest:
     (the daemon sends engines prompt_tokens). How an engine is to run it this time is a Handling, beside it."""
 
     request_id: str
-    max_tokens: int | None  # None: up to the context limit, capped by default_max_tokens
+    max_tokens: int | None  # None: up to the context's room (the daemon always sets it: engine/prompts.py)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompt: str | None = None
     prompt_tokens: tuple[int, ...] | None = None
     messages: tuple[dict, ...] | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    default_max_tokens: int = 1024
     cache_prompt: bool = True  # False: the request neither reads nor fills the prefix cache
     # logprobs: each generated token's logprob and this many top alternatives (None: none computed);
     # prompt_logprobs: the same for every prompt token (echo), which needs every prompt position's logits
