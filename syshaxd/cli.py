@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from syshaxd import __version__
-from syshaxd.config import KEYS, MODES, ConfigError, coerce, from_mapping, plain
+from syshaxd.config import KEYS, MODES, ConfigError, coerce, from_mapping, from_tables, plain, table_of
 
 PACKAGED_CONFIG = Path(__file__).resolve().parent / "etc" / "syshax.toml"  # package data: in the wheel too
 
@@ -89,23 +89,23 @@ def _config_file(args: argparse.Namespace) -> int:
         return 1
     if args.key is None:
         print(f"# {path}")
-        current = from_mapping({k: v for k, v in doc.unwrap().items()}, source=str(path))
+        current = from_mapping(from_tables(doc.unwrap(), str(path))[0], source=str(path))
         for key in KEYS:
             print(f"{key} = {json.dumps(plain(key, getattr(current, key)))}")
         return 0
     try:
         if args.value is None:
-            current = from_mapping(doc.unwrap(), source=str(path))
+            current = from_mapping(from_tables(doc.unwrap(), str(path))[0], source=str(path))
             if args.key not in KEYS:
                 coerce(args.key, "")  # raises the unknown-key error
             print(json.dumps(plain(args.key, getattr(current, args.key))))
             return 0
         value = coerce(args.key, args.value)
-        from_mapping(doc.unwrap() | {args.key: value}, source=str(path))  # validate before writing
+        from_mapping(from_tables(doc.unwrap(), str(path))[0] | {args.key: value}, source=str(path))  # check first
     except ConfigError as exc:
         print(f"syshax: {exc}", file=sys.stderr)
         return 2
-    doc[args.key] = value
+    set_in_document(doc, args.key, value)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(tomlkit.dumps(doc))
     print(f"{path}: {args.key} = {json.dumps(value)} (restart syshaxd to apply)")
@@ -318,9 +318,23 @@ def _save_key(path: Path, key: str, value) -> None:
         doc = tomlkit.parse(path.read_text())
     except tomlkit.exceptions.ParseError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    from_mapping(doc.unwrap() | {key: value}, source=str(path))
-    doc[key] = value
+    from_mapping(from_tables(doc.unwrap(), str(path))[0] | {key: value}, source=str(path))
+    set_in_document(doc, key, value)
     path.write_text(tomlkit.dumps(doc))  # in place: the file keeps its owner and mode
+
+
+def set_in_document(doc, key: str, value) -> None:
+    """Set one key in a tomlkit document where it belongs: in its table (made, at the end, where the file has
+    none), or at the top level where the file already holds it there (a file written before the tables)."""
+    import tomlkit
+
+    table = table_of(key)
+    if not table or key in doc:
+        doc[key] = value
+        return
+    if table not in doc:
+        doc[table] = tomlkit.table()
+    doc[table][key] = value
 
 
 def cmd_drain(args: argparse.Namespace) -> int:

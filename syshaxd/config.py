@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
+from functools import partial
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
@@ -48,9 +50,11 @@ class ConfigError(ValueError):
     """A configuration key has a bad value; the message names the key and what is allowed."""
 
 
-# The reference's sections (docs/reference/config.md), in the order syshaxd/etc/syshax.toml has them.
+# The reference's sections (docs/reference/config.md), in the order syshaxd/etc/syshax.toml has them, and the TOML
+# table each section's keys live in. A table holds one or more sections; its keys come together in the file.
 _HTTP = "HTTP endpoint"
 _SERVE = "What to serve"
+_MODE = "Mode"
 _CPU_ENGINE = "CPU engine (llama.cpp)"
 _PREFIX = "Prefix cache"
 _SPECULATION = "Speculative decoding"
@@ -61,8 +65,18 @@ _SUPERVISION = "Worker supervision"
 _SECURITY = "Security and limits"
 _NODES = "Decode nodes"
 _OPERATIONS = "Operations"
-SECTIONS = (_HTTP, _SERVE, _CPU_ENGINE, _PREFIX, _SPECULATION, _HETERO, _AUTO, _REQUESTS, _SUPERVISION, _SECURITY,
-            _NODES, _OPERATIONS)
+SECTION_TABLES: dict[str, str] = {
+    _HTTP: "server", _REQUESTS: "server", _SECURITY: "server", _OPERATIONS: "server",
+    _SERVE: "serve",
+    _MODE: "engines", _CPU_ENGINE: "engines", _HETERO: "engines", _SUPERVISION: "engines",
+    _PREFIX: "prefix_cache",
+    _SPECULATION: "speculation",
+    _AUTO: "auto",
+    _NODES: "nodes",
+}
+SECTIONS = tuple(SECTION_TABLES)
+TABLES = tuple(dict.fromkeys(SECTION_TABLES.values()))  # [server], [serve], [engines], ... in the file's order
+TOP_LEVEL_ARRAYS = frozenset({"models"})  # [[models]]: an array of tables of its own, after every table
 
 _T = TypeVar("_T")
 
@@ -83,7 +97,7 @@ class Config:
     max_body_bytes: int = key(4 * 1024 * 1024, _HTTP, "The largest request body accepted, in bytes; a larger one "
                               "gets HTTP 413. At least 1024.")
 
-    mode: str = key("cpu", _SERVE, 'Where prefill and decode run: "cpu", "gpu", "hetero" or "auto". An auto daemon '
+    mode: str = key("cpu", _MODE, 'Where prefill and decode run: "cpu", "gpu", "hetero" or "auto". An auto daemon '
                     "starts both engines and can switch among the modes while it runs (`syshax mode MODE`).")
     model: str = key("", _SERVE, "The GGUF file to serve. Empty: the embedded default model, SmolLM2-135M-Instruct, "
                      "prepared into model_dir at the first start.")
@@ -190,10 +204,10 @@ class Config:
                                 "this many ms while another meets it. 0: no target.")
     ttft_target_ms: float = key(0.0, _AUTO, "Decider v2 avoids a side whose expected time to the first token is "
                                 "above this many ms while another meets it. 0: no target.")
-    routing_rules: tuple[RoutingRule, ...] = key((), _AUTO, "sysHAX's routing rules, written as `[[routing_rules]]` "
-                                                 "tables (name, priority, conditions, action): the highest-priority "
-                                                 "rule that matches a request sends it to its device when that has "
-                                                 "room; otherwise the decider decides.")
+    routing_rules: tuple[RoutingRule, ...] = key((), _AUTO, "sysHAX's routing rules, written as "
+                                                 "`[[auto.routing_rules]]` tables (name, priority, conditions, "
+                                                 "action): the highest-priority rule that matches a request sends it "
+                                                 "to its device when that has room; otherwise the decider decides.")
     prefix_routing: bool = key(True, _AUTO, "In a pool of engines that keep their own prefix caches (vLLM), a request "
                                "goes to the engine that was sent its prompt's prefix before; false: to the least "
                                "loaded one.")
@@ -231,7 +245,7 @@ class Config:
     web_ui: bool = key(True, _SECURITY, "The web page at / (live status and a chat playground); false: / is a 404.")
     max_connections: int = key(1024, _SECURITY, "The most HTTP connections open at once (idle keep-alive ones count); "
                                "past it a new connection gets HTTP 503 and is closed.")
-    worker_heartbeat_timeout: float = key(30.0, _SECURITY, "Seconds a loaded worker may send nothing before the "
+    worker_heartbeat_timeout: float = key(30.0, _SUPERVISION, "Seconds a loaded worker may send nothing before the "
                                           "daemon kills it as hung and starts a new one (a worker still computing "
                                           "gets up to 4 times as long). Must exceed handoff_timeout; 0 turns the "
                                           "check off.")
@@ -267,8 +281,9 @@ class Config:
     admin_group: str = key("syshax", _OPERATIONS, "Besides root and the daemon's own user, members of this group may "
                            "use the admin socket.")
 
-    # where this config came from (not a TOML key)
+    # where this config came from, and which of its keys it found outside their tables (not TOML keys)
     source: str = field(default="", compare=False)
+    flat_keys: tuple[str, ...] = field(default=(), compare=False)
 
     def replace(self, **changes: Any) -> "Config":
         """A copy with some keys changed, validated like the file is."""
@@ -293,7 +308,56 @@ class Config:
         return min(self.prefix_block_tokens, self.prefill_chunk_size)
 
 
-KEYS: dict[str, dataclasses.Field] = {f.name: f for f in fields(Config) if f.name != "source"}
+KEYS: dict[str, dataclasses.Field] = {f.name: f for f in fields(Config) if f.name not in ("source", "flat_keys")}
+
+
+def table_of(key: str) -> str:
+    """The TOML table a key lives in ("server", ...); "" for [[models]], an array of tables at the top."""
+    return "" if key in TOP_LEVEL_ARRAYS else SECTION_TABLES[KEYS[key].metadata["section"]]
+
+
+def from_tables(data: Mapping[str, Any], source: str = "") -> tuple[dict[str, Any], tuple[str, ...]]:
+    """A parsed TOML document's keys, flat, and those it holds at the top level instead of in their tables (read
+    as before: the daemon logs one warning naming their tables). A key in another table than its own, or in both
+    places, is a ConfigError naming it."""
+    where = source or "config"
+    flat: dict[str, Any] = {}
+    at_top: list[str] = []
+    for name, value in data.items():
+        if name in TABLES and name not in KEYS:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}: {name}: expected the table [{name}] of keys, got {value!r}")
+            for inner, inner_value in value.items():
+                if inner not in KEYS:
+                    raise ConfigError(f"{where}: unknown key [{name}] {inner}; the keys of [{name}]: "
+                                      f"{', '.join(k for k in KEYS if table_of(k) == name)}")
+                if table_of(inner) != name:
+                    home = f"[{table_of(inner)}]" if table_of(inner) else "the top level, as [[models]] tables"
+                    raise ConfigError(f"{where}: [{name}] {inner}: {inner} belongs in {home}; move it there")
+                if inner in flat:
+                    raise ConfigError(f"{where}: {inner} is set twice, at the top level and in [{name}]; keep the "
+                                      f"one in [{name}]")
+                flat[inner] = inner_value
+        else:
+            if name in flat:
+                raise ConfigError(f"{where}: {name} is set twice, at the top level and in [{table_of(name)}]; keep "
+                                  f"the one in [{table_of(name)}]")
+            flat[name] = value
+            if name in KEYS and table_of(name):
+                at_top.append(name)
+    return flat, tuple(at_top)
+
+
+def flat_keys_warning(cfg: Config) -> str:
+    """The one warning for keys a file holds outside their tables; "" when it holds none."""
+    if not cfg.flat_keys:
+        return ""
+    by_table: dict[str, list[str]] = {}
+    for name in cfg.flat_keys:
+        by_table.setdefault(table_of(name), []).append(name)
+    moves = "; ".join(f"{', '.join(names)} to [{table}]" for table, names in by_table.items())
+    return (f"{cfg.source or 'config'}: {len(cfg.flat_keys)} key(s) at the top level, read as before; each now lives "
+            f"in a table: move {moves} (`syshax init` writes the documented file with its tables)")
 
 
 def _check_type(key: str, value: Any) -> Any:
@@ -365,45 +429,36 @@ def check_api_key(key: str, where: str) -> None:
                           "Authorization header); generate one with: openssl rand -hex 32")
 
 
-def _validate(cfg: Config) -> None:
-    def at_least(key: str, low: float) -> None:
-        if getattr(cfg, key) < low:
-            raise ConfigError(f"{key}: must be at least {low}, got {getattr(cfg, key)!r}")
+def _at_least(cfg: Config, key: str, low: float) -> None:
+    if getattr(cfg, key) < low:
+        raise ConfigError(f"{key}: must be at least {low}, got {getattr(cfg, key)!r}")
 
-    if cfg.mode not in MODES:
-        raise ConfigError(f"mode: must be one of {', '.join(MODES)}; got {cfg.mode!r}")
+
+def _validate(cfg: Config) -> None:
+    """Each table checks its own keys, in the file's order."""
+    for table in TABLES:
+        VALIDATORS[table](cfg)
+
+
+def _validate_serve(cfg: Config) -> None:
     if cfg.quantize not in QUANTIZE_TYPES:
         raise ConfigError(f'quantize: must be "" (load every file as it is), "q4_0" or "q8_0" (the type an '
                           f'unquantized F32/F16/BF16 file is quantized to at first load); got {cfg.quantize!r}')
+    _at_least(cfg, "max_loaded_models", 0)
+
+
+def _validate_engines(cfg: Config) -> None:
+    at_least = partial(_at_least, cfg)
+    if cfg.mode not in MODES:
+        raise ConfigError(f"mode: must be one of {', '.join(MODES)}; got {cfg.mode!r}")
     if cfg.repack not in REPACK_SETTINGS:
         raise ConfigError(f'repack: must be "auto" (the fastest kernels that run correctly on this CPU), "on" or '
                           f'"off" (plain kernels); got {cfg.repack!r}')
-    if not 0 <= cfg.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-        raise ConfigError(f"speculative_tokens: must be 0 (off) to {MAX_SPECULATIVE_TOKENS} (the most tokens a "
-                          f"decode step guesses); got {cfg.speculative_tokens!r}")
-    if cfg.draft_model and cfg.speculative_tokens == 0:
-        raise ConfigError(f"draft_model: {cfg.draft_model!r} guesses tokens for speculative decoding, which "
-                          "speculative_tokens = 0 turns off; set speculative_tokens (1 to "
-                          f"{MAX_SPECULATIVE_TOKENS}) or leave draft_model empty")
-    if cfg.log_level not in LOG_LEVELS:
-        raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}; got {cfg.log_level!r}")
-    if not 0 <= cfg.port <= 65535:
-        raise ConfigError(f"port: must be 0..65535, got {cfg.port}")
-    at_least("max_body_bytes", 1024)
-    at_least("max_loaded_models", 0)
     at_least("n_ctx", 64)
     at_least("cpu_max_batch_size", 1)
     at_least("threads", 0)
     at_least("prefill_chunk_size", 1)
     at_least("ring_size_mb", 1)
-    at_least("prefix_cache_mb", 0)
-    at_least("prefix_cache_disk_gb", 0)
-    at_least("prefix_block_tokens", 1)
-    at_least("keep_generated_tokens", 0)
-    if cfg.prefill_chunk_size % cfg.prefix_block():
-        raise ConfigError(f"prefix_block_tokens: {cfg.prefix_block_tokens} does not divide prefill_chunk_size "
-                          f"({cfg.prefill_chunk_size}); a cached block must never straddle two prompt chunks. "
-                          "Choose a divisor, e.g. 16 with a chunk of 256")
     at_least("handoff_timeout", 0.0)
     for key in ("cpu_engine", "prefill_engine"):
         if not getattr(cfg, key):
@@ -415,6 +470,49 @@ def _validate(cfg: Config) -> None:
     if cfg.preemption_mode not in PREEMPTION_MODES:
         raise ConfigError(f'preemption_mode: must be "recompute" (vLLM\'s v1 engine recomputes a preempted '
                           f'sequence; "swap" went with v0); got {cfg.preemption_mode!r}')
+    at_least("worker_start_timeout", 1)
+    at_least("worker_restart_delay", 0)
+    from syshaxd.sdk.placement import parse_cpulist
+
+    for key in ("cpu_affinity", "prefill_cpu_affinity"):
+        value = getattr(cfg, key)
+        if value:
+            try:
+                for part in value.split(";"):
+                    parse_cpulist(part, what=key)
+            except ValueError as exc:
+                raise ConfigError(str(exc) if str(exc).startswith(key) else f"{key}: {exc}") from None
+    at_least("worker_heartbeat_timeout", 0)
+    if 0 < cfg.worker_heartbeat_timeout <= cfg.handoff_timeout:
+        raise ConfigError(f"worker_heartbeat_timeout: must be above handoff_timeout ({cfg.handoff_timeout:g}s, "
+                          "which a prefill may spend waiting for ring space) or 0 to turn the check off; "
+                          f"got {cfg.worker_heartbeat_timeout:g}")
+
+
+def _validate_prefix_cache(cfg: Config) -> None:
+    at_least = partial(_at_least, cfg)
+    at_least("prefix_cache_mb", 0)
+    at_least("prefix_cache_disk_gb", 0)
+    at_least("prefix_block_tokens", 1)
+    at_least("keep_generated_tokens", 0)
+    if cfg.prefill_chunk_size % cfg.prefix_block():
+        raise ConfigError(f"prefix_block_tokens: {cfg.prefix_block_tokens} does not divide prefill_chunk_size "
+                          f"({cfg.prefill_chunk_size}); a cached block must never straddle two prompt chunks. "
+                          "Choose a divisor, e.g. 16 with a chunk of 256")
+
+
+def _validate_speculation(cfg: Config) -> None:
+    if not 0 <= cfg.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"speculative_tokens: must be 0 (off) to {MAX_SPECULATIVE_TOKENS} (the most tokens a "
+                          f"decode step guesses); got {cfg.speculative_tokens!r}")
+    if cfg.draft_model and cfg.speculative_tokens == 0:
+        raise ConfigError(f"draft_model: {cfg.draft_model!r} guesses tokens for speculative decoding, which "
+                          "speculative_tokens = 0 turns off; set speculative_tokens (1 to "
+                          f"{MAX_SPECULATIVE_TOKENS}) or leave draft_model empty")
+
+
+def _validate_auto(cfg: Config) -> None:
+    at_least = partial(_at_least, cfg)
     if not 0.0 < cfg.gpu_cache_threshold <= 100.0:
         raise ConfigError(f"gpu_cache_threshold: a percent above 0 and at most 100, got {cfg.gpu_cache_threshold!r}")
     at_least("cpu_throughput_threshold", 0.0)
@@ -429,37 +527,26 @@ def _validate(cfg: Config) -> None:
     if cfg.token_limit_max < cfg.token_limit_min:
         raise ConfigError(f"token_limit_max: must be at least token_limit_min ({cfg.token_limit_min}), "
                           f"got {cfg.token_limit_max}")
+
+
+def _validate_server(cfg: Config) -> None:
+    at_least = partial(_at_least, cfg)
+    if not 0 <= cfg.port <= 65535:
+        raise ConfigError(f"port: must be 0..65535, got {cfg.port}")
+    at_least("max_body_bytes", 1024)
     at_least("default_max_tokens", 1)
     at_least("max_messages", 1)
     at_least("max_string_bytes", 1024)
     at_least("client_timeout", 0.1)
     at_least("max_queue_size", 0)
     at_least("request_timeout", 0.001)
-    at_least("worker_start_timeout", 1)
-    at_least("worker_restart_delay", 0)
-    from syshaxd.sdk.placement import parse_cpulist
-
-    for key, several in (("cpu_affinity", True), ("prefill_cpu_affinity", True)):
-        value = getattr(cfg, key)
-        if value:
-            try:
-                for part in value.split(";") if several else [value]:
-                    parse_cpulist(part, what=key)
-            except ValueError as exc:
-                raise ConfigError(str(exc) if str(exc).startswith(key) else f"{key}: {exc}") from None
-    # --- security and limits ---
     for i, key in enumerate(cfg.api_keys):
         check_api_key(key, f"api_keys[{i}]")
     # api_key_file is read when the daemon starts or reloads (api.auth.configured_keys), not here:
     # a Config.replace (`syshax mode`, `config set`) must not touch the disk
     at_least("max_connections", 1)
-    at_least("worker_heartbeat_timeout", 0)
-    if 0 < cfg.worker_heartbeat_timeout <= cfg.handoff_timeout:
-        raise ConfigError(f"worker_heartbeat_timeout: must be above handoff_timeout ({cfg.handoff_timeout:g}s, "
-                          "which a prefill may spend waiting for ring space) or 0 to turn the check off; "
-                          f"got {cfg.worker_heartbeat_timeout:g}")
-    _validate_nodes(cfg)
-    # --- operations ---
+    if cfg.log_level not in LOG_LEVELS:
+        raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}; got {cfg.log_level!r}")
     at_least("drain_timeout", 0)
     if cfg.admin_socket and len(os.fsencode(os.path.abspath(os.path.expanduser(cfg.admin_socket)))) > 107:
         raise ConfigError(f"admin_socket: a Unix socket path must be at most 107 bytes, got {cfg.admin_socket!r}; "
@@ -511,6 +598,13 @@ def _validate_nodes(cfg: Config) -> None:
                           "then the remote nodes' alone)")
 
 
+VALIDATORS: dict[str, Callable[[Config], None]] = {
+    "server": _validate_server, "serve": _validate_serve, "engines": _validate_engines,
+    "prefix_cache": _validate_prefix_cache, "speculation": _validate_speculation, "auto": _validate_auto,
+    "nodes": _validate_nodes,
+}
+
+
 def coerce(key: str, text: str) -> Any:
     """Turn a command-line string into the type `key` holds (for `syshax config KEY VALUE`)."""
     if key not in KEYS:
@@ -530,7 +624,7 @@ def coerce(key: str, text: str) -> Any:
         except json.JSONDecodeError:
             raise ConfigError(f'{key}: expected a JSON array of tables, e.g. [{{"name": "embed", "path": '
                               '"/models/embed.gguf"}]') from None
-    if kind == "tuple[RoutingRule, ...]":  # a JSON array of rule tables, as [[routing_rules]] holds them
+    if kind == "tuple[RoutingRule, ...]":  # a JSON array of rule tables, as [[auto.routing_rules]] holds them
         import json
 
         try:
@@ -561,12 +655,12 @@ def coerce(key: str, text: str) -> Any:
 
 def from_mapping(data: Mapping[str, Any], source: str = "") -> Config:
     """Build and validate a Config from a flat mapping of keys (a parsed TOML document)."""
-    unknown = sorted(set(data) - set(KEYS) - {"source"})
+    unknown = sorted(set(data) - set(KEYS) - {"source", "flat_keys"})
     if unknown:
         raise ConfigError(
             f"{source or 'config'}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(KEYS))}"
         )
-    values = {k: _check_type(k, v) for k, v in data.items() if k != "source"}
+    values = {k: _check_type(k, v) for k, v in data.items() if k not in ("source", "flat_keys")}
     cfg = Config(source=source, **values)
     _validate(cfg)
     return cfg
@@ -583,8 +677,10 @@ def find_config(explicit: str | None) -> Path | None:
 
 
 def load(path: str | os.PathLike | None, overrides: Mapping[str, Any] | None = None) -> Config:
-    """Read a TOML file (None: built-in defaults), apply overrides (command-line flags), validate."""
+    """Read a TOML file (None: built-in defaults), its keys in their tables or (as before) at the top level; apply
+    overrides (command-line flags); validate."""
     data: dict[str, Any] = {}
+    flat: tuple[str, ...] = ()
     source = ""
     if path is not None:
         source = str(path)
@@ -595,7 +691,8 @@ def load(path: str | os.PathLike | None, overrides: Mapping[str, Any] | None = N
             raise ConfigError(f"config file {source} does not exist; create one with `syshax init {source}`") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+        data, flat = from_tables(data, source)
     for key, value in (overrides or {}).items():
         if value is not None:
             data[key] = value
-    return from_mapping(data, source=source)
+    return dataclasses.replace(from_mapping(data, source=source), flat_keys=flat)

@@ -22,7 +22,7 @@ from syshaxd.api.auth import KeyCheck, configured_keys
 from syshaxd.api.keys import CONNECTIONS
 from syshaxd.api.limits import CappedTCPSite
 from syshaxd.api.state import ServiceState
-from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, load
+from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, flat_keys_warning, load
 from syshaxd.engine.embedders import bind_workers
 from syshaxd.engine.entry_models import EntryModels, Loaded, ModelsError
 from syshaxd.engine.entry_plan import plan_entries
@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for warning in hook_warnings(os.environ):  # a test hook left in a production unit must not go unnoticed
         log.warning("%s", warning)
+    if flat_keys_warning(cfg):  # a file written before the tables: read as it is, said once
+        log.warning("%s", flat_keys_warning(cfg))
     # Before any worker is spawned: they must not inherit NOTIFY_SOCKET (NotifyAccess=main).
     notifier = Notifier.from_env(os.environ, unset_environment=True)
     reload = (lambda: load_checked(path, overrides)) if path is not None else None

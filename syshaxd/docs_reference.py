@@ -39,11 +39,16 @@ def toml_value(value: object) -> str:
 
 
 def config_page() -> str:
-    from syshaxd.config import KEYS, LIVE_KEYS, SECTIONS, SYSTEM_CONFIG
+    from syshaxd.config import KEYS, LIVE_KEYS, SECTIONS, SYSTEM_CONFIG, TABLES, table_of
 
     out = [HEADER, "# Configuration keys\n\n",
            "Every key of the daemon's TOML file, by section. Every key is optional: a missing key keeps the default "
            "shown here.\n\n",
+           "**Tables.** Each key lives in a table of the file: "
+           + ", ".join(f"`[{t}]`" for t in TABLES) + "; `[[models]]` entries and `[[auto.routing_rules]]` come "
+           "after them. A key written at the top level, as files before these tables had them, is still read; the "
+           "daemon then logs one warning naming the table to move it to. The command line, `syshax config` and the "
+           "admin socket name keys alone (`syshax config set max_queue_size 128`).\n\n",
            "**Which file.** `syshaxd --config PATH`; without it `$SYSHAX_CONFIG`, then `./etc/syshax.toml`, then "
            f"`{SYSTEM_CONFIG}` (the packaged service's); without any, the defaults. `syshax init [PATH]` writes the "
            "documented file (every key with a longer comment), `syshax config KEY VALUE [--file PATH]` edits one key "
@@ -65,7 +70,8 @@ def config_page() -> str:
                 default = "none"
                 doc = (f.metadata["doc"] + " See [Modes and routing](../modes.md) for the fields and operators a "
                        "rule may use.")
-                example = ("\n```toml\n[[routing_rules]]\nname = \"long answers decode on the CPU\"\npriority = 10\n"
+                example = ("\n```toml\n[[auto.routing_rules]]\nname = \"long answers decode on the CPU\"\n"
+                           "priority = 10\n"
                            "conditions = [{field = \"max_tokens\", operator = \"gte\", value = 1024}]\n"
                            "action = {device = \"CPU\"}\n```\n")
             elif name == "models":
@@ -75,7 +81,8 @@ def config_page() -> str:
                            "Qwen3-Embedding-0.6B-Q8_0.gguf\"\nkeep_alive = \"10m\"\n```\n")
             else:
                 default, doc, example = f"`{toml_value(f.default)}`", f.metadata["doc"], ""
-            out.append(f"### {name}\n\n{doc}\n\nType: {_TYPES[str(f.type)]} · Default: {default} · "
+            table = f"`[{table_of(name)}]`" if table_of(name) else "`[[models]]`, after every table"
+            out.append(f"### {name}\n\n{doc}\n\nTable: {table} · Type: {_TYPES[str(f.type)]} · Default: {default} · "
                        f"Applies: {applies}\n{example}\n")
     return "".join(out)
 

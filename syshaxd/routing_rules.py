@@ -7,7 +7,7 @@ the request when its device has room; otherwise the decider goes on as if no rul
 order, as sysHAX has it: an offloaded decode's continuation > rules by priority > the measured decision > the
 offload thresholds.
 
-    [[routing_rules]]
+    [[auto.routing_rules]]
     name = "long answers decode on the CPU"
     priority = 10
     conditions = [{field = "max_tokens", operator = "gte", value = 1024}]
@@ -132,7 +132,7 @@ def parse_rules(raw: Any, served_model: str = "") -> RuleSet:
     """The rules of the config's `routing_rules` (a TOML array of tables), checked; RuleError names what is wrong.
     served_model: the model this daemon serves (a rule on another model can never match); "": not checked yet."""
     if not isinstance(raw, (list, tuple)):
-        raise RuleError(f"routing_rules: expected an array of tables ([[routing_rules]]), got {raw!r}")
+        raise RuleError(f"routing_rules: expected an array of tables ([[auto.routing_rules]]), got {raw!r}")
     rules, names = [], set()
     for i, table in enumerate(raw):
         rule = _rule(i, table)

@@ -46,6 +46,24 @@ def test_config_edits_one_key_and_keeps_the_comments(tmp_path):
     assert len(text.splitlines()) == len(original.splitlines())
 
 
+def test_config_writes_a_key_into_its_table_or_where_an_older_file_holds_it(tmp_path):
+    import tomllib
+
+    tables = tmp_path / "tables.toml"
+    tables.write_text('[engines]\nn_ctx = 2048\n\n[[models]]\nname = "e"\npath = "/m/e.gguf"\n')
+    for key, value in (("n_ctx", "1024"), ("max_queue_size", "9")):
+        done = syshax("config", key, value, "--file", str(tables))
+        assert done.returncode == 0, done.stderr
+    data = tomllib.loads(tables.read_text())
+    assert data["engines"] == {"n_ctx": 1024} and data["server"] == {"max_queue_size": 9}  # a table it lacked
+    assert data["models"] == [{"name": "e", "path": "/m/e.gguf"}]
+    assert json.loads(syshax("config", "max_queue_size", "--file", str(tables)).stdout) == 9
+    flat = tmp_path / "flat.toml"
+    flat.write_text("n_ctx = 2048\n")
+    assert syshax("config", "n_ctx", "1024", "--file", str(flat)).returncode == 0
+    assert tomllib.loads(flat.read_text()) == {"n_ctx": 1024}  # where the file has it, not twice
+
+
 def test_config_refuses_bad_values_and_names_the_key(tmp_path):
     target = tmp_path / "syshax.toml"
     syshax("init", str(target))

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from syshaxd import docs_reference as ref
-from syshaxd.config import KEYS, SECTIONS
+from syshaxd.config import KEYS, SECTIONS, table_of
+from syshaxd.config import TABLES as CONFIG_TABLES
 from syshaxd.environment import BY_NAME, KINDS, VARIABLES
 from syshaxd.model_entries import ENTRY_KEYS
 
@@ -192,13 +193,14 @@ def test_docs_name_only_metrics_that_exist():
 RULE_FIELDS = {"name", "priority", "conditions", "action"}
 
 
-# the config's arrays of tables, and the fields each table takes
-TABLES = {"routing_rules": RULE_FIELDS, "models": ENTRY_KEYS}
+# the config's tables and arrays of tables, and the keys or fields each takes
+TABLES = {"auto.routing_rules": RULE_FIELDS, "models": ENTRY_KEYS} | {
+    t: {k for k in KEYS if table_of(k) == t} for t in CONFIG_TABLES}
 
 
 def _toml_problems(path: Path) -> list[str]:
-    """Keys set in the page's toml blocks that are no config key (or, in [[routing_rules]] and [[models]], no field
-    of a rule or an entry)."""
+    """Keys set in the page's toml blocks that are no key of their table (or, in [[auto.routing_rules]] and
+    [[models]], no field of a rule or an entry), and config keys set outside their tables."""
     wrong = []
     blocks, _ = _blocks(path.read_text())
     for start, lang, body in blocks:
@@ -215,10 +217,15 @@ def _toml_problems(path: Path) -> list[str]:
             m = re.match(r"^\s*([A-Za-z_][\w-]*)\s*=", line)
             if m is None:
                 continue
-            allowed = TABLES[table] if table else KEYS
-            if m.group(1) not in allowed:
-                field = f" (a field of [[{table}]])" if table else ""
-                wrong.append(f"{_where(path, start + i)}: {m.group(1)}{field}")
+            name = m.group(1)
+            if not table:
+                home = f"[{table_of(name)}]" if name in KEYS and table_of(name) else ""
+                wrong.append(f"{_where(path, start + i)}: {name}" + (f" (at the top level; it lives in {home})"
+                                                                     if home else ""))
+            elif table in TABLES and name not in TABLES[table]:
+                field = (f" (a field of [[{table}]])" if table in ("auto.routing_rules", "models")
+                         else f" (not in [{table}])")
+                wrong.append(f"{_where(path, start + i)}: {name}{field}")
     return wrong
 
 
@@ -293,15 +300,20 @@ def test_the_command_scanner(line, problems):
 
 def test_the_scanners_find_what_is_wrong(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("Set `SYSHAX_NOPE`, not SYSHAX_CONFIG.\n\n```toml\nn_ctx = 1\nnot_a_key = 2\n[[routing_rules]]\n"
+    page.write_text("Set `SYSHAX_NOPE`, not SYSHAX_CONFIG.\n\n```toml\nn_ctx = 1\nnot_a_key = 2\n"
+                    "[[auto.routing_rules]]\n"
                     'name = "x"\ndevice = 1\n```\n\n`syshax_nope_total` and `syshax_prefix_cache_hits_total`, '
                     "`vllm:nope`, `syshax_prefix_cache_disk_*`, `syshax_nope_*`, `plugins/llamacpp/syshax_llamacpp`\n\n"
                     "```sh\n$ syshax cache warm p.jsonl \\\n    --jsn\n```\n")
     assert _variable_problems(page) == ["page.md:1: SYSHAX_NOPE"]
-    assert _toml_problems(page) == ["page.md:5: not_a_key", "page.md:8: device (a field of [[routing_rules]])"]
+    assert _toml_problems(page) == ["page.md:4: n_ctx (at the top level; it lives in [engines])",
+                                    "page.md:5: not_a_key", "page.md:8: device (a field of [[auto.routing_rules]])"]
     assert _metric_problems(page, _exported_names()) == ["page.md:11: syshax_nope_total", "page.md:11: vllm:nope",
                                                          "page.md:11: syshax_nope_*"]
     assert _command_lines(page) == [(14, "syshax cache warm p.jsonl      --jsn")]
+    page.write_text("```toml\n[engines]\nport = 1\n[routing_rules]\nname = 1\n```\n")
+    assert _toml_problems(page) == ["page.md:3: port (not in [engines])",
+                                    "page.md:4: [routing_rules] is no table of the config"]
 
 
 def test_help_expands_like_argparse():

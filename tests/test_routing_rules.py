@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from conftest import MODEL_NAME, http_json, start_daemon, wait_for
+from conftest import MODEL_NAME, config_text, http_json, start_daemon, wait_for
 from syshaxd.config import ConfigError, from_mapping
 from syshaxd.routing_rules import RuleError, check_served, parse_rules
 
@@ -107,7 +107,7 @@ def test_a_rule_on_a_model_this_daemon_does_not_serve_can_never_match():
 
 # --- in a daemon ------------------------------------------------------------------------------------------------
 
-SYSHAX_EXAMPLE = [  # sysHAX's example rules, as syshax.toml's [[routing_rules]] tables
+SYSHAX_EXAMPLE = [  # sysHAX's example rules, as syshax.toml's [[auto.routing_rules]] tables
     rule("long generation to CPU", [("max_tokens", "gte", 64)], "CPU", 10),
     rule("interactive streaming to GPU", [("stream", "eq", True), ("max_tokens", "lte", 256)], "GPU", 20),
     rule("long conversations to CPU", [("messages", "min_count", 4)], "CPU", 5),
@@ -117,19 +117,19 @@ AUTO = {"mode": "auto", "prefill_engine": "llamacpp", "prefill_cpu_affinity": "0
 
 
 def tables(rules: list) -> str:
-    """[[routing_rules]] tables, as a user writes them at the end of the config file."""
+    """[[auto.routing_rules]] tables, as a user writes them at the end of the config file."""
     lines = []
     for r in rules:
         conditions = ", ".join("{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in c.items()) + "}"
                                for c in r["conditions"])
-        lines += ["", "[[routing_rules]]", f"name = {json.dumps(r['name'])}", f"priority = {r['priority']}",
+        lines += ["", "[[auto.routing_rules]]", f"name = {json.dumps(r['name'])}", f"priority = {r['priority']}",
                   f"conditions = [{conditions}]", f'action = {{device = "{r["action"]["device"]}"}}']
     return "\n".join(lines) + "\n"
 
 
 def config_file(tmp_path, config: dict, rules: list) -> str:
     path = tmp_path / "rules.toml"
-    path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items()) + tables(rules))
+    path.write_text(config_text(config) + tables(rules))
     return str(path)
 
 
@@ -211,7 +211,7 @@ def test_rules_reload_with_the_file_and_a_bad_one_changes_nothing(ruled):
                  "the reload")
         assert chat(ruled, HI, 8)["decided_by"] == "rule:long generation to CPU"
         open(path, "w").write(text.replace('value = 64}', 'value = 0}'))  # max_tokens >= 0 ... fine; < 1: never
-        open(path, "a").write('\n[[routing_rules]]\nname = "never"\npriority = 1\n'
+        open(path, "a").write('\n[[auto.routing_rules]]\nname = "never"\npriority = 1\n'
                               'conditions = [{field = "model", operator = "eq", value = "gpt-4o"}]\n'
                               'action = {device = "GPU"}\n')
         ruled.proc.send_signal(signal.SIGHUP)

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from syshaxd.config import KEYS, Config, ConfigError, from_mapping, plain
+from syshaxd.config import KEYS, Config, ConfigError, from_mapping, plain, table_of
 from syshaxd.engine.entry_models import EntryModel, ModelsError
 from syshaxd.engine.lifecycle import HandleState
 from syshaxd.routing_rules import rule_can_match
@@ -79,7 +79,8 @@ def child_config(cfg: Config, entry: ModelEntry, path: Path, folder: Path, env: 
 
 
 def toml_text(values: Mapping[str, Any]) -> str:
-    """`values` (strings, numbers, booleans, arrays, tables) as TOML: one key a line, tables written inline."""
+    """A config's `values` (strings, numbers, booleans, arrays, tables) as TOML: each key in its table, one key a
+    line, table values written inline."""
     def value(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -95,7 +96,11 @@ def toml_text(values: Mapping[str, Any]) -> str:
             return "{" + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items()) + "}"
         raise TypeError(f"cannot write {v!r} as TOML")
 
-    return "".join(f"{k} = {value(v)}\n" for k, v in values.items())
+    tables: dict[str, list[str]] = {}
+    for k, v in values.items():  # each key in its table, as the documented file has them ([server], ...)
+        tables.setdefault(table_of(k) if k in KEYS else "", []).append(f"{k} = {value(v)}\n")
+    top = "".join(tables.pop("", []))
+    return top + "".join(f"[{table}]\n" + "".join(lines) for table, lines in tables.items())
 
 
 class ChildDaemon:
