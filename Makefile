@@ -7,13 +7,18 @@ MODEL_DIR ?= models
 HOST ?= 127.0.0.1
 PORT ?= 8000
 STAMP := $(VENV)/.installed-test
+ROOM_TESTS := test-api test-engine test-plugins test-remote test-sdk test-e2e test-structure
 
-.PHONY: run test install install-gpu install-test model bench clean help system-deps llama-wheel docs docs-serve
+.PHONY: run test install install-gpu install-test model bench clean help system-deps llama-wheel docs docs-serve \
+	test-quick $(ROOM_TESTS) hf-copy
 
 help:
 	@echo "make run          create .venv, install the core and the llama.cpp backend, prepare the default model,"
 	@echo "                  start syshaxd on $(HOST):$(PORT) (cpu mode)"
 	@echo "make test         install the GPU engines and the test tools too, and run the test suite"
+	@echo "make test-engine  one room of the suite, tests/engine/ (also test-api, test-plugins, test-remote,"
+	@echo "                  test-sdk, test-e2e, test-structure); make test-quick: every test that starts no"
+	@echo "                  daemon or engine (pytest -m \"not slow\"), in a minute or two"
 	@echo "make install      the core and the llama.cpp backend only (what cpu mode needs)"
 	@echo "make install-gpu  add the torch and vLLM backends (gpu, hetero and auto modes with those engines)"
 	@echo "make llama-wheel  build llama-cpp-python for this CPU (once per CPU; print the wheel)"
@@ -53,7 +58,7 @@ $(GPU_STAMP): $(CORE_STAMP) plugins/torch/pyproject.toml plugins/vllm/pyproject.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-# instructor (tests/test_constraints.py drives it as its users do) pins jiter<0.15 and rich<15, which would
+# instructor (tests/api/test_constraints.py drives it as its users do) pins jiter<0.15 and rich<15, which would
 # take the openai client back to 3.3; its code runs with the versions installed here, so it comes without
 # its pins (its one other need, tenacity, is in the test extra).
 $(STAMP): $(GPU_STAMP) pyproject.toml
@@ -104,9 +109,18 @@ system-deps:
 	    "will say why they skip"; fi; \
 	fi
 
-test: install-test system-deps
-	$(VENV)/bin/syshax model prepare --hf --model-dir $(MODEL_DIR) >/dev/null  # the torch/vLLM copy of the q4_0 GGUF, once
+test: install-test system-deps hf-copy
 	$(PY) -m pytest -x -q $(PYTEST_ARGS)
+
+# one room of the suite (tests/ROOM/, marked ROOM by tests/conftest.py), or every test that starts no process
+$(ROOM_TESTS): install-test system-deps hf-copy
+	$(PY) -m pytest -x -q -m $(@:test-%=%) $(PYTEST_ARGS)
+
+test-quick: install-test
+	$(PY) -m pytest -x -q -m "not slow" $(PYTEST_ARGS)
+
+hf-copy: install-test
+	$(VENV)/bin/syshax model prepare --hf --model-dir $(MODEL_DIR) >/dev/null  # the torch/vLLM copy of the q4_0 GGUF, once
 
 bench: install-test
 	$(PY) bench/bench_serving.py

@@ -28,11 +28,11 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from syshaxd.bench.client import StreamingClient, run_level  # noqa: E402
-from syshaxd.bench.daemon import start_daemon, stop_daemon  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
-from syshaxd.bench.report import level_summary  # noqa: E402
-from syshaxd.bench.resources import describe_machine, save_figures  # noqa: E402
+from syshaxd.benchmark.client import StreamingClient, run_level  # noqa: E402
+from syshaxd.benchmark.daemon import start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
+from syshaxd.benchmark.report import level_summary  # noqa: E402
+from syshaxd.benchmark.resources import describe_machine, save_figures  # noqa: E402
 
 MODES = ("cpu", "gpu", "auto")
 

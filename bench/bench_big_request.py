@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
-from syshaxd.bench.client import list_models, run_streams  # noqa: E402
-from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
+from syshaxd.benchmark.client import list_models, run_streams  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
 from syshaxd.config import Config  # noqa: E402
 
 MODEL = REPO / "models" / "SmolLM2-135M-Instruct.q4_0.gguf"

@@ -56,7 +56,7 @@ def main() -> int:
     p.add_argument("--plot", type=Path, default=REPO / "docs/images/seed-chart.png", help="the PNG to write")
     p.add_argument("--json", type=Path, default=REPO / "bench/results/seed_chart.json", help="the figures")
     args = p.parse_args()
-    from syshaxd.bench.prompts import default_tokenizer_path
+    from syshaxd.benchmark.prompts import default_tokenizer_path
 
     args.model = (args.model or default_tokenizer_path()).resolve()
     return asyncio.run(run(args))

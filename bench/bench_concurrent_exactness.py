@@ -38,7 +38,7 @@ sys.path[:0] = [str(REPO), str(REPO / "plugins" / "llamacpp"), str(REPO / "tests
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 from syshax_llamacpp.engine import LlamaCppEngine  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 from syshaxd.sdk.types import Delta, EngineSpec, GenerateRequest, SamplingParams  # noqa: E402
 
 from test_prefix_cache import long_text  # noqa: E402  (the prefix cache test's text, where it was seen)

@@ -41,7 +41,7 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_peers import find_llama_server, wait_healthy  # noqa: E402
-from syshaxd.bench.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
 
 N_CTX = 512
 WORDS = ("server memory model token vector search query document index cluster node socket thread kernel cache "

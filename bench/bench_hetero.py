@@ -111,7 +111,7 @@ async def _stream(session, url, prompt, max_tokens, stamps):
 async def _interference(url: str, duration: float) -> dict:
     import aiohttp
 
-    from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder
+    from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder
 
     builder = PromptBuilder(GGUFTokenizer(MODEL))
     long_prompt = lambda i: builder.build(1024, seed=i).text  # noqa: E731

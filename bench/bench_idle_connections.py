@@ -21,9 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from syshaxd.bench.client import run_streams  # noqa: E402
-from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
+from syshaxd.benchmark.client import run_streams  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
 
 MODEL = REPO / "models" / "SmolLM2-135M-Instruct.q4_0.gguf"
 

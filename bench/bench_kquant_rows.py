@@ -15,7 +15,7 @@ and, with --build NAME=DIR, another build's libggml-cpu under the engine's setti
 package with that build's library, as bench_step_rows.py describes: 0001 to 0012 alone measures 0013 and 0014).
 
 Per setting: a decode step of 1, 2, 4, 8 and 16 sequences (one row each, after a prompt each), a prompt's chunk of
---chunk tokens (the median of --rounds), and the rows check of tests/test_llama_patch.py (16 sequences decoded in
+--chunk tokens (the median of --rounds), and the rows check of tests/plugins/test_llama_patch.py (16 sequences decoded in
 batches of 16 down to 2 against each alone: rows whose logits differ). Tiled attention as the engine runs it.
 
     .venv/bin/python bench/bench_kquant_rows.py                         # the 1.5B shape in Q4_K_M (made once)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import aiohttp  # noqa: E402
 
-from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
 
 SHARED = ("You are a helpful assistant for a hardware store. Answer briefly and name the aisle where the item is. "
           "The aisles are: 1 tools, 2 paint, 3 garden, 4 plumbing, 5 electrical, 6 lumber, 7 fasteners. ") * 3

@@ -33,7 +33,7 @@ import llama_cpp  # noqa: E402
 
 from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams  # noqa: E402
 from syshax_llamacpp.engine import LlamaCppEngine, _graph_observer  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 from syshaxd.sdk.types import EngineSpec  # noqa: E402
 
 SLOTS = 8

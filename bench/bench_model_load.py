@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
-from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
 
 TEXT = ("Embeddings turn a document into a vector, so that a retrieval system finds the passages nearest to a "
         "question by their meaning rather than by their words; a server that keeps a chat model and an embedding "

@@ -34,7 +34,7 @@ level; TTFT p50 0.46x (medium c=8) to 1.00x (short c=8), but long c=2 1.11x (the
 Per load and server: output tokens/s, TTFT p50, TPOT p50, and the ratio syshaxd / llama-server
 (throughput: higher is better for syshaxd; latency: lower is); with rounds, the median of the rounds'
 figures and of their ratios, and each round's tok/s ratio. Prompts are exact in the model's
-tokens (syshaxd/bench/prompts.py), the same on both servers; outputs are forced (ignore_eos).
+tokens (syshaxd/benchmark/prompts.py), the same on both servers; outputs are forced (ignore_eos).
 
     .venv/bin/python bench/bench_peers.py            # the issue's loads, about 10 minutes on 2 quiet cores
     .venv/bin/python bench/bench_peers.py --quick    # fewer and shorter requests: a smoke test
@@ -68,12 +68,12 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
-from syshaxd.bench.chat import build_conversations, run_conversations  # noqa: E402
-from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
-from syshaxd.bench.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, Prompt, PromptBuilder, default_tokenizer_path  # noqa: E402
-from syshaxd.bench.report import level_summary, write_json  # noqa: E402
-from syshaxd.bench.resources import ResourceSampler, describe_machine  # noqa: E402
+from syshaxd.benchmark.chat import build_conversations, run_conversations  # noqa: E402
+from syshaxd.benchmark.client import StreamingClient, list_models, run_level  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, Prompt, PromptBuilder, default_tokenizer_path  # noqa: E402
+from syshaxd.benchmark.report import level_summary, write_json  # noqa: E402
+from syshaxd.benchmark.resources import ResourceSampler, describe_machine  # noqa: E402
 
 SCHEMA = "syshax-bench-peers/1"
 PEER, OURS = "llama-server", "syshaxd"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from syshaxd.bench.daemon import daemon_command, free_port, start_daemon, stop_daemon, wait_healthy  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, free_port, start_daemon, stop_daemon, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path.home() / ".cache/syshax-peers/llama-server-0.3.36-noamx/bin/llama-server"

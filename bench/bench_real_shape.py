@@ -63,11 +63,11 @@ import bench_hetero  # noqa: E402
 from bench_peers import (OURS, PARALLEL, PEER, Load, Server, find_llama_server, format_table, run_load,  # noqa: E402
                          start_ours, start_peer, stop_on_sigterm, summary_rows, warm_up)
 from families import SHAPE_SPECS, make_shape_model  # noqa: E402
-from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
-from syshaxd.bench.daemon import daemon_command, start_daemon  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, Prompt, PromptBuilder  # noqa: E402
-from syshaxd.bench.report import level_summary, write_json  # noqa: E402
-from syshaxd.bench.resources import ResourceSampler, describe_machine  # noqa: E402
+from syshaxd.benchmark.client import StreamingClient, list_models, run_level  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, start_daemon  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, Prompt, PromptBuilder  # noqa: E402
+from syshaxd.benchmark.report import level_summary, write_json  # noqa: E402
+from syshaxd.benchmark.resources import ResourceSampler, describe_machine  # noqa: E402
 from syshaxd.config import Config  # noqa: E402
 from syshaxd.engine.status import SchedulerStatus  # noqa: E402
 from syshaxd.sdk.gguf.header import read_gguf_header  # noqa: E402

@@ -198,7 +198,7 @@ def record_way(n_tokens: int = 2048, repeats: int = 5) -> dict:
 # --- (b) decode throughput at c=16 --------------------------------------------------------------
 
 def _bench(url: str, iterations: int, out: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "syshaxd.bench", "--url", f"x={url}", "--scenario", "custom",
+    subprocess.run([sys.executable, "-m", "syshaxd.benchmark", "--url", f"x={url}", "--scenario", "custom",
                     "--input-len", "128", "--output-len", "256", "--concurrency", "16", "--iterations",
                     str(iterations), "--warmup", "4", "--json", str(out)], check=True, capture_output=True,
                    cwd=REPO)

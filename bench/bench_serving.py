@@ -34,11 +34,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import syshaxd.bench  # noqa: E402
-from syshaxd.bench.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
-from syshaxd.bench.prompts import default_tokenizer_path  # noqa: E402
-from syshaxd.bench.report import format_report, ratios, write_json  # noqa: E402
-from syshaxd.bench.resources import describe_machine  # noqa: E402
+import syshaxd.benchmark  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.prompts import default_tokenizer_path  # noqa: E402
+from syshaxd.benchmark.report import format_report, ratios, write_json  # noqa: E402
+from syshaxd.benchmark.resources import describe_machine  # noqa: E402
 
 SCHEMA = "syshax-bench-serving/1"
 PEER, OURS = "llama_cpp.server", "syshaxd"
@@ -215,7 +215,7 @@ def bench_level(args: argparse.Namespace, concurrency: int, urls: dict[str, str]
           f"{f' (try {attempt + 1})' if attempt else ''} ...", flush=True)
     report = io.StringIO()
     with contextlib.redirect_stdout(report):
-        code = syshaxd.bench.main(argv)
+        code = syshaxd.benchmark.main(argv)
     path.with_suffix(".txt").write_text(report.getvalue())
     if code != 0 or not path.is_file():
         raise RuntimeError(f"syshax benchmark {' '.join(argv)} exited with {code}:\n{report.getvalue()}")
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(rows))
     print(f"\nwhole run {result['wall_s']:.0f} s; figures: {args.json}")
     if args.plot:
-        from syshaxd.bench.plot import plot_results
+        from syshaxd.benchmark.plot import plot_results
 
         plot_results(merged, args.plot)
         print(f"plot: {args.plot}")

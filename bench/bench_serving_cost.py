@@ -47,9 +47,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "plugins" / "llam
 import aiohttp  # noqa: E402
 
 import bench_peers  # noqa: E402
-from syshaxd.bench.client import StreamingClient, run_level  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
-from syshaxd.bench.report import level_summary  # noqa: E402
+from syshaxd.benchmark.client import StreamingClient, run_level  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
+from syshaxd.benchmark.report import level_summary  # noqa: E402
 
 SLOTS, PROMPT, OUT = 8, 128, 256
 

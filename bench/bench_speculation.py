@@ -7,9 +7,9 @@ drifts, and side by side in time both see the same drift). The loads, each at co
 default) with greedy requests whose outputs end where the model ends them (max 256 tokens):
 
 * copy: requests that copy from their prompt -- repeat a text, quote sentences of it, fix a bug and give the whole
-  code, summarise quoting it (syshaxd/bench/copying.py: a few paragraphs and code files, other pieces each round);
+  code, summarise quoting it (syshaxd/benchmark/copying.py: a few paragraphs and code files, other pieces each round);
 * chat: tests/greedy.py's kind of open questions, nothing to copy but what the answer repeats of itself;
-* unique: bench prompts of random words (syshaxd/bench/prompts.py), 128 tokens in, 256 forced out (ignore_eos).
+* unique: bench prompts of random words (syshaxd/benchmark/prompts.py), 128 tokens in, 256 forced out (ignore_eos).
 
 Per load: output tokens/s of each daemon (completion tokens over the load's wall time), the ratio guessing / not,
 the share of guessed tokens kept, and whether every text was the same on both (greedy: it must be). Speculation is
@@ -51,9 +51,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from syshaxd.bench.copying import copy_chats  # noqa: E402
-from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
+from syshaxd.benchmark.copying import copy_chats  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 
 QUESTIONS = [
     "Explain how a steam engine works, step by step.",

@@ -45,7 +45,7 @@ sys.path[1:1] = [sys.argv[1], sys.argv[1] + "/plugins/llamacpp"]
 import llama_cpp
 from syshax_llamacpp.contexts import add_row
 from syshax_llamacpp.engine import LlamaCppEngine
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path
 from syshaxd.sdk.types import EngineSpec
 
 rows, steps, chunk = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "chunk"

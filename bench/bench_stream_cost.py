@@ -45,10 +45,10 @@ import psutil  # noqa: E402
 
 import bench_peers  # noqa: E402
 from bench_serving_cost import OUT, PROMPT, SLOTS, unstreamed  # noqa: E402
-from syshaxd.bench.client import StreamingClient, run_level  # noqa: E402
-from syshaxd.bench.daemon import daemon_command, start_daemon  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
-from syshaxd.bench.report import level_summary, write_json  # noqa: E402
+from syshaxd.benchmark.client import StreamingClient, run_level  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, start_daemon  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
+from syshaxd.benchmark.report import level_summary, write_json  # noqa: E402
 
 RESULTS = HERE / "results" / "bench_stream_cost.json"
 

@@ -32,9 +32,9 @@ import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
 import bench_peers  # noqa: E402
-from syshaxd.bench.client import StreamingClient, list_models, run_level  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
-from syshaxd.bench.report import level_summary  # noqa: E402
+from syshaxd.benchmark.client import StreamingClient, list_models, run_level  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder  # noqa: E402
+from syshaxd.benchmark.report import level_summary  # noqa: E402
 
 
 def process_tree(pid: int) -> list[psutil.Process]:

@@ -5,7 +5,7 @@ On a miss the engine writes the prompt's new blocks into the cache at the step a
 the worker, not before it (stepping.py, _keep_unkept). Two daemons up at once (cpu mode, the default model, 2
 threads each), unique random-word prompts of --tokens tokens, one request at a time, alternating which daemon goes
 first; each request streams 4 tokens, timed to its first token by the repo's bench client
-(syshaxd/bench/client.py, as bench_peers.py times TTFT). Prints each daemon's p50, the difference, and the CPU
+(syshaxd/benchmark/client.py, as bench_peers.py times TTFT). Prints each daemon's p50, the difference, and the CPU
 each daemon and its workers used per request.
 
 Found on 2026-12-05 (AMD EPYC with AVX-512, 2 cores, quiet): with the write before the first token (this script
@@ -36,9 +36,9 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from syshaxd.bench.client import StreamingClient  # noqa: E402
-from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
+from syshaxd.benchmark.client import StreamingClient  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> dict[str, float]:
@@ -53,7 +53,7 @@ def cpu_seconds(pid: int) -> dict[str, float]:
 
 async def first_tokens(daemons: dict, prompts: list, model: str) -> dict[str, list[float]]:
     """Each prompt streamed to each daemon in turn (which goes first alternating), 4 tokens; the seconds to its
-    first token as the repo's bench client times them (syshaxd/bench/client.py)."""
+    first token as the repo's bench client times them (syshaxd/benchmark/client.py)."""
     times: dict[str, list[float]] = {name: [] for name in daemons}
     async with aiohttp.ClientSession() as session:
         clients = {name: StreamingClient(d.url, model, 4) for name, d in daemons.items()}

@@ -57,7 +57,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import llama_cpp  # noqa: E402
 
 from syshax_llamacpp.engine import LlamaCppEngine  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 from syshaxd.sdk.types import EngineSpec  # noqa: E402
 
 

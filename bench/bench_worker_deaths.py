@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
-from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
+from syshaxd.benchmark.daemon import daemon_command, start_daemon, stop_daemon  # noqa: E402
 
 MODEL = REPO / "models" / "SmolLM2-135M-Instruct.q4_0.gguf"
 SUBJECTS = ["the sea", "a library", "winter", "a bridge", "trains", "bees", "a market", "the moon", "clocks", "rain"]

@@ -4,7 +4,7 @@
 #   mk/llama-patches.sh LLAMA_CPP_DIR [PATCH_DIR]     (the sdist's vendor/llama.cpp; PATCH_DIR defaults to the
 #                                                      patches/ beside this script)
 #
-# mk/llama-wheel.sh runs it before it builds; tests/test_llama_patch.py runs it on a pristine copy. Each patch must
+# mk/llama-wheel.sh runs it before it builds; tests/plugins/test_llama_patch.py runs it on a pristine copy. Each patch must
 # apply exactly where it was written: a hunk whose context is not found, or is found only some lines away (an
 # offset, which `git apply` accepts and says so with -v), is refused, and the patch is named. A new llama.cpp is
 # never patched blindly: mk/patches/README.md says how to move the series to it.

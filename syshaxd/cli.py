@@ -505,8 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_model)
 
     try:
-        from syshaxd.bench.command import add_arguments as bench_arguments
-        from syshaxd.bench.command import run as bench_run
+        from syshaxd.benchmark.command import add_arguments as bench_arguments
+        from syshaxd.benchmark.command import run as bench_run
     except ImportError:
         pass
     else:

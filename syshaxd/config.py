@@ -83,7 +83,7 @@ _T = TypeVar("_T")
 
 def key(default: _T, section: str, doc: str) -> _T:
     """A config key: its default, and the section and one or two sentences the reference prints for it
-    (python -m syshaxd.docs_reference; tests/test_docs_reference.py fails on a key without them)."""
+    (python -m syshaxd.docs_reference; tests/e2e/test_docs_reference.py fails on a key without them)."""
     return field(default=default, metadata={"section": section, "doc": doc})
 
 
@@ -289,7 +289,7 @@ class Config:
         """A copy with some keys changed, validated like the file is."""
         merged = {f.name: getattr(self, f.name) for f in fields(self)}
         merged.update(changes)
-        return from_mapping(merged, source=self.source)
+        return dataclasses.replace(from_mapping(merged, source=self.source), flat_keys=self.flat_keys)
 
     def model_dir_path(self) -> Path:
         return Path(self.model_dir).expanduser()
@@ -338,6 +338,9 @@ def from_tables(data: Mapping[str, Any], source: str = "") -> tuple[dict[str, An
                     raise ConfigError(f"{where}: {inner} is set twice, at the top level and in [{name}]; keep the "
                                       f"one in [{name}]")
                 flat[inner] = inner_value
+        elif name not in KEYS and isinstance(value, Mapping):
+            raise ConfigError(f"{where}: unknown table [{name}]; the tables: {', '.join(f'[{t}]' for t in TABLES)}, "
+                              "and [[models]] entries")
         else:
             if name in flat:
                 raise ConfigError(f"{where}: {name} is set twice, at the top level and in [{table_of(name)}]; keep "

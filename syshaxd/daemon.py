@@ -176,7 +176,7 @@ class Service:
                                                    wide_bytes=prefix.wide_bytes, keep_tokens=prefix.keep_tokens)
                           if prefix is not None else None)
         if ledger.prefix is not None:
-            ledger.prefix.disk = disk  # opened when the first engine reports its kernels (KVLedger.engine_ready)
+            ledger.prefix.disk = disk  # opened when the first engine reports its kernels (the ledger's EngineReady)
         self.workers: list[EngineHandle] = [WorkerHandle(name, spec, cfg.log_level, cfg.worker_restart_delay, cfg.worker_heartbeat_timeout,
                                      ledger, on_failed=self._worker_failed) for name, spec in engines.workers]
         self.workers += _remote_nodes(cfg, ring, ledger, model_path, model_name)

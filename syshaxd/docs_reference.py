@@ -5,7 +5,7 @@
 
 config.md from Config's fields, environment.md from syshaxd/environment.py, cli.md from the argparse parsers,
 metrics.md from the metrics registry, http.md and openapi.json from the aiohttp app's router and the OpenAPI
-document. tests/test_docs_reference.py checks the committed pages and what README.md and docs/ name.
+document. tests/e2e/test_docs_reference.py checks the committed pages and what README.md and docs/ name.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def environment_page() -> str:
 # --- the command line ------------------------------------------------------------------------
 
 # Arguments left out of --help on purpose; each with why. A SUPPRESSed or help-less argument not named here fails
-# tests/test_docs_reference.py.
+# tests/e2e/test_docs_reference.py.
 HIDDEN = {("syshax config", "words"): "the config subcommand's usage and description spell out its get/set/KEY "
                                       "VALUE words"}
 

@@ -1,7 +1,7 @@
 """The one table of environment variables syshax reads or documents, and the daemon's warning about test hooks.
 
 docs/reference/environment.md is written from VARIABLES (python -m syshaxd.docs_reference), and
-tests/test_docs_reference.py fails when README.md or a page names a SYSHAX_ variable this table lacks.
+tests/e2e/test_docs_reference.py fails when README.md or a page names a SYSHAX_ variable this table lacks.
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""Shared test fixtures: the real default model, and real daemons on free loopback ports."""
+"""Shared test fixtures: the real default model, and real daemons on free loopback ports; the rooms of the suite.
+
+The tests stand in rooms that follow the code's: api/, engine/, plugins/, remote/, sdk/, e2e/ (the product as a
+user meets it: the CLI, the config file, packaging, systemd, the docs) and structure/ (the tree's own rules).
+Each test is marked with its room (`pytest -m engine`, `make test-engine`), and besides with what it needs:
+slow (it starts a real daemon or engine), browser (chromium), namespaces (root's network namespaces), vllm.
+`pytest -m "not slow"` runs the rest in a minute or two; `make test` runs everything.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +29,30 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+
+ROOMS = ("api", "engine", "plugins", "remote", "sdk", "e2e", "structure")
+# a test module may take another's scene (test_vllm runs test_api's tests against gpu mode): every room's folder is
+# importable from every other, as the helpers beside this file are
+sys.path[1:1] = [str(Path(__file__).parent / room) for room in ROOMS]
+_STARTS_PROCESSES = ("start_daemon(", "Daemon(", "Llama(", "subprocess", "spawn(", "WorkerHandle(", "Popen(")
+_NEEDS = {"test_remote.py": "namespaces", "test_vllm.py": "vllm"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Each test's room, and what it needs, as markers (their meaning: pyproject.toml's [tool.pytest.ini_options])."""
+    heavy: dict[Path, bool] = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.parent.name in ROOMS:
+            item.add_marker(getattr(pytest.mark, path.parent.name))
+        if path not in heavy:
+            heavy[path] = any(needle in path.read_text() for needle in _STARTS_PROCESSES)
+        if heavy[path] or "daemon" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+        if {"browser", "page"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.browser)
+        if path.name in _NEEDS:
+            item.add_marker(getattr(pytest.mark, _NEEDS[path.name]))
 
 # a daemon started without a prefix_cache_dir (not by start_daemon) keeps its prefix cache's disk tier here, as
 # under systemd's CacheDirectory: never in the user's own cache, and gone after the run

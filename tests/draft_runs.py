@@ -1,4 +1,4 @@
-"""tests/test_draft_model.py's in-process runs, in a process of their own (a guessing engine tiles its attention, which
+"""tests/plugins/test_draft_model.py's in-process runs, in a process of their own (a guessing engine tiles its attention, which
 llama.cpp reads once per process): greedy texts of prompts one after another with every guess checked (the
 draft's where the prompt lookup has none), and the draft's guessed tokens, those kept and its refused steps, as one
 JSON line. An engine that cannot be built exits 1 with the reason on stderr.

@@ -1,4 +1,4 @@
-"""tests/test_prefix_first_token.py's scenarios, in a process of their own: a llama.cpp engine with a real block
+"""tests/engine/test_prefix_first_token.py's scenarios, in a process of their own: a llama.cpp engine with a real block
 store and the daemon's own index (this script plays the daemon's part). Prints one JSON line of what each saw.
 
     python tests/first_token_scenarios.py MODEL.gguf
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "plugins" / "llamacpp")]
 
 from syshax_llamacpp.engine import LlamaCppEngine  # noqa: E402
-from syshaxd.bench.prompts import GGUFTokenizer  # noqa: E402
+from syshaxd.benchmark.prompts import GGUFTokenizer  # noqa: E402
 from syshaxd.engine.plan import _page_round  # noqa: E402
 from syshaxd.engine.prefix_cache import PrefixCache  # noqa: E402
 from syshaxd.sdk.gguf.header import fingerprint_from_gguf, n_vocab_from_gguf  # noqa: E402

@@ -7,7 +7,7 @@ draws the panels with matplotlib (the plotting the benchmark already uses) into 
 
 It evaluates the part of PromQL the dashboard uses, and refuses anything else: NAME, rate(NAME[1m]),
 sum(...), max(...), sum by (LABELS) (...), histogram_quantile(Q, sum by (le) (rate(NAME_bucket[1m]))) and
-A / B. tests/test_docs.py checks the dashboard's queries with the same parser.
+A / B. tests/e2e/test_docs.py checks the dashboard's queries with the same parser.
 
     .venv/bin/python docs/grafana/render_panels.py [--seconds 150]
 """
@@ -235,7 +235,7 @@ def main() -> int:
             parse(target["expr"])  # refuse a query this cannot draw before the daemon starts
 
     sys.path.insert(0, str(REPO))
-    from syshaxd.bench.daemon import daemon_command, start_daemon, stop_daemon
+    from syshaxd.benchmark.daemon import daemon_command, start_daemon, stop_daemon
 
     daemon = asyncio.run(start_daemon("cpu", command=daemon_command()))
     scrapes: list[tuple[float, dict[str, Sample]]] = []

@@ -12,7 +12,7 @@ sampling rule) and the answer would break it without a word. Three kinds of fiel
 
 This module checks names; validate.py checks values, with the limits declared here, and api/openapi.py
 writes chat's and completions' request schemas from these declarations (each value's type, enum and range,
-each object's required keys); tests/test_request_schemas.py holds the two to what validation does.
+each object's required keys); tests/api/test_request_schemas.py holds the two to what validation does.
 docs/api.md lists all three kinds.
 """
 

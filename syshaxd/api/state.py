@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from syshaxd.config import KEYS, LIVE_KEYS, MODES, Config, ConfigError, coerce, shown
+from syshaxd.config import KEYS, LIVE_KEYS, MODES, Config, ConfigError, coerce, flat_keys_warning, shown
 from syshaxd.routing_rules import RuleError, check_served
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ class ServiceState:
             raise ConfigError("this daemon has no config file to reload")
         new = self._reload()
         change = self._apply(new, [k for k in KEYS if k != "mode"])
+        if flat_keys_warning(new):  # the file may have gained top-level keys since the start said so
+            log.warning("SIGHUP: %s", flat_keys_warning(new))
         if new.mode != self.config.mode:
             try:
                 change.applied.update(self.set_mode(new.mode).applied)

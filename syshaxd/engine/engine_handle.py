@@ -5,7 +5,7 @@ Two classes implement it: a worker process of this host (engine/supervisor.py: W
 prefill, decode or both) and a decode node on another host (remote/front.py: RemoteNode, one more CPU decoder
 with the slots of all the node's decoders). The scheduler, the journeys and the status read only what is
 declared here, so a remote node is never a WorkerHandle in disguise: mypy checks both against this protocol
-wherever the daemon puts them in its list (tests/test_types.py runs it).
+wherever the daemon puts them in its list (tests/structure/test_types.py runs it).
 """
 
 from __future__ import annotations

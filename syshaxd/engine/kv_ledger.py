@@ -11,11 +11,13 @@ once nobody holds it and nobody reads it:
   dies. Space is never freed under a reader.
 
 The ledger is told what happens through one door, ``tell``, and a small set of events (LedgerEvent):
-what workers report through their handles (supervisor.py, remote/front.py: Written, Imported, Cached,
-WorkerGone, EngineReady, PlanReleased), what request streams do with a record (journey.py,
-remote/node.py: Lent, Dropped, SentAway) and what the scheduler decides (WentWithout). Every change of a
-record follows from one of them, here; nobody else frees ring space. Records a producer committed but
-never reported (it died in between) are swept ``ORPHAN_GRACE`` seconds after its death.
+what workers report through their handles (supervisor.py: Written, Imported, Cached, WorkerGone,
+EngineReady, PlanReleased; remote/front.py: Imported, and SentAway once a record was copied to a node),
+what request streams do with a record (journey.py, remote/node.py: Lent, Dropped, Written) and what the
+scheduler decides (WentWithout). Every change of a record follows from one of them, here; nobody else frees
+ring space. Records a producer committed but never reported (it died in between) are swept
+``ORPHAN_GRACE`` seconds after its death. (`syshax cache clear` empties the prefix cache's index itself,
+through the admin socket: blocks, not records.)
 
 The ledger also owns the prefix cache's index (engine/prefix_cache.py): which prompt blocks the
 block store keeps, which request holds which, which are evicted. Workers report what they wrote

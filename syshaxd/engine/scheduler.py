@@ -218,7 +218,8 @@ class Scheduler:
             if choices[first].cache_prompt and choices[first].prompt_logprobs is None:
                 await self.ledger.prefix_from_disk(tokenized.prompt_tokens)  # its blocks only the disk still holds
             prepared += [replace(choice, prompt_tokens=tokenized.prompt_tokens, max_tokens=tokenized.max_tokens,
-                                 prompt=None, messages=None, chat_template_kwargs=None)
+                                 max_tokens_default=tokenized.max_tokens_default, prompt=None, messages=None,
+                                 chat_template_kwargs=None)
                          for choice in choices[first:first + n]]
         return prepared
 

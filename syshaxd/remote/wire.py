@@ -290,7 +290,7 @@ def _box(cls: type, fields: list) -> type:
 FRONT_MESSAGES = (FrontHello, FrontPing, ReserveKV, AbortKV, ToNode, Cancel)  # what a node reads
 NODE_MESSAGES = (NodeHello, NodeStatus, KVReserved, FromNode)  # what a front reads
 EVENTS = (Accepted, Prefilled, Imported, Rejected, Delta, WorkerLost)  # what FromNode carries
-# every type that crosses, nested ones included: tests/test_wire.py round-trips each
+# every type that crosses, nested ones included: tests/remote/test_wire.py round-trips each
 CROSSING = FRONT_MESSAGES + NODE_MESSAGES + EVENTS + (Submit, GenerateRequest, SamplingParams, Handling, KVHandle,
                                                       PrefixPlan, TokenLogprob, DecoderState, EngineStats)
 

@@ -10,6 +10,6 @@
 * `gguf`, `hf_model`: the model files an engine loads (the GGUF, its quantized copy, the HF folder).
 
 The serving side (`syshaxd.engine`, `syshaxd.api`, the daemon) stands on this package; nothing here
-imports it, and nothing here is the daemon's alone (tests/test_imports.py checks both): the daemon's end of
+imports it, and nothing here is the daemon's alone (tests/structure/test_imports.py checks both): the daemon's end of
 a worker's pipe is `engine/channel.py`, the NUMA planning `engine/numa.py`, the model to serve `model.py`.
 """

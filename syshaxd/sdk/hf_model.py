@@ -32,7 +32,7 @@ class HFModelError(RuntimeError):
 
 
 # the families whose HF copy hands a decoder llama.cpp's own KV, judged teacher-forced on a model of each
-# (tests/test_families.py: top-1 agreement 90 to 96 %, mean KL at most 0.0015): their dense models only. A mixture of
+# (tests/plugins/test_families.py: top-1 agreement 90 to 96 %, mean KL at most 0.0015): their dense models only. A mixture of
 # experts is refused: transformers rebuilds mixtral's experts wrongly from a GGUF (20 % agreement: garbage) and
 # qwen3moe's not at all; sliding-window families (gemma) are refused by the plan before (engine/plan.py)
 CODEC_FAMILIES = ("llama", "qwen2", "qwen3", "phi3")

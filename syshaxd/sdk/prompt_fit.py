@@ -11,7 +11,8 @@ def fit_prompt(vocab: Vocab, request: GenerateRequest, n_ctx: int) -> tuple[list
     """(prompt tokens, max_tokens) for a request, or why it cannot run (a Rejected, as every engine answers).
 
     A request without max_tokens may fill the context; the daemon gives every request it sends a max_tokens
-    (its default_max_tokens within this room: engine/prompts.py), so that rule is the only default here.
+    (its default_max_tokens within its room: engine/prompts.py), which an engine with less room (a decode node's
+    smaller n_ctx) takes within its own, as it would a missing one.
 
     A prompt that cannot fit is refused from its size before it is rendered or tokenized: tokenizing
     a 4 MB prompt takes seconds of the engine's one thread, which its other requests would wait out.
@@ -37,14 +38,15 @@ def fit_prompt(vocab: Vocab, request: GenerateRequest, n_ctx: int) -> tuple[list
                         f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab.n_vocab - 1})",
                         "invalid_prompt", "prompt")
     room = n_ctx - len(prompt)
-    max_tokens = room if request.max_tokens is None else request.max_tokens
+    asked_for = request.max_tokens is not None and not request.max_tokens_default  # by the client itself
+    max_tokens = min(request.max_tokens or room, room) if not asked_for else request.max_tokens or 0
     if room < 1 or max_tokens > room:
-        asked = len(prompt) + (max_tokens if request.max_tokens is not None else 1)
+        asked = len(prompt) + (max_tokens if asked_for else 1)
         return Rejected(
             rid, Refusal.INVALID,
             f"This model's maximum context length is {n_ctx} tokens. However, you requested "
             f"{asked} tokens ({len(prompt)} in the prompt, {asked - len(prompt)} in the completion). "
             "Please reduce the prompt or max_tokens.",
-            "context_length_exceeded", "max_tokens" if request.max_tokens is not None and room >= 1 else "prompt",
+            "context_length_exceeded", "max_tokens" if asked_for and room >= 1 else "prompt",
         )
     return prompt, max_tokens

@@ -234,6 +234,9 @@ class GenerateRequest:
     tools: tuple[dict, ...] = ()
     # chat: the template's variables from the request (chat_template_kwargs: enable_thinking, ...); None: none
     chat_template_kwargs: dict | None = None
+    # the client named no max_tokens and the daemon gave its default: an engine whose context is smaller than the
+    # daemon's (a decode node's) takes it within its own room, as it would a missing one, instead of refusing it
+    max_tokens_default: bool = False
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ GGML_TYPE_NAMES = {
     20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
     29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0", 42: "Q2_0"}
 # the weight types whose kernels in mk/llama-wheel.sh's llama.cpp (with the llama.cpp engine's one kernel per type)
-# give a row the same bits alone, beside other rows and in a prompt chunk, on x86: tests/test_llama_patch.py measures
+# give a row the same bits alone, beside other rows and in a prompt chunk, on x86: tests/plugins/test_llama_patch.py measures
 # each. A warm-up proof that fails on a model with other types (Q2_K, MXFP4, the IQ2 and IQ3 types, ...) names those
 # as the likely cause.
 ROW_EXACT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16",

@@ -1,7 +1,0 @@
-"""`python -m syshaxd.bench ...`: the benchmark without the syshax CLI around it."""
-
-import sys
-
-from . import main
-
-sys.exit(main())
