@@ -122,8 +122,8 @@ def _usage(command: str, message: str) -> int:
 
 def _admin_client(args: argparse.Namespace):
     """A connection to the daemon: --socket, else $SYSHAX_ADMIN_SOCKET, the config's admin_socket, the defaults."""
-    from syshaxd.api.admin import client_candidates
-    from syshaxd.api.admin_client import AdminClient, AdminUnreachable
+    from syshaxd.api.admin.unix_socket import client_candidates
+    from syshaxd.api.admin.client import AdminClient, AdminUnreachable
 
     if args.socket:
         return AdminClient(args.socket)
@@ -143,7 +143,7 @@ def _admin_client(args: argparse.Namespace):
 
 def _live(args: argparse.Namespace, action, *params) -> int:
     """Run action(client, args, *params) against the daemon; turn its refusals into messages and exit codes."""
-    from syshaxd.api.admin_client import AdminError, AdminUnreachable
+    from syshaxd.api.admin.client import AdminError, AdminUnreachable
 
     try:
         with _admin_client(args) as client:
@@ -372,7 +372,7 @@ def cmd_mode(args: argparse.Namespace) -> int:
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    from syshaxd.api.admin_client import AdminError, AdminUnreachable
+    from syshaxd.api.admin.client import AdminError, AdminUnreachable
 
     try:
         with _admin_client(args) as client:

@@ -16,33 +16,33 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from syshaxd import __version__
-from syshaxd.api.admin import AdminServer, default_path
+from syshaxd.api.admin.unix_socket import AdminServer, default_path
 from syshaxd.api.app import make_app
-from syshaxd.api.auth import KeyCheck, configured_keys
-from syshaxd.api.keys import CONNECTIONS
-from syshaxd.api.limits import CappedTCPSite
-from syshaxd.api.state import ServiceState
+from syshaxd.api.core.app_keys import CONNECTIONS
+from syshaxd.api.core.auth import KeyCheck, configured_keys
+from syshaxd.api.core.connections import CappedTCPSite
+from syshaxd.api.core.state import ServiceState
 from syshaxd.config import MODES, SYSTEM_CONFIG, Config, ConfigError, find_config, flat_keys_warning, load
 from syshaxd.engine.embedders import bind_workers
+from syshaxd.engine.engine_handle import EngineHandle
 from syshaxd.engine.entry_models import EntryModels, Loaded, ModelsError
 from syshaxd.engine.entry_plan import plan_entries
-from syshaxd.engine.scheduler import Scheduler
-from syshaxd.environment import hook_warnings
-from syshaxd.engine.engine_handle import EngineHandle
-from syshaxd.engine.supervisor import WorkerHandle
 from syshaxd.engine.kv_ledger import KVLedger
+from syshaxd.engine.lifecycle import HandleState
 from syshaxd.engine.plan import Engines, PlanError, plan_engines
 from syshaxd.engine.prefix_cache import PrefixCache
 from syshaxd.engine.prefix_disk import DiskTier
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
-from syshaxd.sdk.kv.ring import KVRing
+from syshaxd.engine.scheduler import Scheduler
+from syshaxd.engine.supervisor import WorkerHandle
+from syshaxd.environment import hook_warnings
+from syshaxd.model import ModelError, resolve_model, served_name
+from syshaxd.notify import Notifier
 from syshaxd.routing_rules import RuleError, check_served
 from syshaxd.sdk.gguf.header import GGUFError
 from syshaxd.sdk.gguf.quantize import load_plan
-from syshaxd.model import ModelError, resolve_model, served_name
-from syshaxd.notify import Notifier
+from syshaxd.sdk.kv.ring import KVRing
 from syshaxd.startup import StartupError, create_disk_tier, create_ring, create_store
-from syshaxd.engine.lifecycle import HandleState
 
 if TYPE_CHECKING:
     from syshaxd.remote.front import RemoteNode

@@ -62,7 +62,7 @@ def config_page() -> str:
         for name, f in KEYS.items():
             if f.metadata["section"] != section:
                 continue
-            if name == "mode":  # api/state.py's set_mode: the modes a running daemon serves, not every mode
+            if name == "mode":  # api/core/state.py's set_mode: the modes a running daemon serves, not every mode
                 applies = "live, among the modes the running daemon serves (`syshax mode MODE`)"
             else:
                 applies = "live" if name in LIVE_KEYS else "at restart"
@@ -342,8 +342,8 @@ class Route:
 def routes() -> list[Route]:
     """Every route the daemon's app serves (web_ui on), from its router, with one line each."""
     from syshaxd.api.app import make_app
-    from syshaxd.api.auth import KeyCheck
-    from syshaxd.api.keys import OPENAPI
+    from syshaxd.api.core.auth import KeyCheck
+    from syshaxd.api.core.app_keys import OPENAPI
     from syshaxd.config import Config
     from syshaxd.model import DEFAULT_MODEL_NAME
 

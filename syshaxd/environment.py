@@ -38,7 +38,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("SYSHAX_QUANTIZE", "user", 'Overrides the quantize key: "q4_0", "q8_0", or "" to load every GGUF as it '
              "is.", "syshaxd/daemon.py"),
     Variable("SYSHAX_ADMIN_SOCKET", "user", "The admin socket `syshax status`, `config get/set`, `drain`, `resume`, "
-             "`mode` and `version` talk to, where no --socket is given.", "syshaxd/api/admin.py"),
+             "`mode` and `version` talk to, where no --socket is given.", "syshaxd/api/admin/unix_socket.py"),
     Variable("CUSTOM_CPU_AFFINITY", "user", 'The CPU workers\' CPUs as cpulists, one worker per set, separated by ";" '
              '(e.g. "0-3;4-7"); overrides the cpu_affinity key.', "syshaxd/engine/numa.py"),
     Variable("OMP_NUM_THREADS", "user", "Threads per CPU worker where the threads key is 0; without it, one per CPU "
@@ -46,7 +46,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("XDG_CACHE_HOME", "user", "Where the prefix cache's disk tier goes when neither prefix_cache_dir nor "
              "CACHE_DIRECTORY is set: $XDG_CACHE_HOME/syshax/prefix (default ~/.cache).", "syshaxd/config.py"),
     Variable("XDG_RUNTIME_DIR", "user", "Where the admin socket goes when neither admin_socket nor "
-             "RUNTIME_DIRECTORY is set: $XDG_RUNTIME_DIR/syshax/admin.sock.", "syshaxd/api/admin.py"),
+             "RUNTIME_DIRECTORY is set: $XDG_RUNTIME_DIR/syshax/admin.sock.", "syshaxd/api/admin/unix_socket.py"),
     Variable("CUDA_VISIBLE_DEVICES", "user", "The GPUs the daemon's GPU engine sees; with the gpu_devices key, "
              "syshax sets it for each engine of the pool instead.", "syshaxd/sdk/worker.py"),
     Variable("VLLM_LOGGING_LEVEL", "user", "vLLM's own log level; where it is unset, syshax sets DEBUG when log_level "
@@ -61,10 +61,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CACHE_DIRECTORY", "systemd", "systemd's CacheDirectory= (/var/cache/syshax): the prefix cache's disk "
              "tier goes to its prefix/ folder when prefix_cache_dir is empty.", "syshaxd/config.py"),
     Variable("RUNTIME_DIRECTORY", "systemd", "systemd's RuntimeDirectory= (/run/syshax): the admin socket is "
-             "admin.sock there when admin_socket is empty.", "syshaxd/api/admin.py"),
+             "admin.sock there when admin_socket is empty.", "syshaxd/api/admin/unix_socket.py"),
     Variable("CREDENTIALS_DIRECTORY", "systemd", "systemd's LoadCredential= folder; write api_key_file (or "
              'node_secret_file) as "$CREDENTIALS_DIRECTORY/api-keys" to read a credential from it.',
-             "syshaxd/api/auth.py"),
+             "syshaxd/api/core/auth.py"),
     Variable("NOTIFY_SOCKET", "systemd", "Type=notify: the daemon reports its start-up, readiness, reloads and "
              "shutdown there (and unsets it, so its workers do not).", "syshaxd/notify.py"),
     Variable("WATCHDOG_USEC", "systemd", "WatchdogSec=: the daemon pings the watchdog every half of it while its "

@@ -1,6 +1,6 @@
 """The last few minutes of serving, in buckets of a few seconds: tokens generated, requests finished, TTFT and TPOT.
 
-What the web page (api/web_routes.py) charts, read from /v1/syshax/status as "recent". The same
+What the web page (api/web/routes.py) charts, read from /v1/syshax/status as "recent". The same
 observations feed /metrics' histograms (metrics.RequestTimer); this keeps only a short window, as
 plain numbers per bucket and, for the window's p50 and p99, each request's TTFT and each token gap,
 so that the page computes nothing but where to draw them.

@@ -7,15 +7,18 @@ import time
 
 from aiohttp import web
 
-from syshaxd.api import (embeddings, messages, model_proxy, model_routes, openai_routes, responses, service_routes,
-                         sse, token_routes, web_routes)
-from syshaxd.api.auth import KeyCheck
-from syshaxd.api.errors import APIError, error_type_for
-from syshaxd.api.keys import (CONFIG, CONNECTIONS, KEY_CHECK, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED,
-                              STATE, VOCAB)
-from syshaxd.api.limits import ConnectionCap
+from syshaxd.api import messages, responses, service_routes
+from syshaxd.api.core import model_proxy, sse
+from syshaxd.api.core.app_keys import (CONFIG, CONNECTIONS, KEY_CHECK, METRICS, MODEL_NAME, OPENAPI, SCHEDULER, STARTED,
+                                       STATE, VOCAB)
+from syshaxd.api.core.auth import KeyCheck
+from syshaxd.api.core.connections import ConnectionCap
+from syshaxd.api.core.errors import APIError, error_type_for
+from syshaxd.api.core.state import ServiceState
+from syshaxd.api.openai import embeddings, model_routes, token_routes
+from syshaxd.api.openai import routes as openai_routes
 from syshaxd.api.openapi import build_document
-from syshaxd.api.state import ServiceState
+from syshaxd.api.web import routes as web_routes
 from syshaxd.config import Config
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.metrics import Metrics

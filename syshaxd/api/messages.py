@@ -3,7 +3,7 @@
 The body becomes a chat body (system -> a system message, tool_use / tool_result blocks ->
 assistant tool calls and tool messages, tools with input_schema, tool_choice auto / any / tool /
 none, output_config.format -> response_format, thinking -> enable_thinking) that parse_chat checks;
-the output is read as thinking, text and tool calls (api/outputs.py) and written as Anthropic's stream
+the output is read as thinking, text and tool calls (api/core/outputs.py) and written as Anthropic's stream
 events: a reasoning model's thinking is a `thinking` block before the text. A JSON answer is folded from
 the same events. Errors leave in Anthropic's shape (app.py's middleware), their
 message naming the field.
@@ -20,16 +20,16 @@ from typing import Any
 
 from aiohttp import web
 
-from syshaxd.api import fields, sse
-from syshaxd.api.chat_form import (TOOL_RULES, Renames, Translated, chat_tool, chat_tools, expect, required,
-                                   text_parts)
-from syshaxd.api.errors import APIError, invalid, one_of
-from syshaxd.api.fields import check_fields
-from syshaxd.api.generation import Generation, read_body, serve
-from syshaxd.api.keys import MODEL_NAME, STATE, VOCAB
-from syshaxd.api.outputs import Finish, Step
-from syshaxd.api.tools import partial_object
-from syshaxd.api.validate import parse_chat
+from syshaxd.api.core import fields, sse
+from syshaxd.api.core.chat_translation import (TOOL_RULES, Renames, Translated, chat_tool, chat_tools, expect, required,
+                                               text_parts)
+from syshaxd.api.core.app_keys import MODEL_NAME, STATE, VOCAB
+from syshaxd.api.core.errors import APIError, invalid, one_of
+from syshaxd.api.core.fields import check_fields
+from syshaxd.api.core.generation import Generation, read_body, serve
+from syshaxd.api.core.outputs import Finish, Step
+from syshaxd.api.core.tools import partial_object
+from syshaxd.api.core.validate import parse_chat
 
 routes = web.RouteTableDef()
 

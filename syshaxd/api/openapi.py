@@ -1,8 +1,8 @@
-"""The OpenAPI 3.1 document of syshaxd's HTTP API (/openapi.json), written from api/fields.py's declarations.
+"""The OpenAPI 3.1 document of syshaxd's HTTP API (/openapi.json), written from api/core/fields.py's declarations.
 
 It describes this running daemon: the served model's id, its context size, the routes it can take
 (``syshax.mode``), and whether API keys are required. Chat's and completions' request schemas are
-generated from the declarations validation reads (api/fields.py: each field's type, enum and range,
+generated from the declarations validation reads (api/core/fields.py: each field's type, enum and range,
 each object's required keys, and no other field: an unknown one is a 400); the Responses and Messages
 requests list their declared fields, typed where given here. Responses give OpenAI's and Anthropic's
 shapes, the error shape for every 4xx/5xx, and streams as ``text/event-stream``; /tokenize, /detokenize,
@@ -16,8 +16,8 @@ from typing import Any
 
 from syshaxd import __version__
 from syshaxd.api import messages, responses
-from syshaxd.api.fields import (CHAT, CHAT_ROLES, COMPLETIONS, DEFAULT_ONLY, HARMLESS, MESSAGES, MESSAGES_COUNT,
-                                RESPONSES, Each, Obj, OneOf, Spec, Val)
+from syshaxd.api.core.fields import (CHAT, CHAT_ROLES, COMPLETIONS, DEFAULT_ONLY, HARMLESS, MESSAGES, MESSAGES_COUNT,
+                                     RESPONSES, Each, Obj, OneOf, Spec, Val)
 
 ERROR_STATUSES = {
     "400": "The body is invalid: the error's `param` names the field and its message says what is allowed.",
@@ -76,7 +76,7 @@ class _Daemon:
 
 
 def _schema_of(spec: Spec, daemon: _Daemon) -> dict:
-    """The JSON Schema of a field as api/fields.py declares it: an object takes its declared keys and no others."""
+    """The JSON Schema of a field as api/core/fields.py declares it: an object takes its declared keys and no others."""
     if spec is None:
         return {}
     if isinstance(spec, Val):
@@ -96,7 +96,7 @@ def _schema_of(spec: Spec, daemon: _Daemon) -> dict:
 
 
 def _request(spec: Obj, daemon: _Daemon) -> dict:
-    """A request body's schema: the fields the endpoint declares (api/fields.py) and those every endpoint
+    """A request body's schema: the fields the endpoint declares (api/core/fields.py) and those every endpoint
     accepts."""
     schema = _schema_of(spec, daemon)
     schema["properties"] = _accepted_fields() | schema["properties"]
@@ -104,7 +104,7 @@ def _request(spec: Obj, daemon: _Daemon) -> dict:
 
 
 def _declared(spec: Obj, typed: dict) -> dict:
-    """Every field api/fields.py declares for the endpoint and the ones every endpoint accepts (typed where given
+    """Every field api/core/fields.py declares for the endpoint and the ones every endpoint accepts (typed where given
     here); any other is a 400."""
     declared = _accepted_fields() | {name: {} for name in sorted(spec.keys)}
     return declared | {name: schema for name, schema in typed.items() if name in declared}

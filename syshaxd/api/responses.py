@@ -2,7 +2,7 @@
 
 The body becomes a chat body (instructions -> a system message, input items -> messages,
 function tools, text.format -> response_format, reasoning.effort -> reasoning_effort) that parse_chat
-checks; the output is read as thinking, text and tool calls (api/outputs.py) and written as the Responses
+checks; the output is read as thinking, text and tool calls (api/core/outputs.py) and written as the Responses
 API's typed events: a reasoning model's thinking is a `reasoning` item before the message, as OpenAI's
 (its text as `reasoning_text` content; no summaries are made). A JSON answer is the `response` of the last
 event a stream would send.
@@ -24,14 +24,14 @@ from typing import Any
 
 from aiohttp import web
 
-from syshaxd.api import fields, sse
-from syshaxd.api.chat_form import (TOOL_RULES, Renames, Translated, chat_tool, chat_tools, expect, refuse, required,
-                                   text_parts)
-from syshaxd.api.errors import APIError, invalid, one_of
-from syshaxd.api.fields import check_fields
-from syshaxd.api.generation import Generation, serve
-from syshaxd.api.outputs import Finish, Step
-from syshaxd.api.reasoning import EFFORTS
+from syshaxd.api.core import fields, sse
+from syshaxd.api.core.chat_translation import (TOOL_RULES, Renames, Translated, chat_tool, chat_tools, expect, refuse,
+                                               required, text_parts)
+from syshaxd.api.core.errors import APIError, invalid, one_of
+from syshaxd.api.core.fields import check_fields
+from syshaxd.api.core.generation import Generation, serve
+from syshaxd.api.core.outputs import Finish, Step
+from syshaxd.api.core.reasoning import EFFORTS
 
 routes = web.RouteTableDef()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from syshaxd.api.keys import CONNECTIONS, METRICS, OPENAPI, SCHEDULER, STATE
-from syshaxd.api.model_proxy import chat_model_metrics
+from syshaxd.api.core.app_keys import CONNECTIONS, METRICS, OPENAPI, SCHEDULER, STATE
+from syshaxd.api.core.model_proxy import chat_model_metrics
 from syshaxd.engine.engine_handle import EngineHandle
 from syshaxd.engine.entry_models import Loaded
 from syshaxd.engine.lifecycle import HandleState

@@ -1,5 +1,5 @@
 """The chat models of [[models]]: each served by a syshaxd of its own, which this daemon starts on loopback when the
-model loads, stops when it unloads, and forwards the model's requests to (api/model_proxy.py).
+model loads, stops when it unloads, and forwards the model's requests to (api/core/model_proxy.py).
 
 A child daemon is the single-model daemon a user would start by hand for that file, with this daemon's config and
 the entry's own keys: its scheduler, prefix cache, KV ring and workers are its own, so its answers are the same
@@ -29,9 +29,9 @@ from typing import Any
 from syshaxd.config import KEYS, Config, ConfigError, from_mapping, plain, table_of
 from syshaxd.engine.entry_models import EntryModel, ModelsError
 from syshaxd.engine.lifecycle import HandleState
-from syshaxd.routing_rules import rule_can_match
 from syshaxd.engine.status import ChatModelStatus
 from syshaxd.model_entries import ModelEntry
+from syshaxd.routing_rules import rule_can_match
 
 log = logging.getLogger(__name__)
 

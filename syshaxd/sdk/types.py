@@ -227,7 +227,7 @@ class GenerateRequest:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     # GBNF text (root rule "root") that the output must match: response_format and the peers' forms
-    # (api/constraints.py) and forced tool calls, converted in the daemon; empty: unconstrained
+    # (api/core/constraints.py) and forced tool calls, converted in the daemon; empty: unconstrained
     grammar: str = ""
     grammar_field: str = "response_format"  # the request field the grammar came from: refusals name it
     # chat: the tools the template renders into the prompt ({"type": "function", "function": {...}})

@@ -206,8 +206,8 @@ def test_unknown_paths_and_methods_answer_in_openai_shape(daemon):
 
 
 def test_unknown_fields_are_refused_naming_them(client):
-    """An unknown field is a 400 naming it, never silently ignored (api/fields.py; tests/api/test_constraints.py goes
-    deeper); null is an absent field, and the benchmark clients' min_tokens holds with ignore_eos."""
+    """An unknown field is a 400 naming it, never silently ignored (api/core/fields.py; tests/api/test_constraints.py
+    goes deeper); null is an absent field, and the benchmark clients' min_tokens holds with ignore_eos."""
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body={"frobnicate": True})
     assert err.value.body["param"] == "frobnicate" and err.value.body["code"] == "unknown_parameter"

@@ -1,4 +1,4 @@
-"""A streamed text chunk is written from a template made once per choice (api/exchange.py, Exchange.text_chunk):
+"""A streamed text chunk is written from a template made once per choice (api/openai/answers.py, Exchange.text_chunk):
 its bytes must be, for every text, the very bytes json.dumps writes of the chunk's dict, in chat and in
 completions, for every choice of a request."""
 
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from syshaxd.api.chat_shapes import ChatExchange
-from syshaxd.api.completion_shapes import CompletionExchange
-from syshaxd.api.sse import data, json_bytes
-from syshaxd.api.validate import parse_chat, parse_completion
+from syshaxd.api.core.sse import data, json_bytes
+from syshaxd.api.core.validate import parse_chat, parse_completion
+from syshaxd.api.openai.chat_shapes import ChatExchange
+from syshaxd.api.openai.completion_shapes import CompletionExchange
 
 TEXTS = ["", " Paris", "a \"quoted\" word", "back\\slash", "line\nbreak\ttab\r", "\x00 and \x1f", "café", "日本語",
          "🙂 emoji", "\u2028\u2029", "\x00text\x00", "}]}, {\"index\": 1"]

@@ -214,8 +214,8 @@ def test_a_peer_switch_asking_for_what_this_server_does_not_do_is_a_400(cpu, fie
 
 
 def test_the_openapi_document_declares_exactly_the_fields_taken():
-    """api/fields.py (what is refused) and api/openapi.py (what schemathesis fuzzes) name the same fields."""
-    from syshaxd.api import fields
+    """api/core/fields.py (what is refused) and api/openapi.py (what schemathesis fuzzes) name the same fields."""
+    from syshaxd.api.core import fields
     from syshaxd.api.openapi import build_document
 
     schemas = build_document(MODEL_NAME, 4096, ["cpu"], False, False)["components"]["schemas"]

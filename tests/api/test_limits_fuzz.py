@@ -100,7 +100,7 @@ def chat(messages, **fields) -> dict:
 def padded(size: int) -> bytes:
     """A good completions body of exactly size bytes: strings under max_string_bytes, then spaces."""
     chunk, chunks = "x" * (MAX_STRING - 8), []
-    # padded in `metadata`, a field accepted and not used (api/fields.py HARMLESS): an unknown one is a 400
+    # padded in `metadata`, a field accepted and not used (api/core/fields.py HARMLESS): an unknown one is a 400
     while len(json.dumps(completion(prompt="Hello", metadata={"pad": chunks + [chunk]}))) <= size:
         chunks.append(chunk)
     raw = json.dumps(completion(prompt="Hello", metadata={"pad": chunks})).encode()

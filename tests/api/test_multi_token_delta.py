@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from syshaxd.api.chat_shapes import ChatExchange
-from syshaxd.api.completion_shapes import CompletionExchange
-from syshaxd.api.fanout import Fanout
-from syshaxd.api.outputs import steps
-from syshaxd.api.reasoning import ThinkingReader
-from syshaxd.api.sse import data
-from syshaxd.api.validate import parse_chat, parse_completion
+from syshaxd.api.core.fanout import Fanout
+from syshaxd.api.core.outputs import steps
+from syshaxd.api.core.reasoning import ThinkingReader
+from syshaxd.api.core.sse import data
+from syshaxd.api.core.validate import parse_chat, parse_completion
+from syshaxd.api.openai.chat_shapes import ChatExchange
+from syshaxd.api.openai.completion_shapes import CompletionExchange
 from syshaxd.metrics import Metrics
 from syshaxd.sdk.types import Accepted, Delta, Route, TokenLogprob
 

@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 
 from conftest import MODEL_NAME, http_json, start_daemon
-from syshaxd.api.validate import CHAT_ROLES, INTEGER_RANGES, MAX_N, MAX_STOP, NUMBER_RANGES
+from syshaxd.api.core.validate import CHAT_ROLES, INTEGER_RANGES, MAX_N, MAX_STOP, NUMBER_RANGES
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the test extras: pip install -e .[test]")
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402  (schemathesis brings hypothesis)

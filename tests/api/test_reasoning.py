@@ -24,7 +24,7 @@ import pytest
 from conftest import MODEL_DIR, MODEL_NAME, http_json, start_daemon
 from families import llama_source
 
-from syshaxd.api.reasoning import ThinkSplit, after_thinking, opens_thinking, split_whole
+from syshaxd.api.core.reasoning import ThinkSplit, after_thinking, opens_thinking, split_whole
 
 anthropic = pytest.importorskip("anthropic", reason="anthropic is in the test extras: pip install -e .[test]")
 
@@ -151,7 +151,7 @@ def test_a_grammar_after_thinking_holds_the_answer_not_the_thinking(default_mode
     import llama_cpp
     from syshax_llamacpp.sampling import accept, make_sampler
 
-    from syshaxd.api.structured import schema_to_grammar
+    from syshaxd.api.core.structured import schema_to_grammar
     from syshaxd.sdk.gguf.vocab import Vocab
     from syshaxd.sdk.types import SamplingParams
 
@@ -183,7 +183,7 @@ def test_a_grammar_after_thinking_holds_the_answer_not_the_thinking(default_mode
 def test_vllms_grammar_library_reads_the_grammar_after_thinking_alike():
     """gpu mode's vLLM enforces the same GBNF with xgrammar."""
     accepts = pytest.importorskip("xgrammar.testing", reason="vLLM's grammar library")._is_grammar_accept_string
-    from syshaxd.api.structured import schema_to_grammar
+    from syshaxd.api.core.structured import schema_to_grammar
 
     inner = schema_to_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "x")
     opened, closed = after_thinking(inner, True), after_thinking(inner, False)

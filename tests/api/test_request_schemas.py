@@ -1,6 +1,6 @@
 """What /openapi.json says chat and completions take is what their validation takes, field by field.
 
-The request schemas are written from api/fields.py's declarations; this holds them to what parse_chat and
+The request schemas are written from api/core/fields.py's declarations; this holds them to what parse_chat and
 parse_completion actually do. For every field the document names, at the top level and in the objects it
 declares (a message, a tool, stream_options, response_format, ...), a set of values of every JSON type (each
 enum value and const of the document among them, each bound and one past it) is sent to validation and to the
@@ -19,11 +19,11 @@ from typing import Any
 import jsonschema
 import pytest
 
-from syshaxd.api.errors import APIError
-from syshaxd.api.fields import CHAT_ROLES
+from syshaxd.api.core.errors import APIError
+from syshaxd.api.core.fields import CHAT_ROLES
+from syshaxd.api.core.reasoning import EFFORTS, ReasoningFormat
+from syshaxd.api.core.validate import parse_chat, parse_completion
 from syshaxd.api.openapi import build_document
-from syshaxd.api.reasoning import EFFORTS, ReasoningFormat
-from syshaxd.api.validate import parse_chat, parse_completion
 from syshaxd.config import MODES
 
 MODEL = "served-model"

@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 from conftest import MODEL_NAME, http_json, start_daemon
-from syshaxd.api.admin_client import AdminClient
-from syshaxd.api.auth import KeyCheck, configured_keys
+from syshaxd.api.admin.client import AdminClient
+from syshaxd.api.core.auth import KeyCheck, configured_keys
 from syshaxd.config import Config, ConfigError, from_mapping
 
 KEY = "sk-syshax-" + secrets.token_hex(16)  # in the config file

@@ -1,5 +1,5 @@
 """A stream's writes as they reach the client: held to the end of the event loop's pass and written back to back
-(api/sse.py), they still make a byte-exact HTTP body.
+(api/core/sse.py), they still make a byte-exact HTTP body.
 
 Several streams at once (one engine step feeds them all, so their writes are held together) read whole, with the
 same texts as the same requests answered as JSON; the raw bytes on an HTTP/1.1 connection are valid chunks with
@@ -134,8 +134,8 @@ def test_events_ready_in_one_pass_go_out_in_order_before_the_end():
 
     from aiohttp import web
 
-    from syshaxd.api import sse
-    from syshaxd.api.keys import STATE
+    from syshaxd.api.core import sse
+    from syshaxd.api.core.app_keys import STATE
 
     async def events():
         yield {"n": 1}

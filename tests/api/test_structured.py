@@ -1,6 +1,6 @@
 """Structured outputs and tool calls against a real daemon, through the official openai client.
 
-response_format json_schema / json_object constrain sampling with a grammar (api/structured.py):
+response_format json_schema / json_object constrain sampling with a grammar (api/core/structured.py):
 the output parses and validates whatever the tiny model would rather say. Schemas keep their
 strings and arrays bounded (maxLength, maxItems) so that a 135M model finishes well inside
 max_tokens and the finish is "stop".
@@ -298,7 +298,7 @@ def test_tool_message_needs_its_call_id(daemon):
 # The auto-mode parsers, on the shapes the documented template families write (no model needed).
 
 def test_auto_parses_hermes_blocks_and_llama_json():
-    from syshaxd.api.tools import parse_output, parse_tools
+    from syshaxd.api.core.tools import parse_output, parse_tools
 
     tools = parse_tools({"tools": TOOLS})
     content, calls = parse_output('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
@@ -313,7 +313,7 @@ def test_auto_parses_hermes_blocks_and_llama_json():
 
 
 def test_auto_stream_holds_only_what_may_be_a_call():
-    from syshaxd.api.tools import ToolStream, parse_tools
+    from syshaxd.api.core.tools import ToolStream, parse_tools
 
     stream = ToolStream(parse_tools({"tools": TOOLS}))
     sent = "".join(stream.feed(p) for p in ["Let me ", "check.\n<tool", "_call>\n", '{"name": "add", ',

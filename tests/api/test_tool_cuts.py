@@ -208,7 +208,7 @@ def test_messages_cut_tool_use_ends_with_max_tokens(anthropic_client, client):
 
 
 def test_cut_calls_in_the_shapes_auto_reads():
-    from syshaxd.api.tools import parse_output, parse_tools
+    from syshaxd.api.core.tools import parse_output, parse_tools
 
     tools = parse_tools({"tools": TOOLS})
     # Llama 3.1's one JSON object with "parameters"; arguments written as a string of JSON, cut inside an escape
@@ -236,7 +236,7 @@ def test_cut_calls_in_the_shapes_auto_reads():
 
 def test_partial_object_keeps_what_arrived_whole():
     """A cut tool_use's input in the Messages API's JSON answer: what the anthropic SDK reads from the stream."""
-    from syshaxd.api.tools import partial_object
+    from syshaxd.api.core.tools import partial_object
 
     jiter = pytest.importorskip("jiter")  # the SDK's partial JSON reader
     for text in ['', '{', '{ "city', '{ "city": ', '{ "city": "Par', '{ "city": "Paris", "un', '{"a": 12', '{"a": 1.',

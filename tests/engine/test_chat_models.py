@@ -1,5 +1,5 @@
 """Several chat models in one daemon: chat entries of [[models]], each served by a syshaxd of its own that the daemon
-starts, forwards to, and stops (engine/chat_models.py, api/model_proxy.py), beside an embedding model, under
+starts, forwards to, and stops (engine/chat_models.py, api/core/model_proxy.py), beside an embedding model, under
 max_loaded_models = 3 (the daemon's own model counted: two entries at once).
 
 The second chat model is families.py's qwen2 (another architecture, another vocabulary); its greedy texts are

@@ -268,8 +268,8 @@ def test_the_open_file_limit_is_raised_to_fit_max_connections():
     import sys
 
     code = ("import resource as r; soft, hard = r.getrlimit(r.RLIMIT_NOFILE); "
-            "r.setrlimit(r.RLIMIT_NOFILE, (64, hard)); from syshaxd.api.limits import ensure_file_limit; print(ensure_file_limit(1024), "
-            "r.getrlimit(r.RLIMIT_NOFILE)[0])")
+            "r.setrlimit(r.RLIMIT_NOFILE, (64, hard)); from syshaxd.api.core.connections import ensure_file_limit; "
+            "print(ensure_file_limit(1024), r.getrlimit(r.RLIMIT_NOFILE)[0])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["1280", "1280"], done.stderr
 

@@ -10,12 +10,12 @@ import asyncio
 from dataclasses import replace
 
 from conftest import MODEL_NAME
-from syshaxd.api.validate import parse_chat, parse_completion
+from syshaxd.api.core.validate import parse_chat, parse_completion
 from syshaxd.config import Config
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
 from syshaxd.engine.scheduler import Scheduler
-from syshaxd.sdk.types import Rejected
 from syshaxd.sdk.prompt_fit import fit_prompt
+from syshaxd.sdk.types import Rejected
 
 
 def prepared_counting(default_model, parsed, config: Config | None = None, n_ctx: int = 4096):

@@ -329,7 +329,7 @@ TOOL_TEMPLATES = {
 def test_a_call_in_the_familys_own_format_is_read_back_as_that_call(template):
     from families import llama_source
 
-    from syshaxd.api.tools import parse_output, parse_tools
+    from syshaxd.api.core.tools import parse_output, parse_tools
     from syshaxd.sdk.gguf.chat import ChatTemplate
 
     opens, closes = TOOL_TEMPLATES[template]

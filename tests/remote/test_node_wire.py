@@ -276,6 +276,23 @@ def test_only_the_room_of_the_record_in_flight_is_open_to_the_transfer_engine(tm
     asyncio.run(scenario())
 
 
+async def _front_meets_a_node_that_says(hello: bytes) -> str:
+    """What a front's handshake says of a node whose first message is `hello` (an older protocol's)."""
+    async def old_node(reader, writer):
+        writer.write(len(hello).to_bytes(4, "big") + hello)
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        writer.close()
+
+    server = await asyncio.start_server(old_node, "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    with pytest.raises(wire.AuthFailed) as refused:
+        await wire.prove_as_front(reader, writer, SECRET)
+    writer.close()
+    server.close()
+    return str(refused.value)
+
+
 def test_a_peer_of_the_old_protocol_is_told_so(tmp_path, front_engine, caplog):
     """syshax-node/1 sent a bare challenge and answered with a bare proof; since syshax-node/2 each side names what
     it speaks, so a peer of /1 is refused (and one of /2, whose requests had other fields, by name: below)."""
@@ -289,21 +306,7 @@ def test_a_peer_of_the_old_protocol_is_told_so(tmp_path, front_engine, caplog):
             assert await reader.read() == b""  # closed
             writer.close()
             await _still_serves(node, front_engine)
-
-        # a node of syshax-node/1, as this front meets it
-        async def old_node(reader, writer):
-            writer.write((32).to_bytes(4, "big") + os.urandom(32))
-            await writer.drain()
-            await asyncio.sleep(0.5)
-            writer.close()
-
-        server = await asyncio.start_server(old_node, "127.0.0.1", 0)
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
-        with pytest.raises(wire.AuthFailed) as refused:
-            await wire.prove_as_front(reader, writer, SECRET)
-        writer.close()
-        server.close()
-        return str(refused.value)
+        return await _front_meets_a_node_that_says(os.urandom(32))  # a node of syshax-node/1: a bare challenge
 
     with caplog.at_level(logging.INFO, logger="syshaxd.remote"):
         said = asyncio.run(scenario())
@@ -313,28 +316,13 @@ def test_a_peer_of_the_old_protocol_is_told_so(tmp_path, front_engine, caplog):
     assert f"the front speaks syshax-node/1, this end {wire.PROTOCOL.decode()}" in line, line
 
 
-
 def test_a_node_of_the_previous_protocol_is_named():
     # syshax-node/2's requests carried default_max_tokens, which the daemon now decides alone: a front refuses
     # such a node by its protocol's name before any request crosses
-    async def scenario():
-        async def node_of_2(reader, writer):
-            data = b"syshax-node/2 " + os.urandom(32)
-            writer.write(len(data).to_bytes(4, "big") + data)
-            await writer.drain()
-            await asyncio.sleep(0.5)
-            writer.close()
+    said = asyncio.run(_front_meets_a_node_that_says(b"syshax-node/2 " + os.urandom(32)))
+    assert said == (f"the node speaks syshax-node/2, this end {wire.PROTOCOL.decode()}: run the same syshax version "
+                    "on the front and its nodes")
 
-        server = await asyncio.start_server(node_of_2, "127.0.0.1", 0)
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
-        with pytest.raises(wire.AuthFailed) as refused:
-            await wire.prove_as_front(reader, writer, SECRET)
-        writer.close()
-        server.close()
-        return str(refused.value)
-
-    assert asyncio.run(scenario()) == (f"the node speaks syshax-node/2, this end {wire.PROTOCOL.decode()}: run the "
-                                       "same syshax version on the front and its nodes")
 
 # --- TLS ------------------------------------------------------------------------------------------------------------
 

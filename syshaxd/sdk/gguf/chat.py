@@ -14,7 +14,7 @@ CHATML = (
 )
 
 # For a template with no tool format of its own: the tools go into a system note asking for the
-# Hermes-style block that api/tools.py parses.
+# Hermes-style block that api/core/tools.py parses.
 TOOL_NOTE = (
     "You may call functions. The available functions, as JSON Schema:\n{tools}\n"
     "To call one, answer with only this block:\n<tool_call>\n"

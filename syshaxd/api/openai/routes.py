@@ -9,15 +9,15 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from syshaxd.api import sse
-from syshaxd.api.chat_shapes import ChatExchange
-from syshaxd.api.completion_shapes import CompletionExchange
-from syshaxd.api.errors import APIError
-from syshaxd.api.exchange import Exchange
-from syshaxd.api.generation import Generation, serve
-from syshaxd.api.keys import MODEL_NAME, STATE, VOCAB
-from syshaxd.api.tools import finish_reason
-from syshaxd.api.validate import ParsedRequest, parse_chat, parse_completion
+from syshaxd.api.core import sse
+from syshaxd.api.core.app_keys import MODEL_NAME, STATE, VOCAB
+from syshaxd.api.core.errors import APIError
+from syshaxd.api.core.generation import Generation, serve
+from syshaxd.api.core.tools import finish_reason
+from syshaxd.api.core.validate import ParsedRequest, parse_chat, parse_completion
+from syshaxd.api.openai.answers import Exchange
+from syshaxd.api.openai.chat_shapes import ChatExchange
+from syshaxd.api.openai.completion_shapes import CompletionExchange
 from syshaxd.engine.prompts import Pieces
 
 routes = web.RouteTableDef()

@@ -15,12 +15,12 @@ import time
 import aiohttp
 from aiohttp import web
 
-from syshaxd.api import sse
-from syshaxd.api.errors import APIError, invalid
-from syshaxd.api.generation import read_body
-from syshaxd.api.keys import SCHEDULER, STATE
-from syshaxd.api.outputs import client_gone
-from syshaxd.api.state import Draining
+from syshaxd.api.core import sse
+from syshaxd.api.core.app_keys import SCHEDULER, STATE
+from syshaxd.api.core.errors import APIError, invalid
+from syshaxd.api.core.generation import read_body
+from syshaxd.api.core.outputs import client_gone
+from syshaxd.api.core.state import Draining
 from syshaxd.engine.chat_models import ChatModel, ChildDaemon
 from syshaxd.engine.engine_handle import EngineUnavailable
 from syshaxd.engine.lifecycle import HandleState

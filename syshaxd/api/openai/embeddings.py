@@ -15,13 +15,13 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from syshaxd.api.errors import APIError, invalid
-from syshaxd.api.generation import read_body
-from syshaxd.api.keys import MODEL_NAME, SCHEDULER, STATE
-from syshaxd.api.model_proxy import ask_keep_alive
-from syshaxd.api.outputs import client_gone
-from syshaxd.api.state import Draining
-from syshaxd.api.validate import type_error
+from syshaxd.api.core.app_keys import MODEL_NAME, SCHEDULER, STATE
+from syshaxd.api.core.errors import APIError, invalid
+from syshaxd.api.core.generation import read_body
+from syshaxd.api.core.model_proxy import ask_keep_alive
+from syshaxd.api.core.outputs import client_gone
+from syshaxd.api.core.state import Draining
+from syshaxd.api.core.validate import type_error
 from syshaxd.engine import embedders
 from syshaxd.engine.embedders import EmbeddingModel
 from syshaxd.engine.engine_handle import EngineUnavailable

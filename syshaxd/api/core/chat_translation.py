@@ -1,6 +1,6 @@
 """What the Responses and Messages APIs share: each translates its body into a chat-completions body.
 
-parse_chat (api/validate.py) then checks it as it checks every chat request, so the two APIs get
+parse_chat (api/core/validate.py) then checks it as it checks every chat request, so the two APIs get
 the same sampling, tools and grammars as chat. Errors name the chat field; `Renames` puts them
 back into the endpoint's own names (`response_format.json_schema.schema` -> `text.format.schema`),
 so that a client is told about the field it sent.
@@ -15,10 +15,10 @@ from typing import Any
 
 from aiohttp import web
 
-from syshaxd.api.errors import APIError, invalid
-from syshaxd.api.generation import Generation
-from syshaxd.api.keys import MODEL_NAME, STATE
-from syshaxd.api.validate import ParsedRequest, parse_chat, type_error
+from syshaxd.api.core.app_keys import MODEL_NAME, STATE
+from syshaxd.api.core.errors import APIError, invalid
+from syshaxd.api.core.generation import Generation
+from syshaxd.api.core.validate import ParsedRequest, parse_chat, type_error
 
 Translate = Callable[[dict], tuple[dict, "Renames"]]
 # respond(gen, body): the endpoint's answer to the started request, from the body the client sent

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from syshaxd.api.errors import invalid
-from syshaxd.api.reasoning import EFFORTS, ReasoningFormat
+from syshaxd.api.core.errors import invalid
+from syshaxd.api.core.reasoning import EFFORTS, ReasoningFormat
 from syshaxd.sdk.gguf.chat import RENDER_NAMES
 
 # --- the limits validate.py enforces (the OpenAPI document gives these same numbers) -----------------------

@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from syshaxd.api.errors import invalid
-from syshaxd.api.structured import SchemaError, json_object_grammar, parse_response_format, schema_error, \
+from syshaxd.api.core.errors import invalid
+from syshaxd.api.core.structured import SchemaError, json_object_grammar, parse_response_format, schema_error, \
     schema_to_grammar
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # as MAX_SCHEMA_BYTES: a grammar is compiled per request in the worker

@@ -45,8 +45,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from syshaxd import __version__
-from syshaxd.api.admin_client import MAX_LINE, AdminError
-from syshaxd.api.state import ModeUnavailable, NeedsRestart, ServiceState
+from syshaxd.api.admin.client import MAX_LINE, AdminError
+from syshaxd.api.core.state import ModeUnavailable, NeedsRestart, ServiceState
 from syshaxd.config import KEYS, LIVE_KEYS, MODES, SECRET_KEYS, Config, ConfigError, plain, shown
 
 log = logging.getLogger(__name__)

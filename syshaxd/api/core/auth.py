@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # for annotations only: this module imports without aiohttp
     from aiohttp import web
 
-    from syshaxd.api.errors import APIError
+    from syshaxd.api.core.errors import APIError
     from syshaxd.config import Config
 
 def key_file_path(cfg: "Config") -> str:
@@ -124,7 +124,7 @@ class KeyCheck:
 
 
 def _unauthorized(message: str, challenge: str) -> "APIError":
-    from syshaxd.api.errors import APIError
+    from syshaxd.api.core.errors import APIError
 
     return APIError(401, message, type="authentication_error", code="invalid_api_key",
                     headers={"WWW-Authenticate": challenge})

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import re
 
-from syshaxd.api.errors import invalid
-from syshaxd.api.fields import NAME_PATTERN
+from syshaxd.api.core.errors import invalid
+from syshaxd.api.core.fields import NAME_PATTERN
 
 # Keywords that only describe: they never change which instances validate.
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",

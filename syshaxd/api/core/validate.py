@@ -1,4 +1,4 @@
-"""Check chat and completions bodies field by field, within the limits api/fields.py declares, and turn them into
+"""Check chat and completions bodies field by field, within the limits api/core/fields.py declares, and turn them into
 ParsedRequests: one GenerateRequest per choice, and how to show the results."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any, overload
 
-from syshaxd.api.errors import APIError, invalid, one_of
-from syshaxd.api import fields
-from syshaxd.api.constraints import Constraint, parse_constraint
-from syshaxd.api.fields import (CHAT_ROLES, INTEGER_RANGES, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP,
-                                NUMBER_RANGES, check_fields)
-from syshaxd.api.reasoning import Thinking, parse_thinking
-from syshaxd.api.tools import Tools, call_grammar, parse_tools
+from syshaxd.api.core import fields
+from syshaxd.api.core.constraints import Constraint, parse_constraint
+from syshaxd.api.core.errors import APIError, invalid, one_of
+from syshaxd.api.core.fields import (CHAT_ROLES, INTEGER_RANGES, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP,
+                                     NUMBER_RANGES, check_fields)
+from syshaxd.api.core.reasoning import Thinking, parse_thinking
+from syshaxd.api.core.tools import Tools, call_grammar, parse_tools
 from syshaxd.config import MODES
 from syshaxd.sdk.types import GenerateRequest, SamplingParams
 
@@ -42,7 +42,7 @@ class ParsedRequest:
     route: str = ""  # syshax.mode: a mode for this request alone ("auto" lets the decider choose); "": the daemon's
     # the request's fields as routing rules read them (api/generation.rule_fields), taken before its prompt is rendered
     fields: dict | None = None
-    thinking: Thinking | None = None  # chat: how the output is read for a reasoning model's thinking (api/reasoning.py)
+    thinking: Thinking | None = None  # chat: how a reasoning model's output is read (api/core/reasoning.py)
 
     @property
     def generate(self) -> GenerateRequest:

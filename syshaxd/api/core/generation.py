@@ -3,9 +3,9 @@ read, the endpoint's translation into one ParsedRequest, each prompt rendered an
 check before it), every choice submitted and accepted or none left running, the endpoint's answer, and the
 choices freed however it ends.
 
-An endpoint (api/openai_routes.py: chat and completions; api/responses.py; api/messages.py) is an Endpoint:
-it parses its body and writes its answer from a Generation, whose Steps (api/outputs.py) are the one reading of
-the engines' output and whose stream (api/sse.py) is the one writer of server-sent events.
+An endpoint (api/openai/routes.py: chat and completions; api/responses.py; api/messages.py) is an Endpoint:
+it parses its body and writes its answer from a Generation, whose Steps (api/core/outputs.py) are the one reading of
+the engines' output and whose stream (api/core/sse.py) is the one writer of server-sent events.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from typing import Protocol
 
 from aiohttp import web
 
-from syshaxd.api import sse
-from syshaxd.api.errors import APIError, invalid
-from syshaxd.api.fanout import Fanout
-from syshaxd.api.keys import METRICS, MODEL_NAME, SCHEDULER, STATE, VOCAB
-from syshaxd.api.long_strings import check_strings
-from syshaxd.api.outputs import Show, Step, next_event, rejected, steps
-from syshaxd.api.reasoning import LITERAL_GRAMMAR_FIELDS, after_thinking
-from syshaxd.api.sse import E, Batch, ClientGone, Framing
-from syshaxd.api.state import Draining
-from syshaxd.api.validate import ParsedRequest, parse_json_body
+from syshaxd.api.core import sse
+from syshaxd.api.core.app_keys import METRICS, MODEL_NAME, SCHEDULER, STATE, VOCAB
+from syshaxd.api.core.errors import APIError, invalid
+from syshaxd.api.core.fanout import Fanout
+from syshaxd.api.core.long_strings import check_strings
+from syshaxd.api.core.outputs import Show, Step, next_event, rejected, steps
+from syshaxd.api.core.reasoning import LITERAL_GRAMMAR_FIELDS, after_thinking
+from syshaxd.api.core.sse import E, Batch, ClientGone, Framing
+from syshaxd.api.core.state import Draining
+from syshaxd.api.core.validate import ParsedRequest, parse_json_body
 from syshaxd.engine.capabilities import Unsupported
 from syshaxd.engine.engine_handle import EngineUnavailable
 from syshaxd.engine.scheduler import Overloaded, RouteUnavailable
@@ -66,7 +66,7 @@ class Generation:
     deadline: float  # the engine's first token is due by then (request_timeout)
 
     def steps(self, show: Show | None = None, hold: bool = True) -> AsyncGenerator[Step | None, None]:
-        """The output, read once (api/outputs.py)."""
+        """The output, read once (api/core/outputs.py)."""
         return steps(self.request, self.parsed, self.fan, self.accepted, self.timer, self.deadline, show, hold)
 
     @property
@@ -74,7 +74,7 @@ class Generation:
         return route_of(self.fan.route_stream)
 
     async def stream(self, events: AsyncIterator[E | Batch], framing: Framing[E]) -> web.StreamResponse:
-        """The events as server-sent events (api/sse.py)."""
+        """The events as server-sent events (api/core/sse.py)."""
         return await sse.stream(self.request, lambda: self.route["route"], self.parsed.generate.request_id, events,
                                 framing)
 

@@ -18,8 +18,8 @@ from typing import Generic, TypeVar
 
 from aiohttp import web
 
-from syshaxd.api.errors import APIError
-from syshaxd.api.keys import STATE
+from syshaxd.api.core.app_keys import STATE
+from syshaxd.api.core.errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class SourceFailed(Exception):
 
 async def relay(request: web.Request, status: int, headers: dict, chunks: AsyncIterator[bytes], what: str,
                 started: Callable[[web.StreamResponse], None]) -> web.StreamResponse:
-    """Another server's stream passed on as it comes (a chat model's daemon: api/model_proxy.py): its status and
+    """Another server's stream passed on as it comes (a chat model's daemon: api/core/model_proxy.py): its status and
     headers, each chunk within client_timeout, its end. `started` hears of the response once its headers went. A
     client that leaves or stops reading ends it as any stream here; `chunks` failing after the headers closes the
     client's connection (its client sees a broken answer, never a short whole one) and raises SourceFailed."""

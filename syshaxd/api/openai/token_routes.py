@@ -10,10 +10,10 @@ import asyncio
 
 from aiohttp import web
 
-from syshaxd.api.errors import APIError, invalid
-from syshaxd.api.keys import CONFIG, MODEL_NAME, VOCAB
-from syshaxd.api.reasoning import template_kwargs
-from syshaxd.api.validate import parse_json_body, parse_message, type_error
+from syshaxd.api.core.app_keys import CONFIG, MODEL_NAME, VOCAB
+from syshaxd.api.core.errors import APIError, invalid
+from syshaxd.api.core.reasoning import template_kwargs
+from syshaxd.api.core.validate import parse_json_body, parse_message, type_error
 from syshaxd.sdk.types import GenerateRequest
 
 routes = web.RouteTableDef()

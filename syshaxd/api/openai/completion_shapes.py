@@ -3,8 +3,8 @@ parallel lists with text offsets (echo's prompt logprobs first)."""
 
 from __future__ import annotations
 
-from syshaxd.api import logprob_shapes
-from syshaxd.api.exchange import Choice, Exchange
+from syshaxd.api.openai import logprob_shapes
+from syshaxd.api.openai.answers import Choice, Exchange
 from syshaxd.sdk.types import Delta
 
 

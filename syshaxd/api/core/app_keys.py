@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from syshaxd.api.auth import KeyCheck
-from syshaxd.api.limits import ConnectionCap
-from syshaxd.api.state import ServiceState
-from syshaxd.engine.prompts import DaemonVocab
+from syshaxd.api.core.auth import KeyCheck
+from syshaxd.api.core.connections import ConnectionCap
+from syshaxd.api.core.state import ServiceState
 from syshaxd.config import Config
+from syshaxd.engine.prompts import DaemonVocab
 from syshaxd.engine.scheduler import Scheduler
 from syshaxd.metrics import Metrics
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from syshaxd.api import logprob_shapes
-from syshaxd.api.exchange import Choice, Exchange
-from syshaxd.api.tools import finish_reason, parse_output
+from syshaxd.api.core.tools import finish_reason, parse_output
+from syshaxd.api.openai import logprob_shapes
+from syshaxd.api.openai.answers import Choice, Exchange
 from syshaxd.sdk.types import Accepted, Delta
 
 

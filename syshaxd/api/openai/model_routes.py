@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from syshaxd.api.errors import APIError, invalid
-from syshaxd.api.keys import CONFIG, MODEL_NAME, SCHEDULER, STARTED
-from syshaxd.api.validate import parse_json_body, type_error
+from syshaxd.api.core.app_keys import CONFIG, MODEL_NAME, SCHEDULER, STARTED
+from syshaxd.api.core.errors import APIError, invalid
+from syshaxd.api.core.validate import parse_json_body, type_error
 from syshaxd.engine.embedders import EmbeddingModel
 from syshaxd.engine.engine_handle import EngineUnavailable
 from syshaxd.engine.entry_models import EntryModel

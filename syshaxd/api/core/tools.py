@@ -1,7 +1,7 @@
 """Tool calling: check `tools` and `tool_choice`, build the grammar of a forced call, and find calls in output.
 
 tool_choice "required" or a named function constrains the output to one JSON object
-{"name": ..., "arguments": {...}} through a grammar (api/structured.py), so the call always parses
+{"name": ..., "arguments": {...}} through a grammar (api/core/structured.py), so the call always parses
 and its arguments match the function's schema. "auto" leaves the model free and parses what it
 wrote: `<tool_call>{...}</tool_call>` blocks (Qwen2.5, Hermes, and the system note a template
 without a tool format gets, gguf/chat.py) or, as Llama 3.1 answers, the whole output being one
@@ -22,9 +22,9 @@ import uuid
 from dataclasses import dataclass
 from json.decoder import scanstring  # type: ignore[attr-defined]  # the C scanner, not in typeshed
 
-from syshaxd.api.errors import invalid
-from syshaxd.api.fields import MAX_TOOLS, NAME_PATTERN
-from syshaxd.api.structured import SchemaError, _check, schema_to_grammar
+from syshaxd.api.core.errors import invalid
+from syshaxd.api.core.fields import MAX_TOOLS, NAME_PATTERN
+from syshaxd.api.core.structured import SchemaError, _check, schema_to_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open a JSON call with it

@@ -1,5 +1,5 @@
 """One chat or completions request's answer as it is shown: what a Delta shows of a choice (echo's prompt, logprobs),
-the JSON body folded from the Steps (api/outputs.py), and the stream's chunks. The parts both endpoints share are
+the JSON body folded from the Steps (api/core/outputs.py), and the stream's chunks. The parts both endpoints share are
 here; chat_shapes.py and completion_shapes.py give each its own bodies, chunks and logprobs."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 from json.encoder import encode_basestring
 
 from syshaxd import __version__
-from syshaxd.api.outputs import Step
-from syshaxd.api.sse import json_bytes
-from syshaxd.api.validate import ParsedRequest
+from syshaxd.api.core.outputs import Step
+from syshaxd.api.core.sse import json_bytes
+from syshaxd.api.core.validate import ParsedRequest
 from syshaxd.engine.prompts import Pieces
 from syshaxd.sdk.types import Accepted, Delta
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from enum import Enum, StrEnum
 from typing import Any
 
-from syshaxd.api.errors import invalid, one_of
+from syshaxd.api.core.errors import invalid, one_of
 from syshaxd.sdk.gguf.chat import RENDER_NAMES, THINK_CLOSE, THINK_OPEN
 
 

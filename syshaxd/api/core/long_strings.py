@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from syshaxd.api.errors import invalid
+from syshaxd.api.core.errors import invalid
 
 _KEY_SHOWN = 40  # characters of an object key shown in a field's path (keys are the client's)
 

@@ -5,7 +5,7 @@ could be one held until it is known.
 Here, and only here: the wait for the engine's first event within request_timeout, a client that leaves
 while we wait, a choice the engine refused or failed (an APIError; before the first Step, the endpoint's
 HTTP error), and the token counts the request's timer keeps. Each endpoint only writes Steps in its own
-shapes (openai_routes.py, responses.py, messages.py).
+shapes (openai/routes.py, responses.py, messages.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from syshaxd.api.errors import APIError
-from syshaxd.api.fanout import Fanout
-from syshaxd.api.keys import VOCAB
-from syshaxd.api.reasoning import ThinkingReader
-from syshaxd.api.sse import ClientGone
-from syshaxd.api.tools import ToolCall, ToolStream
-from syshaxd.api.validate import ParsedRequest
+from syshaxd.api.core.app_keys import VOCAB
+from syshaxd.api.core.errors import APIError
+from syshaxd.api.core.fanout import Fanout
+from syshaxd.api.core.reasoning import ThinkingReader
+from syshaxd.api.core.sse import ClientGone
+from syshaxd.api.core.tools import ToolCall, ToolStream
+from syshaxd.api.core.validate import ParsedRequest
 from syshaxd.metrics import RequestTimer
 from syshaxd.sdk.types import Accepted, Delta, Refusal, Rejected, RequestStream
 
@@ -93,7 +93,7 @@ class Finish:
 @dataclass(frozen=True)
 class Step:
     """What one engine event adds to a choice: thinking, text that may go out now (with tools, held text waits:
-    api/tools.py), the event's logprobs as the endpoint shows them, and, on the choice's last event, its Finish."""
+    api/core/tools.py), the event's logprobs as the endpoint shows them, and, on the choice's last event, its Finish."""
 
     index: int
     thought: str
