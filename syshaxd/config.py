@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import tomllib
 from collections.abc import Callable
@@ -363,6 +365,31 @@ def flat_keys_warning(cfg: Config) -> str:
             f"in a table: move {moves} (`syshax init` writes the documented file with its tables)")
 
 
+def toml_text(values: Mapping[str, Any]) -> str:
+    """A config's `values` (strings, numbers, booleans, arrays, tables) as TOML: each key in its table, one key a
+    line, table values written inline."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        if isinstance(v, (int, float)):
+            return json.dumps(v)
+        if isinstance(v, str):  # JSON's escapes are TOML's; TOML wants DEL escaped too, and no surrogate pairs
+            return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items()) + "}"
+        raise TypeError(f"cannot write {v!r} as TOML")
+
+    tables: dict[str, list[str]] = {}
+    for k, v in values.items():  # each key in its table, as the documented file has them ([server], ...)
+        tables.setdefault(table_of(k) if k in KEYS else "", []).append(f"{k} = {value(v)}\n")
+    top = "".join(tables.pop("", []))
+    return top + "".join(f"[{table}]\n" + "".join(lines) for table, lines in tables.items())
+
+
 def _check_type(key: str, value: Any) -> Any:
     expected = KEYS[key].type
     if expected == "int":
@@ -620,16 +647,12 @@ def coerce(key: str, text: str) -> Any:
             return False
         raise ConfigError(f"{key}: expected true or false, got {text!r}")
     if kind == "tuple[ModelEntry, ...]":  # a JSON array of tables, as [[models]] holds them
-        import json
-
         try:
             return json.loads(text)
         except json.JSONDecodeError:
             raise ConfigError(f'{key}: expected a JSON array of tables, e.g. [{{"name": "embed", "path": '
                               '"/models/embed.gguf"}]') from None
     if kind == "tuple[RoutingRule, ...]":  # a JSON array of rule tables, as [[auto.routing_rules]] holds them
-        import json
-
         try:
             return json.loads(text)
         except json.JSONDecodeError:
@@ -638,8 +661,6 @@ def coerce(key: str, text: str) -> Any:
                               '"action": {"device": "CPU"}}]') from None
     if kind == "tuple[str, ...]":  # a JSON array, or words separated by commas
         if text.strip().startswith("["):
-            import json
-
             try:
                 parsed = json.loads(text)
             except json.JSONDecodeError:

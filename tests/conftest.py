@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from syshaxd.config import toml_text
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -167,17 +169,6 @@ class Daemon:
         return self.proc.returncode
 
 
-def config_text(values: dict) -> str:
-    """A config file's text: each known key in its table, as the documented file has them; other keys (a test of
-    unknown keys) at the top."""
-    from syshaxd.config import KEYS, table_of
-
-    tables: dict[str, list[str]] = {}
-    for k, v in values.items():
-        tables.setdefault(table_of(k) if k in KEYS else "", []).append(f"{k} = {json.dumps(v)}\n")
-    return "".join(tables.pop("", [])) + "".join(f"[{t}]\n" + "".join(lines) for t, lines in tables.items())
-
-
 def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), env: dict | None = None,
                  wait: bool = True, command: list[str] | None = None, tables: str = "") -> Daemon:
     """Run `python -m syshaxd` (or `command`) with a config file of its own, as a user would start it; `tables`:
@@ -185,7 +176,7 @@ def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), en
     # the prefix cache's disk tier in the test's own folder: a daemon never finds another test's blocks
     cfg = {"model_dir": str(MODEL_DIR), "log_level": "info", "prefix_cache_dir": str(tmp / "prefix-disk")} | (config or {})
     path = tmp / f"syshax-{time.monotonic_ns()}.toml"
-    path.write_text(config_text(cfg) + tables)
+    path.write_text(toml_text(cfg) + tables)  # each key in its table, as the documented file has them
     port = free_port()
     log_path = path.with_suffix(".log")
     run_env = {k: v for k, v in os.environ.items() if k not in ("CUSTOM_CPU_AFFINITY", "OMP_NUM_THREADS")}

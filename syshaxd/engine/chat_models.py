@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -26,7 +24,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from syshaxd.config import KEYS, Config, ConfigError, from_mapping, plain, table_of
+from syshaxd.config import KEYS, Config, ConfigError, from_mapping, plain, toml_text
 from syshaxd.engine.entry_models import EntryModel, ModelsError
 from syshaxd.engine.lifecycle import HandleState
 from syshaxd.engine.status import ChatModelStatus
@@ -76,31 +74,6 @@ def child_config(cfg: Config, entry: ModelEntry, path: Path, folder: Path, env: 
            "quantize": entry.quantize, "draft_model": entry.draft_model, "cpu_max_batch_size": entry.batch_slots}
     values.update({k: v for k, v in own.items() if v})
     return values
-
-
-def toml_text(values: Mapping[str, Any]) -> str:
-    """A config's `values` (strings, numbers, booleans, arrays, tables) as TOML: each key in its table, one key a
-    line, table values written inline."""
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, float) and not math.isfinite(v):
-            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-        if isinstance(v, (int, float)):
-            return json.dumps(v)
-        if isinstance(v, str):  # JSON's escapes are TOML's; TOML wants DEL escaped too, and no surrogate pairs
-            return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items()) + "}"
-        raise TypeError(f"cannot write {v!r} as TOML")
-
-    tables: dict[str, list[str]] = {}
-    for k, v in values.items():  # each key in its table, as the documented file has them ([server], ...)
-        tables.setdefault(table_of(k) if k in KEYS else "", []).append(f"{k} = {value(v)}\n")
-    top = "".join(tables.pop("", []))
-    return top + "".join(f"[{table}]\n" + "".join(lines) for table, lines in tables.items())
 
 
 class ChildDaemon:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from syshaxd.config import (KEYS, TABLES, Config, ConfigError, coerce, flat_keys_warning, from_mapping, from_tables,
-                            load, table_of)
+                            load, table_of, toml_text)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,10 +58,8 @@ def test_a_key_out_of_its_table_is_named(data, message):
     assert message in str(exc.value) and str(exc.value).startswith("f.toml: ")
 
 
-def test_a_chat_models_daemon_gets_its_keys_in_their_tables():
+def test_a_config_written_by_the_daemon_has_its_keys_in_their_tables():  # a chat model's daemon's
     import tomllib
-
-    from syshaxd.engine.chat_models import toml_text
 
     values = {"port": 0, "n_ctx": 512, "mode": "cpu", "speculative_tokens": 0, "api_keys": ["k" * 20],
               "remote_nodes": [], "prefix_cache_dir": "/tmp/x"}

@@ -16,8 +16,8 @@ import urllib.request
 
 import pytest
 
-from conftest import MODEL_NAME, config_text, http_json, start_daemon, wait_for
-from syshaxd.config import ConfigError, from_mapping
+from conftest import MODEL_NAME, http_json, start_daemon, wait_for
+from syshaxd.config import ConfigError, from_mapping, toml_text
 from syshaxd.routing_rules import RuleError, check_served, parse_rules
 
 
@@ -129,7 +129,7 @@ def tables(rules: list) -> str:
 
 def config_file(tmp_path, config: dict, rules: list) -> str:
     path = tmp_path / "rules.toml"
-    path.write_text(config_text(config) + tables(rules))
+    path.write_text(toml_text(config) + tables(rules))
     return str(path)
 
 
