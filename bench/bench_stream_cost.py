@@ -198,7 +198,7 @@ def main() -> int:
                    help="with --profile: a profile of the other kind from a run of as many rounds (--profile-kind); "
                         "prints each function's time here less there")
     p.add_argument("--client-loop", choices=("uvloop", "asyncio"), default="uvloop",
-                   help="the client's event loop (default uvloop, as `syshax bench` runs its client): the client "
+                   help="the client's event loop (default uvloop, as `syshax benchmark` runs its client): the client "
                         "shares the 2 cores, and on asyncio's loop a streamed token costs it more CPU")
     p.add_argument("--json", default=str(RESULTS), help=f"where the figures go (default {RESULTS})")
     args = p.parse_args()

@@ -572,7 +572,7 @@ def _validate_server(cfg: Config) -> None:
     at_least("request_timeout", 0.001)
     for i, key in enumerate(cfg.api_keys):
         check_api_key(key, f"api_keys[{i}]")
-    # api_key_file is read when the daemon starts or reloads (api.auth.configured_keys), not here:
+    # api_key_file is read when the daemon starts or reloads (api.core.auth.configured_keys), not here:
     # a Config.replace (`syshax mode`, `config set`) must not touch the disk
     at_least("max_connections", 1)
     if cfg.log_level not in LOG_LEVELS:

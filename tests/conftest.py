@@ -36,7 +36,10 @@ ROOMS = ("api", "engine", "plugins", "remote", "sdk", "e2e", "structure")
 # a test module may take another's scene (test_vllm runs test_api's tests against gpu mode): every room's folder is
 # importable from every other, as the helpers beside this file are
 sys.path[1:1] = [str(Path(__file__).parent / room) for room in ROOMS]
-_STARTS_PROCESSES = ("start_daemon(", "Daemon(", "Llama(", "subprocess", "spawn(", "WorkerHandle(", "Popen(")
+# what starts a daemon, an engine (in this process too) or another process: a test of such a module is slow
+_STARTS_PROCESSES = ("start_daemon(", "Daemon(", "Llama(", "Engine(", "llama_cpp", "subprocess", "spawn(",
+                     "WorkerHandle(", "Popen(", "NodeServer(")
+_STARTING_FIXTURES = {"daemon", "plain", "hf_folder"}
 _NEEDS = {"test_remote.py": "namespaces", "test_vllm.py": "vllm"}
 
 
@@ -44,12 +47,12 @@ def pytest_collection_modifyitems(config, items) -> None:
     """Each test's room, and what it needs, as markers (their meaning: pyproject.toml's [tool.pytest.ini_options])."""
     heavy: dict[Path, bool] = {}
     for item in items:
-        path = Path(str(item.fspath))
+        path = Path(item.path)
         if path.parent.name in ROOMS:
             item.add_marker(getattr(pytest.mark, path.parent.name))
         if path not in heavy:
             heavy[path] = any(needle in path.read_text() for needle in _STARTS_PROCESSES)
-        if heavy[path] or "daemon" in item.fixturenames:
+        if heavy[path] or _STARTING_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
         if {"browser", "page"} & set(item.fixturenames):
             item.add_marker(pytest.mark.browser)

@@ -88,7 +88,7 @@ def make_app(config: Config, scheduler: Scheduler, model_name: str, state: Servi
                                        model_proxy.forward_to_chat_model],
                           client_max_size=config.max_body_bytes)
     app[KEY_CHECK] = keys
-    # bound to the server by api.limits.CappedTCPSite; the live client_timeout bounds a silent new connection
+    # bound to the server by api.core.connections.CappedTCPSite; the live client_timeout bounds a silent new connection
     # and a request head that trickles in
     app[CONNECTIONS] = ConnectionCap(config.max_connections, lambda: state.config.client_timeout)
     app[OPENAPI] = build_document(model_name, config.n_ctx,

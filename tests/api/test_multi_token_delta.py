@@ -1,5 +1,5 @@
 """An engine step may give a sequence several tokens at once (speculative decoding: one Delta, n_tokens > 1, a token
-id and a logprob entry per token). The API's one reading of the output (api/outputs.steps) and the chat and
+id and a logprob entry per token). The API's one reading of the output (api/core/outputs.steps) and the chat and
 completions shapes count every token of it in the usage and the metrics, show a logprob entry and a text offset per
 token, and end the choice on the Delta that carries the finish reason, streamed or not."""
 
@@ -68,7 +68,7 @@ async def _answer(ex, parsed):
     async for step in steps(Request(), parsed, Fanout([Stream()]), accepted, timer, time.monotonic() + 5, ex.show):
         if step is None:
             continue
-        # as a stream writes it (api/openai_routes._chunks), then folded into the JSON body
+        # as a stream writes it (api/openai/routes._chunks), then folded into the JSON body
         if step.logprobs is None and step.text:
             chunk = data(ex.text_chunk(step.index, step.text))
         else:

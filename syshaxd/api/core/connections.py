@@ -276,7 +276,7 @@ def ensure_file_limit(connections: int, spare: int = 256) -> int:
 
 
 class CappedTCPSite(web.TCPSite):
-    """web.TCPSite whose connections go through `cap`, the app's ConnectionCap (api.keys.CONNECTIONS)."""
+    """web.TCPSite whose connections go through `cap`, the app's ConnectionCap (api.core.app_keys.CONNECTIONS)."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, cap: ConnectionCap) -> None:
         super().__init__(runner, host, port)

@@ -4,7 +4,7 @@ What vLLM's `--reasoning-parser deepseek_r1` / `qwen3` and llama-server's `reaso
 endpoints: the thinking comes back as chat's `reasoning_content` (Responses' reasoning item, Messages' thinking
 block) and the rest as the answer. A request says how it wants its output read (`reasoning_format`, llama-server's
 field) and whether the model should think (`chat_template_kwargs.enable_thinking`, `reasoning_effort`); once its
-prompt is rendered it is settled (api/generation.prepared) whether its output is read apart and whether it starts
+prompt is rendered it is settled (api/core/generation.prepared) whether its output is read apart and whether it starts
 inside a thinking block -- some templates open `<think>` in the prompt themselves (DeepSeek-R1 distills, QwQ). A
 grammar the daemon built (a JSON schema, a forced tool call) then holds the answer after the thinking, not the
 thinking itself, as vLLM and llama-server apply theirs.

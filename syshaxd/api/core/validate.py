@@ -40,7 +40,8 @@ class ParsedRequest:
     max_tokens_zero: bool = False  # echo with max_tokens 0: the engines generate one token, which is dropped
     tools: Tools | None = None  # chat with tools: how the output is read back into tool calls
     route: str = ""  # syshax.mode: a mode for this request alone ("auto" lets the decider choose); "": the daemon's
-    # the request's fields as routing rules read them (api/generation.rule_fields), taken before its prompt is rendered
+    # the request's fields as routing rules read them (api/core/generation.rule_fields), taken before its prompt
+    # is rendered
     fields: dict | None = None
     thinking: Thinking | None = None  # chat: how a reasoning model's output is read (api/core/reasoning.py)
 

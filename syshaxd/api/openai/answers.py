@@ -114,7 +114,7 @@ class Exchange:
         return text, lp
 
     def show(self, index: int, event: Delta) -> tuple[str, dict | None]:
-        """shown() for choice `index`: how the Steps read a Delta (api/outputs.Show)."""
+        """shown() for choice `index`: how the Steps read a Delta (api/core/outputs.Show)."""
         return self.shown(self.choices[index], event)
 
     def fold(self, step: Step) -> None:

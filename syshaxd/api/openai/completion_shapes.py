@@ -17,7 +17,7 @@ class CompletionExchange(Exchange):
         lp = logprob_shapes.completion(entries, [e.token for e in entries], self.pieces, shown_before)
         if not ch.started and self.parsed.echo and event.prompt_logprobs is not None:
             p = self.parsed.prompt_index(ch.index)
-            assert self.prompt_ids is not None  # echo with logprobs: openai_routes._prompt_views gave them
+            assert self.prompt_ids is not None  # echo with logprobs: openai/routes._prompt_views gave them
             prompt_part = logprob_shapes.completion(list(event.prompt_logprobs), self.prompt_ids[p], self.pieces, 0)
             lp = logprob_shapes.extend(prompt_part, lp)
         return lp
