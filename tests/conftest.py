@@ -59,6 +59,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         if path.name in _NEEDS:
             item.add_marker(getattr(pytest.mark, _NEEDS[path.name]))
 
+
 # a daemon started without a prefix_cache_dir (not by start_daemon) keeps its prefix cache's disk tier here, as
 # under systemd's CacheDirectory: never in the user's own cache, and gone after the run
 _CACHE = tempfile.mkdtemp(prefix="syshax-test-cache-")

@@ -21,8 +21,8 @@ from syshaxd.engine.kv_ledger import KVLedger, WentWithout
 from syshaxd.engine.lifecycle import HandleState
 from syshaxd.engine.prefix_routing import PrefixRouting
 from syshaxd.engine.prompts import DaemonVocab, PromptTokenizer
-from syshaxd.routing_rules import RoutingRule
 from syshaxd.engine.status import AutoDecision, AutoStatus, SchedulerStatus
+from syshaxd.routing_rules import RoutingRule
 from syshaxd.sdk.plugins import backend_capabilities
 from syshaxd.sdk.types import Fallback, GenerateRequest, Handling, Pool, Rejected, RequestStream, Route
 

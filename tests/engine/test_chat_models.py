@@ -142,7 +142,8 @@ def test_each_model_answers_by_name_and_the_third_loads_in_room_for_two(many):
             "counted))") in many.log()
     assert not psutil.pid_exists(second_pid)  # its daemon, and with it its workers, are gone
     assert _chat(many, "second", PROMPTS[1]) == _chat(many, "second", PROMPTS[1])  # loaded again: same answers
-    assert sum(s == "ready" for n, s in _states(many).items() if n != MODEL_NAME) == 2
+    states = _states(many)  # small may meanwhile have passed its 3 s keep_alive: at most two entries, second one
+    assert states["second"] == "ready" and sum(s == "ready" for n, s in states.items() if n != MODEL_NAME) <= 2
 
 
 def test_an_unload_gives_the_memory_back(many):
