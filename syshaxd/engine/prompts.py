@@ -70,7 +70,7 @@ class PromptTokenizer:
         if isinstance(fitted, Rejected):
             return fitted
         tokens, room = fitted
-        if request.max_tokens is not None:
-            return replace(request, prompt_tokens=tuple(tokens), prompt=None, messages=None, chat_template_kwargs=None)
-        return replace(request, prompt_tokens=tuple(tokens), max_tokens=min(default_max_tokens, room),
-                       max_tokens_default=True, prompt=None, messages=None, chat_template_kwargs=None)
+        chosen = request.max_tokens is None  # the daemon's default, within the room the prompt leaves
+        max_tokens = min(default_max_tokens, room) if chosen else request.max_tokens
+        return replace(request, prompt_tokens=tuple(tokens), max_tokens=max_tokens, max_tokens_default=chosen,
+                       prompt=None, messages=None, chat_template_kwargs=None)

@@ -39,7 +39,12 @@ def fit_prompt(vocab: Vocab, request: GenerateRequest, n_ctx: int) -> tuple[list
                         "invalid_prompt", "prompt")
     room = n_ctx - len(prompt)
     asked_for = request.max_tokens is not None and not request.max_tokens_default  # by the client itself
-    max_tokens = min(request.max_tokens or room, room) if not asked_for else request.max_tokens or 0
+    if request.max_tokens is None:
+        max_tokens = room
+    elif request.max_tokens_default:  # the daemon's default, within this engine's room
+        max_tokens = min(request.max_tokens, room)
+    else:
+        max_tokens = request.max_tokens
     if room < 1 or max_tokens > room:
         asked = len(prompt) + (max_tokens if asked_for else 1)
         return Rejected(
