@@ -9,11 +9,11 @@ prompts under 256 tokens kept their text with every partner; one 305-token promp
 with 7 of 9 partners when it joined second, and both 345-token prompts with 4 of 9 when they started first. The
 cause: with one query row and 512 KV cells or more, ggml's CPU flash attention splits the KV among threads
 (ops.cpp, use_split_kv_path); with two streams in the ubatch it does not. With a one-token padding row in the
-next stream beside a lone sequence past 256 tokens (engine._pad_stream), every prompt here keeps its text with
+next stream beside a lone sequence past 256 tokens (DecodeBatch.pad_stream), every prompt here keeps its text with
 every partner, in both orders.
 
 mk/llama-wheel.sh builds llama.cpp with that split turned off, and the engine's warm-up proves which kind of
-llama.cpp it loaded (engine._proves_lone): the padding row is for a llama.cpp that splits. With the built one, no
+llama.cpp it loaded (proofs.WarmUp._proves_lone): the padding row is for a llama.cpp that splits. With the built one, no
 padding row, and every prompt here keeps its text with every partner as well. --padding on/off forces the row
 either way (off with a stock llama-cpp-python shows the split's effect).
 
@@ -57,8 +57,8 @@ def main() -> int:
                                        model_name="m", n_ctx=2048, max_batch_size=8, threads=args.threads))
     engine.warm_up()
     if args.padding != "proved":
-        engine.pad_lone = args.padding == "on"
-    print(f"padding row for a lone sequence past 256 tokens: {'on' if engine.pad_lone else 'off'} "
+        engine.decode.pad_lone = args.padding == "on"
+    print(f"padding row for a lone sequence past 256 tokens: {'on' if engine.decode.pad_lone else 'off'} "
           f"({'forced' if args.padding != 'proved' else 'as the warm-up proved'})")
     if args.step_cost:
         return step_cost(engine)
@@ -93,7 +93,7 @@ def step_cost(engine: LlamaCppEngine) -> int:
     medians: dict[str, list[float]] = {"with the padding row": [], "without it": []}
     for k in range(8):
         label = "with the padding row" if k % 2 == 0 else "without it"
-        engine.pad_lone = k % 2 == 0  # what the warm-up proved aside: as with a stock llama.cpp, or not
+        engine.decode.pad_lone = k % 2 == 0  # what the warm-up proved aside: as with a stock llama.cpp, or not
         prompt = engine.vocab.tokenize(builder.build(300, 9000 + k // 2).text, add_special=False)
         engine.submit(GenerateRequest(f"r{k}", 200, SamplingParams(temperature=0.0), prompt_tokens=tuple(prompt)))
         steps = []

@@ -52,7 +52,7 @@ CHUNK = 256
 SEQS = 8
 SPEED_LENGTHS = (128, 256, 512, 1024, 2000)
 DECODE_CONTEXT = 800
-ATTENTION_ENV = "SYSHAX_FA_TILED"  # what mk/llama-wheel.sh's llama.cpp reads (engine.TILED_ATTENTION_ENV)
+ATTENTION_ENV = "SYSHAX_FA_TILED"  # what mk/llama-wheel.sh's llama.cpp reads (contexts.TILED_ATTENTION_ENV)
 
 
 def _add(b, token: int, pos: int, seq_id: int, logits: bool) -> None:

@@ -32,6 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import llama_cpp  # noqa: E402
 
 from syshax_llamacpp.codec import StateBuffer, export_seq, widen_streams  # noqa: E402
+from syshax_llamacpp.contexts import add_row  # noqa: E402
 from syshax_llamacpp.engine import LlamaCppEngine, _graph_observer  # noqa: E402
 from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 from syshaxd.sdk.types import EngineSpec  # noqa: E402
@@ -69,16 +70,16 @@ def main() -> int:
     prompt = list(engine.vocab.tokenize(builder.build(PROMPT, 11).text, add_special=False))[:PROMPT]
     chunk_tokens = list(engine.vocab.tokenize(builder.build(max(chunks), 12).text, add_special=False))
     # the prompt's KV, once, into every stream of both decoding contexts
-    b = engine.prefill_batch
+    b = engine.prompt.batch
     b.n_tokens = 0
     for pos, token in enumerate(prompt):
-        engine._add(b, token, pos, 0, pos == len(prompt) - 1)
-    assert llama_cpp.llama_decode(engine.prefill_ctx, b) == 0
+        add_row(b, token, pos, 0, pos == len(prompt) - 1)
+    assert llama_cpp.llama_decode(engine.prompt.ctx, b) == 0
     state = StateBuffer()
-    size = llama_cpp.llama_state_seq_get_size(engine.prefill_ctx, 0)
+    size = llama_cpp.llama_state_seq_get_size(engine.prompt.ctx, 0)
     buf = state.ensure(size + 4 * SLOTS)
-    export_seq(engine.prefill_ctx, 0, state)
-    llama_cpp.llama_memory_seq_rm(engine.prefill_memory, 0, -1, -1)
+    export_seq(engine.prompt.ctx, 0, state)
+    llama_cpp.llama_memory_seq_rm(engine.prompt.memory, 0, -1, -1)
     size = widen_streams(buf, size, SLOTS)
 
     def load(ctx, streams) -> None:
@@ -102,12 +103,12 @@ def main() -> int:
     def fill_mixed(rows: int, c: int) -> None:
         mixed_batch.n_tokens = 0
         for s in range(rows):
-            engine._add(mixed_batch, prompt[s], PROMPT, s, True)
+            add_row(mixed_batch, prompt[s], PROMPT, s, True)
         for pos in range(c):
-            engine._add(mixed_batch, chunk_tokens[pos], pos, rows, pos == c - 1)
+            add_row(mixed_batch, chunk_tokens[pos], pos, rows, pos == c - 1)
 
     for rows in (1, 4, 7):
-        load(engine.ctx, range(rows))
+        load(engine.decode.ctx, range(rows))
         load(mixed_ctx, range(rows))
         load(count_ctx, range(rows))
         for c in chunks:
@@ -119,18 +120,18 @@ def main() -> int:
             llama_cpp.llama_memory_seq_rm(count_memory, rows, -1, -1)
             separate, mixed = [], []
             for _ in range(args.repeats):
-                batch = engine.batch
+                batch = engine.decode.batch
                 batch.n_tokens = 0
                 for s in range(rows):
-                    engine._add(batch, prompt[s], PROMPT, s, True)
-                t = timed(engine.ctx, batch)
+                    add_row(batch, prompt[s], PROMPT, s, True)
+                t = timed(engine.decode.ctx, batch)
                 b.n_tokens = 0
                 for pos in range(c):
-                    engine._add(b, chunk_tokens[pos], pos, 0, pos == c - 1)
-                t += timed(engine.prefill_ctx, b)
+                    add_row(b, chunk_tokens[pos], pos, 0, pos == c - 1)
+                t += timed(engine.prompt.ctx, b)
                 separate.append(t)
-                trim(engine.memory, rows)
-                llama_cpp.llama_memory_seq_rm(engine.prefill_memory, 0, -1, -1)
+                trim(engine.decode.memory, rows)
+                llama_cpp.llama_memory_seq_rm(engine.prompt.memory, 0, -1, -1)
 
                 fill_mixed(rows, c)
                 mixed.append(timed(mixed_ctx, mixed_batch))
@@ -139,7 +140,7 @@ def main() -> int:
             sep, mix = 1000 * statistics.median(separate), 1000 * statistics.median(mixed)
             print(f"| {rows} | {c} | {sep:.2f} | {mix:.2f} | {mix / sep:.2f} | {n_graphs} |")
         for s in range(rows):
-            for memory in (engine.memory, mixed_memory, count_memory):
+            for memory in (engine.decode.memory, mixed_memory, count_memory):
                 llama_cpp.llama_memory_seq_rm(memory, s, -1, -1)
     llama_cpp.llama_batch_free(mixed_batch)
     for ctx in (mixed_ctx, count_ctx):

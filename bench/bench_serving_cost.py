@@ -69,10 +69,10 @@ def engine_step(args, builder: PromptBuilder) -> float:
         engine.submit(GenerateRequest(f"r{k}", OUT, SamplingParams(temperature=0.0), prompt_tokens=tuple(prompt),
                                       ignore_eos=True))
     while engine.has_work():
-        prompts_left = any(s.pending for s in engine.active.values()) or engine.waiting
+        prompts_left = any(s.pending for s in engine.slots.active.values()) or engine.slots.waiting
         started = time.perf_counter()
         engine.step()
-        if not prompts_left and len(engine.active) == SLOTS:
+        if not prompts_left and len(engine.slots.active) == SLOTS:
             steps.append(time.perf_counter() - started)
     engine.close()
     return statistics.median(steps)

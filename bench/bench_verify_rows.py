@@ -56,6 +56,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import llama_cpp  # noqa: E402
 
+from syshax_llamacpp.contexts import add_row  # noqa: E402
 from syshax_llamacpp.engine import LlamaCppEngine  # noqa: E402
 from syshaxd.benchmark.prompts import GGUFTokenizer, PromptBuilder, default_tokenizer_path  # noqa: E402
 from syshaxd.sdk.types import EngineSpec  # noqa: E402
@@ -92,7 +93,7 @@ def main() -> int:
     def decode(rows: list[tuple[int, int, bool]]) -> float:
         batch.n_tokens = 0
         for token, pos, logits in rows:
-            engine._add(batch, token, pos, 0, logits)
+            add_row(batch, token, pos, 0, logits)
         started = time.perf_counter()
         assert llama_cpp.llama_decode(ctx, batch) == 0
         return time.perf_counter() - started
@@ -105,7 +106,7 @@ def main() -> int:
         for start in range(0, n, 64):  # chunks of 64: the prompt's KV the same every time
             batch.n_tokens = 0
             for pos in range(start, min(start + 64, n)):
-                engine._add(batch, prompt[pos], pos, 0, pos == n - 1)
+                add_row(batch, prompt[pos], pos, 0, pos == n - 1)
             assert llama_cpp.llama_decode(ctx, batch) == 0
         return logits(batch.n_tokens - 1)
 
@@ -145,7 +146,8 @@ def main() -> int:
 def room(engine: LlamaCppEngine, prompt: list[int], cparams) -> None:
     """The median time of a decode step of 4 and of 8 sequences (one row each, after the prompt), in the engine's
     batch context (room for its 8 sequences' rows) and in a twin with room for 9 rows of each, alternating."""
-    rooms = {f"engine's ({engine.n_batch} rows)": (engine.ctx, engine.memory, engine.batch, engine.n_batch)}
+    decode = engine.decode
+    rooms = {f"engine's ({decode.n_batch} rows)": (decode.ctx, decode.memory, decode.batch, decode.n_batch)}
     twin = engine.batch_params(engine.max_seqs * 9)
     twin_ctx = llama_cpp.llama_init_from_model(engine.model, twin)
     rooms[f"twin ({twin.n_batch} rows)"] = (twin_ctx, llama_cpp.llama_get_memory(twin_ctx),
@@ -156,7 +158,7 @@ def room(engine: LlamaCppEngine, prompt: list[int], cparams) -> None:
             for start in range(0, n, chunk):
                 batch.n_tokens = 0
                 for pos in range(start, min(start + chunk, n)):
-                    engine._add(batch, prompt[pos], pos, s, False)
+                    add_row(batch, prompt[pos], pos, s, False)
                 assert llama_cpp.llama_decode(ctx, batch) == 0
     print("\n| sequences | " + " | ".join(f"step, {name}" for name in rooms) + " | ratio |")
     print("|---:|" + "---:|" * (len(rooms) + 1))
@@ -166,7 +168,7 @@ def room(engine: LlamaCppEngine, prompt: list[int], cparams) -> None:
             for name, (ctx, memory, batch, _) in rooms.items():
                 batch.n_tokens = 0
                 for s in range(seqs):
-                    engine._add(batch, prompt[s], n, s, True)
+                    add_row(batch, prompt[s], n, s, True)
                 started = time.perf_counter()
                 assert llama_cpp.llama_decode(ctx, batch) == 0
                 times[name].append(time.perf_counter() - started)

@@ -39,9 +39,9 @@ def main() -> int:
             while engine.has_work():
                 text += "".join(e.text for e in engine.step() if isinstance(e, Delta))
             texts.append(text)
-        print(json.dumps({"texts": texts, "guessed": engine.counters["drafted_tokens"],
-                          "kept": engine.counters["kept_drafts"],
-                          "failures": engine.draft.failures if engine.draft is not None else 0}))
+        stats, draft = engine.stats(), engine.guesser.draft
+        print(json.dumps({"texts": texts, "guessed": stats.drafted_tokens, "kept": stats.kept_drafts,
+                          "failures": draft.failures if draft is not None else 0}))
     finally:
         engine.close()
     return 0

@@ -104,12 +104,12 @@ def cancel(s: Scenarios) -> dict:
     plan = s.plans[rid]
     while not any(isinstance(e, Delta) for e in s.engine.step()):
         pass
-    pending = s.engine._unkept is not None  # what this scenario is about: the blocks not written yet
+    pending = s.engine.prefix.unkept is not None  # what this scenario is about: the blocks not written yet
     events = s.engine.cancel(rid)
     s.cache.release(rid)
     slots = [slot for _, slot in plan.stores] + ([plan.final_store] if plan.final_store >= 0 else [])
     after = s.steps(s.submit(PROMPT + " (d)", 16, plan=False))
-    return {"pending_before_cancel": pending, "pending_after_cancel": s.engine._unkept is not None,
+    return {"pending_before_cancel": pending, "pending_after_cancel": s.engine.prefix.unkept is not None,
             "cancel_events": [type(e).__name__ for e in events], "planned_slots": len(slots),
             # a slot never written holds zeros (the store is sparse): a record starts with its magic
             "written_slots": sum(any(bytes(s.store.slot(slot)[:64])) for slot in slots),

@@ -548,7 +548,7 @@ def faulted(default_model, tmp_path, fault: str):
 def test_with_a_llama_cpp_that_splits_a_lone_rows_attention_a_long_lone_sequence_keeps_its_text_beside_others(
         default_model, tmp_path):
     """Fault injection: the warm-up's lone-row proof fails, as with a stock llama.cpp; a lone sequence past 256
-    tokens then decodes beside a padding row (engine._pad_stream), and its text is the one it gets in a batch.
+    tokens then decodes beside a padding row (DecodeBatch.pad_stream), and its text is the one it gets in a batch.
 
     With this repo's llama.cpp a lone row gets its batched bits anyway: what this checks is the row's mechanics (a
     free stream next to the sequence's, its cell removed after each step, nothing else disturbed), and that the row

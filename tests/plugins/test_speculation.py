@@ -220,15 +220,15 @@ for i, messages in enumerate(json.loads(sys.argv[2])):
     engine.submit(GenerateRequest(request_id=str(i), max_tokens=96, messages=tuple(messages), ignore_eos=True,
                                   sampling=SamplingParams(temperature=0)))
 steps = {"alone": 0, "together": 0, "guessed_together": 0, "guessed_alone": 0}
-while engine.active or engine.waiting:
-    decoding = sum(1 for s in engine.active.values() if s.next_token is not None)
-    before = engine.counters["guessed_tokens"]
+while engine.slots.active or engine.slots.waiting:
+    decoding = sum(1 for s in engine.slots.active.values() if s.next_token is not None)
+    before = engine.stats().guessed_tokens
     engine.step()
     kind = "alone" if decoding == 1 else "together" if decoding > 1 else None
     if kind:
         steps[kind] += 1
-        steps["guessed_" + kind] += engine.counters["guessed_tokens"] - before
-print(json.dumps(steps | {"speculating": engine.step_cost is not None}))
+        steps["guessed_" + kind] += engine.stats().guessed_tokens - before
+print(json.dumps(steps | {"speculating": engine.guesser.speculating}))
 """
 
 

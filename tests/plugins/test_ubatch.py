@@ -58,7 +58,7 @@ def test_every_decode_step_is_one_ubatch_and_each_request_decodes_as_alone(defau
                     req = request(prompt, max_tokens)
                     ids[req.request_id] = prompt
                     eng.submit(req)
-            decoding = sum(1 for s in eng.active.values() if s.next_token is not None)
+            decoding = sum(1 for s in eng.slots.active.values() if s.next_token is not None)
             before = len(graphs)
             for event in eng.step():
                 if isinstance(event, Delta):

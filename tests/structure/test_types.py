@@ -1,5 +1,5 @@
-"""The type checker over the core and the torch and vLLM plugins: mypy on syshaxd/, plugins/torch and plugins/vllm
-(its settings in pyproject.toml) finds nothing.
+"""The type checker over the core and the built-in plugins: mypy on syshaxd/, plugins/llamacpp, plugins/torch and
+plugins/vllm (its settings in pyproject.toml) finds nothing.
 
 Among what it checks: every engine the scheduler holds is an EngineHandle (engine/engine_handle.py), a local
 WorkerHandle or a remote node alike, and the typed messages are built with the types they declare.
@@ -19,7 +19,7 @@ def mypy(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
                           cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
-def test_mypy_finds_no_error_in_the_core_and_the_gpu_plugins():
+def test_mypy_finds_no_error_in_the_core_and_the_plugins():
     done = mypy("--config-file", str(REPO / "pyproject.toml"))
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -29,6 +29,7 @@ import ctypes
 import mmap
 import struct
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -211,7 +212,22 @@ def seq_state_size(fingerprint: ModelFingerprint, n_tokens: int, dtype: DType | 
     return size
 
 
-def write_seq_state(buf, record: KVRecord, *, v_trans: bool, seq_id: int = 0, n_stream: int = 1,
+class RecordRows(Protocol):
+    """What write_seq_state reads of a record: a KVRecord, or prefix.BlockChain's blocks read as one."""
+
+    @property
+    def fingerprint(self) -> ModelFingerprint: ...
+    @property
+    def n_tokens(self) -> int: ...
+    @property
+    def dtype(self) -> DType: ...
+    @property
+    def positions(self) -> np.ndarray: ...
+    def k(self, layer: int) -> np.ndarray: ...
+    def v(self, layer: int) -> np.ndarray: ...
+
+
+def write_seq_state(buf, record: RecordRows, *, v_trans: bool, seq_id: int = 0, n_stream: int = 1,
                     cache_dtype: DType | str | None = None) -> int:
     """Write the record as llama.cpp state bytes into buf (one copy of the payload); returns the size.
 
@@ -242,7 +258,7 @@ def write_seq_state(buf, record: KVRecord, *, v_trans: bool, seq_id: int = 0, n_
     for layer in range(fp.n_layer):
         struct.pack_into("<iQ", mv, pos, int(dtype), width * item)
         pos += 12
-        dst = np.frombuffer(mv, dtype.numpy, n * width, pos).reshape(n, fp.n_head_kv, fp.head_dim)
+        dst: np.ndarray = np.frombuffer(mv, dtype.numpy, n * width, pos).reshape(n, fp.n_head_kv, fp.head_dim)
         convert_into(dst, dtype, record.k(layer), record.dtype)
         pos += n * width * item
     for layer in range(fp.n_layer):
@@ -282,7 +298,7 @@ class StateBuffer:
     """A reusable, page-aligned scratch buffer for state bytes, handed to llama.cpp by pointer."""
 
     def __init__(self, nbytes: int = 0):
-        self._mm = None
+        self._mm: mmap.mmap | None = None
         self._array = np.empty(0, np.uint8)
         self.ensure(nbytes)
 
@@ -291,8 +307,8 @@ class StateBuffer:
             size = max(nbytes, 2 * len(self._array))
             size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
             self._array = np.empty(0, np.uint8)  # drop the export before the old map goes
-            self._mm = mmap.mmap(-1, size)
-            self._array = np.frombuffer(self._mm, np.uint8)
+            self._mm = mm = mmap.mmap(-1, size)
+            self._array = np.frombuffer(mm, np.uint8)
         return self._array[:nbytes]
 
     @staticmethod
@@ -313,7 +329,7 @@ def export_seq(ctx, seq_id: int, scratch: StateBuffer | None = None) -> np.ndarr
     return out
 
 
-def import_record(ctx, seq_id: int, record: KVRecord, *, v_trans: bool, scratch: StateBuffer | None = None,
+def import_record(ctx, seq_id: int, record: RecordRows, *, v_trans: bool, scratch: StateBuffer | None = None,
                   n_stream: int = 1, cache_dtype: DType | str | None = None) -> int:
     """Load a record into sequence seq_id of a llama context; returns the bytes llama.cpp read.
 
@@ -374,7 +390,7 @@ def state_sections(buf, size: int, shape: StateShape = StateShape()) -> list[tup
     compressed rows, in K's place. With shape.recurrent, the recurrent state follows the shape's KV caches and
     ends the state; it is checked, not listed."""
     mv = memoryview(buf).cast("B")[:size]
-    pos, sections = 8, []
+    pos, sections = 8, list[tuple[int, int]]()
     try:
         while pos < size and (shape.kv_caches is None or len(sections) < shape.kv_caches):
             start = pos

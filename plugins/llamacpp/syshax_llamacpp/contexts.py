@@ -18,13 +18,18 @@ import llama_cpp
 
 from syshax_llamacpp import kernels
 from syshax_llamacpp.codec import StateShape, shape_of
-from syshax_llamacpp.proofs import TILED_ATTENTION_ENV
 from syshaxd.sdk.gguf.header import GGUFError
 from syshaxd.sdk.gguf.layout import kv_layout
 from syshaxd.sdk.gguf.quantize import ensure_quantized
 from syshaxd.sdk.types import EngineSpec
 
 log = logging.getLogger("syshax_llamacpp.engine")
+
+# What mk/llama-wheel.sh's llama.cpp reads, once per process, to take every query row's attention in tiles, a decode
+# step's too, where llama.cpp tiles only prompt chunks of 64 tokens or more (EngineSpec.tiled_attention): then a
+# chunk of any size, and a decode step, give a token the same bits (bench/bench_decode_kv.py), which the warm-up
+# proves (proofs.WarmUp._proves_decode_kv).
+TILED_ATTENTION_ENV = "SYSHAX_FA_TILED"
 
 # K-quant and IQ weights that are not repacked (a Q4_K_M's Q6_K layers and output, Q5_K, IQ4_XS, ...): llama.cpp
 # multiplies 8 rows and more with its tiled kernels (ggml-cpu/tiled) and fewer with vec_dot, which sum a row in

@@ -1,9 +1,9 @@
 """This engine's end of the KV ring: a finished prompt's KV out as a record, or a record in.
 
-KVPort reads and writes the ring; HandoffSide is what the engine does with it (a decoder starts a sequence from
-a record, a prefill worker lets its sequence go once the record is written). Apart from the rest of the engine
-because a record can be refused for many reasons, each counted by the daemon, and every one of them ends in the
-same place: the prompt recomputed here.
+KVPort reads and writes the ring; Handoff is what the engine does with it (a decoder starts a sequence from a
+record, a prefill worker writes its finished prompt as one before the engine lets the sequence go). Apart from the
+rest of the engine because a record can be refused for many reasons, each counted by the daemon, and every one of
+them ends in the same place: the prompt recomputed here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import logging
 import time
 from collections import deque
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import llama_cpp
 
@@ -27,15 +26,15 @@ from syshax_llamacpp.codec import (
     parse_seq_state,
     widen_streams,
 )
-from syshax_llamacpp.sampling import accept
+from syshax_llamacpp.decode_batch import DecodeBatch
+from syshax_llamacpp.prompt_context import PromptContext
+from syshax_llamacpp.sequence import Sequence, SlotState
 from syshaxd.sdk.types import Fallback, Imported, KVHandle, Prefilled, TokenLogprob
 from syshaxd.sdk.gguf.header import fingerprint_from_gguf
 from syshaxd.sdk.kv.record import (FingerprintMismatch, RecordCorrupt, RecordError, decode,
                                    encode_state_record_into, record_size, state_record_size)
 from syshaxd.sdk.kv.ring import KVRing, RingError
 
-if TYPE_CHECKING:
-    from syshax_llamacpp.sequence import Sequence
 
 # the engine's lines, under the engine's logger name (the worker's log prints it)
 engine_log = logging.getLogger("syshax_llamacpp.engine")
@@ -127,55 +126,67 @@ class KVPort:
         self.ring.close()
 
 
-class HandoffSide:
-    """The LlamaCppEngine's two ends of a handoff: a decoder starts a sequence from a record (or, when it cannot,
-    recomputes the prompt and says why), a prefill worker writes its finished prompt as one and lets it go."""
+class Handoff:
+    """The engine's two ends of a handoff, through its KV port (the one owner of the ring's side here): a decoder
+    starts a sequence from a record (or, when it cannot, has the prompt recomputed and says why), a prefill worker
+    writes its finished prompt as one."""
 
-    def _take_kv(self, seq: Sequence) -> list:
-        """Start seq from the KV another engine computed; if it cannot be used, recompute the prompt."""
-        rid, handle = seq.request.request_id, seq.handling.kv
+    def __init__(self, port: KVPort | None, prompt: PromptContext, decode: DecodeBatch | None) -> None:
+        self.port = port
+        self.prompt = prompt
+        self.decode = decode
+
+    def take_kv(self, seq: Sequence) -> tuple[Imported, bool]:
+        """Start seq from the KV another engine computed: in a stream of the decode batch, its prompt's tokens in
+        the KV (True). Where it cannot be used, its prompt is to be recomputed here (False, its pending tokens set).
+        The daemon hears which from the Imported event."""
+        rid, handle = seq.request_id, seq.handling.kv
         reason = seq.handling.kv_missing
         started = time.monotonic()
-        if handle is not None:
-            seq.seq_id = self.streams.take()
+        if handle is not None and self.decode is not None:
+            stream = self.decode.take_stream()
             try:
                 if self.port is None:
                     raise ImportRefused(Fallback.NO_RING, "this worker has no KV ring")
-                nbytes = self.port.import_into(self.ctx, seq.seq_id, handle, seq.prompt)
+                nbytes = self.port.import_into(self.decode.ctx, stream, handle, seq.prompt)
             except ImportRefused as exc:
                 reason = exc.reason
-                llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
-                self.streams.give_back(seq.seq_id)  # it joins when its recomputed prompt is done
-                seq.seq_id = -1
+                self.decode.drop(stream)  # it joins when its recomputed prompt is done
                 engine_log.warning("%s: KV record unusable (%s: %s); recomputing the prompt here", rid, reason, exc)
             else:
+                seq.seq_id = stream
+                seq.enter(SlotState.DECODING)
                 seq.n_past = len(seq.prompt)
-                took = time.monotonic() - started
                 if handle.prompt_logprobs is not None:  # computed by the prefill engine, as this one would
                     seq.prompt_lp = list(handle.prompt_logprobs)
-                # the prefill engine sampled the first token: the chain here (its grammar) must see it too
-                if not accept(seq.sampler, handle.first_token, bool(seq.request.grammar)):
-                    return [Imported(rid, True, seconds=took, nbytes=nbytes),
-                            *self._fail(-1, [seq], "the prefill engine's first token breaks the grammar")]
-                return [Imported(rid, True, seconds=took, nbytes=nbytes),
-                        *self._emit(seq, handle.first_token, handle.first_logprob)]
+                return Imported(rid, True, seconds=time.monotonic() - started, nbytes=nbytes), True
         else:
             engine_log.warning("%s: no KV record (%s); recomputing the prompt here", rid, reason)
         seq.pending = deque(seq.prompt)
-        return [Imported(rid, False, reason=reason)]
+        return Imported(rid, False, reason=reason), False
 
-    def _hand_on(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> Prefilled:
-        """Prefill role: write the prompt's KV into the ring and let the sequence go."""
-        rid = seq.request.request_id
+    def hand_on(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> Prefilled:
+        """Prefill role: write the prompt's KV into the ring (its first token `token` with it) and clear the prompt
+        context; the engine then lets the sequence go."""
+        rid = seq.request_id
         try:
-            handle = self.port.export(self.prefill_ctx, 0, seq.prompt, token)
+            if self.port is None:
+                raise RingError("this worker has no KV ring")
+            handle = self.port.export(self.prompt.ctx, 0, seq.prompt, token)
         except RingError as exc:
             engine_log.warning("%s: KV record not written (%s); the decoder will recompute the prompt", rid, exc)
             event = Prefilled(rid, None, Fallback.of_export(exc))
         else:
             prompt_lp = tuple(seq.prompt_lp) if seq.prompt_lp is not None else None
             event = Prefilled(rid, replace(handle, first_logprob=lp, prompt_logprobs=prompt_lp))
-        llama_cpp.llama_memory_seq_rm(self.prefill_memory, 0, -1, -1)
-        self._release(seq)
-        self.counters["finished"] += 1
+        self.prompt.clear()
         return event
+
+    def not_read(self, seq: Sequence) -> list:
+        """seq was cancelled before it started: a KV record it was to read was not (the daemon's ledger frees it once
+        it hears so)."""
+        return [Imported(seq.request_id, False, reason=Fallback.CANCELLED)] if seq.handling.kv is not None else []
+
+    def close(self) -> None:
+        if self.port is not None:
+            self.port.close()

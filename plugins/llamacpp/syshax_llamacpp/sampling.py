@@ -127,12 +127,27 @@ def accept(chain, token: int, grammar: bool) -> bool:
     return True
 
 
-class SamplingSide:
-    """The LlamaCppEngine's sampling of one sequence's next token from a context's row, and the end of a request
-    whose grammar allows none."""
+class RowSampler:
+    """The one owner of the sequences' sampler chains: made at a sequence's start, freed at its end; and each next
+    token from a context's row (or saved logits) through them."""
 
-    def _sample(self, seq: Sequence, ctx, i: int) -> tuple[int, TokenLogprob | None]:
-        """The next token from batch row i, and its logprob when the request asked for them. GrammarDeadEnd when
+    def __init__(self, n_vocab: int, vocab) -> None:
+        self.n_vocab = n_vocab
+        self.vocab = vocab  # llama_vocab_p: a grammar's tokens
+
+    def start(self, seq: Sequence) -> None:
+        """seq's chain, from its request's parameters; a decode moved here continues its grammar (and penalties)
+        after what it generated. GrammarError when the grammar does not take those tokens."""
+        seq.sampler = make_sampler(seq.request.sampling, self.n_vocab, seq.request.grammar, self.vocab,
+                                   seq.handling.resume_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        if seq.sampler is not None:
+            llama_cpp.llama_sampler_free(seq.sampler)
+            seq.sampler = None
+
+    def sample(self, seq: Sequence, ctx, i: int) -> tuple[int, TokenLogprob | None]:
+        """The next token from batch row i of ctx, and its logprob when the request asked for them. GrammarDeadEnd when
         the request's grammar allows no token: sampled by hand then, as llama.cpp would abort the process."""
         if seq.request.grammar:
             logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), (self.n_vocab,))
@@ -142,17 +157,27 @@ class SamplingSide:
         k = seq.request.logprobs
         return token, (logprobs.at(ctx, i, self.n_vocab, token, k) if k is not None else None)
 
-    def _dead_end(self, seq: Sequence) -> list:
-        """The request's grammar allows no token at this point: end it with an error that says so -- a 400 naming
-        the field while nothing was generated (no token of the vocabulary can start the output), else an error
-        after the text so far."""
-        done = seq.out.n_generated if seq.out is not None else 0
-        field = seq.request.grammar_field
-        if done == 0:
-            self._release(seq)
-            return [Rejected(seq.request.request_id, Refusal.INVALID, f"The output constraint '{field}' allows no "
-                             "first token: no token of this model's vocabulary can start it. Check the grammar or "
-                             "pattern.",
-                             "unsupported_schema", field)]
-        return self._fail(-1, [seq], f"the output constraint ('{field}') allows no token after {done} tokens: it "
-                                     "has no way on here; check the grammar or pattern")
+    def sample_saved(self, seq: Sequence, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
+        """The next token from saved logits (a whole prompt's, from the prefix cache); GrammarDeadEnd as sample."""
+        token = sample_logits(seq.sampler, logits, grammar=bool(seq.request.grammar))
+        k = seq.request.logprobs
+        return token, (logprobs.of_logits(logits, token, k) if k is not None else None)
+
+    def accept_first(self, seq: Sequence, token: int) -> bool:
+        """The prefill engine sampled seq's first token: the chain here (its grammar) must see it too. False when the
+        grammar forbids it."""
+        return accept(seq.sampler, token, bool(seq.request.grammar))
+
+
+def dead_end(seq: Sequence) -> Rejected | str:
+    """The request's grammar allows no token at this point: a 400 naming the field while nothing was generated (no
+    token of the vocabulary can start the output), else the error that ends it after the text so far."""
+    done = seq.out.n_generated if seq.out is not None else 0
+    field = seq.request.grammar_field
+    if done == 0:
+        return Rejected(seq.request.request_id, Refusal.INVALID, f"The output constraint '{field}' allows no "
+                        "first token: no token of this model's vocabulary can start it. Check the grammar or "
+                        "pattern.",
+                        "unsupported_schema", field)
+    return (f"the output constraint ('{field}') allows no token after {done} tokens: it has no way on here; check the "
+            "grammar or pattern")

@@ -1,0 +1,355 @@
+"""The llama.cpp engine's owners, each by itself, apart from the whole engine (engine.py builds them and the Stepper
+asks them): a sequence's states and the slot table, the prompt context, the decode batch, the sampler, the guesser,
+the prefix side (checkpoints and deferred blocks), the handoff and the warm-up. Real llama.cpp on the default model,
+a real KV ring; the engine's own tests (test_ubatch, test_handoff_engine, test_speculation and the exact-text suites)
+run them together."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import numpy as np
+import pytest
+
+from syshax_llamacpp.sequence import Sequence, SlotState
+from syshax_llamacpp.slots import SlotTable
+from syshaxd.sdk.types import (EngineSpec, Fallback, GenerateRequest, Handling, Imported, KVHandle, Prefilled,
+                               Proofs, Rejected, SamplingParams)
+
+N_CTX, CHUNK, SEQS = 512, 64, 4
+
+
+def seq_of(prompt: list[int], rid: str = "", decodes_here: bool = True, **handling) -> Sequence:
+    request = GenerateRequest(request_id=rid or uuid.uuid4().hex[:8], max_tokens=8,
+                              sampling=SamplingParams(temperature=0), prompt_tokens=tuple(prompt))
+    return Sequence(request=request, prompt=list(prompt), max_tokens=8, decodes_here=decodes_here,
+                    handling=Handling(**handling))
+
+
+# --- the sequence's states and the slot table: no llama.cpp ------------------------------------------------------
+
+
+def test_a_sequence_moves_only_as_its_transitions_allow():
+    seq = seq_of([1, 2, 3])
+    assert seq.state is SlotState.QUEUED
+    with pytest.raises(RuntimeError, match="from queued to decoding"):
+        seq.enter(SlotState.DECODING)  # a sequence decodes only after its prompt (or its KV record)
+    seq.enter(SlotState.PROMPT)
+    seq.enter(SlotState.DECODING)
+    with pytest.raises(RuntimeError, match="from decoding to prompt"):
+        seq.enter(SlotState.PROMPT)
+    seq.enter(SlotState.DONE)
+    with pytest.raises(RuntimeError, match="from done to"):
+        seq.enter(SlotState.DONE)
+
+
+def test_the_slot_table_seats_the_oldest_first_and_frees_a_slot_once():
+    slots = SlotTable(2)
+    a, b, c = seq_of([1], "a"), seq_of([2], "b"), seq_of([3], "c")
+    for seq in (a, b, c):
+        slots.queue(seq)
+    assert slots.has_work() and slots.free_slots == 2
+    assert slots.seat_next() is a and slots.seat_next() is b and slots.free_slots == 0
+    assert a.state is b.state is SlotState.PROMPT and c.state is SlotState.QUEUED
+    handed_on = slots.start(seq_of([4], "d", decodes_here=False))  # a prompt only handed on takes no slot
+    assert slots.free_slots == 0 and set(slots.active) == {"a", "b", "d"}
+    assert slots.seat_next() is None  # c waits: no slot is free
+    assert slots.leave(a) and not slots.leave(a)  # its slot is freed once, however often it is released
+    assert slots.free_slots == 1 and a.state is SlotState.DONE
+    assert slots.leave(handed_on) and slots.free_slots == 1
+    assert slots.seat_next() is c and slots.free_slots == 0 and slots.seat_next() is None
+    e = seq_of([5], "e")
+    slots.queue(e)
+    assert slots.unqueue("e") is e and e.state is SlotState.DONE and not slots.waiting
+    assert slots.unqueue("e") is None
+    b.pending.extend([7, 8])
+    c.next_token, c.seq_id = 9, 0
+    assert slots.next_prompt() is b and slots.decoding() == [c]
+
+
+# --- the owners over llama.cpp ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(default_model):
+    from syshax_llamacpp.contexts import load_model
+
+    spec = EngineSpec(backend="llamacpp", role="generate", model_path=str(default_model), model_name="m",
+                      n_ctx=N_CTX, max_batch_size=SEQS, threads=1, prefill_chunk_size=CHUNK, tiled_attention=True)
+    loaded = load_model(spec)
+    yield spec, loaded
+    import llama_cpp
+
+    llama_cpp.llama_model_free(loaded.model)
+
+
+@pytest.fixture
+def prompt_ctx(model):
+    from syshax_llamacpp.contexts import prompt_params
+    from syshax_llamacpp.prompt_context import PromptContext
+    from syshaxd.sdk.gguf.vocab import Vocab
+
+    spec, loaded = model
+    ctx = PromptContext(loaded.model, prompt_params(spec, N_CTX, CHUNK, 1), CHUNK, Vocab(model=loaded.model).n_vocab)
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture
+def decode(model, prompt_ctx):
+    from syshax_llamacpp.contexts import batch_params
+    from syshax_llamacpp.decode_batch import DecodeBatch
+
+    spec, loaded = model
+    batch = DecodeBatch(loaded.model, batch_params(spec, N_CTX, SEQS, SEQS), SEQS, SEQS, prompt_ctx.n_vocab)
+    yield batch
+    batch.close()
+
+
+def tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
+    return [(7 + 31 * i + seed) % n_vocab for i in range(n)]
+
+
+def test_the_prompt_context_takes_back_a_state_it_gave_and_clears_a_bad_one(prompt_ctx):
+    prompt = tokens(CHUNK + 10, prompt_ctx.n_vocab)
+    assert prompt_ctx.decode(prompt[:CHUNK], 0, "none") == 0
+    assert prompt_ctx.decode(prompt[CHUNK:], CHUNK, "last") == 0
+    logits = prompt_ctx.logits(len(prompt) - CHUNK - 1).copy()
+    state = prompt_ctx.export().copy()
+    prompt_ctx.clear()
+    empty = prompt_ctx.export().nbytes
+    assert empty < state.nbytes
+    assert prompt_ctx.set_state(state)
+    assert np.array_equal(prompt_ctx.export(), state)
+    # the next token from the state set back gets the bits it gets after the prompt's own chunks
+    assert prompt_ctx.decode([prompt[0]], len(prompt)) == 0
+    after_set = prompt_ctx.logits(0).copy()
+    prompt_ctx.clear()
+    assert prompt_ctx.decode(prompt[:CHUNK], 0, "none") == 0 and prompt_ctx.decode(prompt[CHUNK:], CHUNK) == 0
+    assert np.array_equal(prompt_ctx.logits(len(prompt) - CHUNK - 1), logits)
+    assert prompt_ctx.decode([prompt[0]], len(prompt)) == 0
+    assert np.array_equal(prompt_ctx.logits(0), after_set)
+    assert not prompt_ctx.set_state(np.zeros(64, np.uint8))  # not a state: refused, and the context left empty
+    assert prompt_ctx.export().nbytes == empty
+
+
+def test_the_decode_batch_keeps_its_streams_one_run_and_a_moved_sequence_its_bytes(prompt_ctx, decode):
+    from syshax_llamacpp.decode_batch import SPLIT_KV_FROM
+
+    prompt = tokens(40, prompt_ctx.n_vocab, seed=3)
+    assert prompt_ctx.decode(prompt, 0) == 0
+    state = prompt_ctx.widen(prompt_ctx.export(room=8 * SEQS), SEQS, model_shape(decode))
+    seqs = [seq_of(prompt, f"s{i}") for i in range(3)]
+    for seq in seqs:
+        seq.enter(SlotState.PROMPT)
+        assert decode.enter(seq, state)
+        seq.n_past, seq.next_token = len(prompt), prompt[0]
+    prompt_ctx.clear()
+    assert [s.seq_id for s in seqs] == [0, 1, 2] and all(s.state is SlotState.DECODING for s in seqs)
+    decode.leave(seqs[1])
+    assert decode.streams.holes() == [1]
+    live = [seqs[0], seqs[2]]
+    seqs[2].n_past -= 1  # the end of the run that holds fewer tokens is the one moved
+    decode.compact(live)
+    seqs[2].n_past += 1
+    assert seqs[2].seq_id == 1 and decode.streams.consecutive() and decode.counters["stream_moves"] == 1
+    rows = decode.feed(live, [[], []], pad=-1)
+    rc, n_rows, _ = decode.decode(pad=-1)
+    assert rc == 0 and n_rows == 2 and [s.next_token for s in live] == [None, None]
+    # the same KV and the same token: the moved sequence's row gives the stayed one's bits
+    assert np.array_equal(decode.logits(rows[0][1]), decode.logits(rows[1][1]))
+    # a lone sequence past SPLIT_KV_FROM tokens gets a padding row in the free stream beside it, while pad_lone holds
+    decode.leave(seqs[2])
+    lone = seqs[0]
+    lone.n_past = SPLIT_KV_FROM - 1
+    assert decode.pad_stream([lone]) == -1  # its attention is not split yet: no padding row
+    lone.n_past = SPLIT_KV_FROM
+    assert decode.pad_stream([lone]) == lone.seq_id + 1
+    assert decode.pad_stream([lone, seqs[2]]) == -1  # beside another sequence it is not alone
+    decode.pad_lone = False  # the warm-up proved that this llama.cpp sums a lone row as in a batch
+    assert decode.pad_stream([lone]) == -1
+    decode.leave(lone)
+    assert not decode.streams.busy and all(empty_stream(decode, s) for s in range(SEQS))
+
+
+def empty_stream(decode, stream: int) -> bool:
+    import llama_cpp
+
+    return llama_cpp.llama_memory_seq_pos_max(decode.memory, stream) == -1
+
+
+def model_shape(decode):
+    import llama_cpp
+
+    from syshax_llamacpp.codec import shape_of
+
+    return shape_of(llama_cpp.llama_get_model(decode.ctx))
+
+
+def test_the_sampler_owns_each_chain_and_names_a_dead_end(prompt_ctx):
+    from syshax_llamacpp.sampling import RowSampler, dead_end
+    from syshaxd.sdk.output import SequenceOutput
+
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llama_cpp.llama_get_model(prompt_ctx.ctx))
+    sampler = RowSampler(prompt_ctx.n_vocab, vocab)
+    seq = seq_of(tokens(20, prompt_ctx.n_vocab))
+    sampler.start(seq)
+    assert seq.sampler is not None
+    assert prompt_ctx.decode(seq.prompt, 0) == 0
+    logits = prompt_ctx.logits(19).copy()
+    token, lp = sampler.sample(seq, prompt_ctx.ctx, 19)
+    assert token == int(np.argmax(logits)) and lp is None  # greedy; no logprobs asked for
+    again = seq_of(seq.prompt)
+    sampler.start(again)
+    assert sampler.sample_saved(again, logits)[0] == token  # the same token from saved logits
+    for s in (seq, again):
+        sampler.free(s)
+        assert s.sampler is None
+    prompt_ctx.clear()
+    grammar = seq_of([1, 2])
+    grammar.request = GenerateRequest(request_id="g", max_tokens=8, prompt_tokens=(1, 2), grammar='root ::= "x"',
+                                      grammar_field="response_format")
+    refused = dead_end(grammar)
+    assert isinstance(refused, Rejected) and refused.param == "response_format" and "no first token" in refused.message
+    grammar.out = SequenceOutput(stop=(), ignore_eos=True, max_tokens=8, is_eog=lambda t: False,
+                                 piece_bytes=lambda t: b"x")
+    grammar.out.token(5)
+    assert "after 1 tokens" in dead_end(grammar)
+
+
+def test_the_guesser_guesses_for_a_lone_sequence_once_its_rows_are_proved():
+    from syshax_llamacpp.drafting import StepCost
+    from syshax_llamacpp.guessing import Guesser
+    from syshaxd.sdk.output import SequenceOutput
+
+    guesser = Guesser(4, None, n_vocab=1000, n_ctx=N_CTX, guess_always=False)
+    repeated = [10, 11, 12, 13, 14, 15] * 3
+
+    def decoding(rid: str) -> Sequence:
+        seq = seq_of(repeated, rid)
+        seq.out = SequenceOutput(stop=(), ignore_eos=True, max_tokens=64, is_eog=lambda t: False,
+                                 piece_bytes=lambda t: b"x")
+        seq.next_token, seq.n_past = 10, len(repeated)
+        return seq
+
+    lone = decoding("lone")
+    assert guesser.guesses([lone]) == [[]] and not guesser.speculating  # not proved: no guess
+    cost = StepCost()
+    for rows in range(1, 6):
+        cost.add(rows, 0.010 + 0.001 * rows)  # a guessed row costs a tenth of a step: guesses pay
+    guesser.proved(cost, [])
+    assert guesser.speculating
+    guess = guesser.guesses([lone])[0]
+    assert guess and guess == [11, 12, 13, 14][:len(guess)]  # what followed the same tokens before
+    assert guesser.guesses([decoding("a"), decoding("b")]) == [[], []]  # beside another sequence, none
+    guesser.checked(lone, guess, 1)
+    assert guesser.counters["guessed_tokens"] == len(guess) and guesser.counters["kept_guesses"] == 1
+    guesser.timed(1, 3, 0.5)
+    assert cost.seconds[3] == pytest.approx(0.8 * 0.013 + 0.2 * 0.5)
+    guesser.timed(2, 3, 5.0)  # two sequences' step says nothing of a lone one's cost
+    assert cost.seconds[3] == pytest.approx(0.8 * 0.013 + 0.2 * 0.5)
+
+
+def test_the_prefix_side_starts_a_prompt_from_its_checkpoint_and_drops_blocks_it_deferred(model, prompt_ctx):
+    from syshax_llamacpp.prefix_side import PrefixSide
+    from syshaxd.sdk.gguf.header import fingerprint_from_gguf
+
+    spec, loaded = model
+    spec = dataclasses.replace(spec, state_checkpoints_mb=64)
+    side = PrefixSide(spec, prompt_ctx, fingerprint_from_gguf(loaded.path), arch=loaded.arch, shape=loaded.state,
+                      sliding_window=loaded.sliding_window, decodes=True)
+    assert side.store is None and side.checkpoints is not None
+    first = seq_of(tokens(2 * CHUNK, prompt_ctx.n_vocab, seed=5))
+    assert prompt_ctx.decode(first.prompt[:CHUNK], 0, "none") == 0
+    assert prompt_ctx.decode(first.prompt[CHUNK:], CHUNK) == 0
+    side.keep_checkpoint(first, prompt_ctx.export())
+    prompt_ctx.clear()
+    longer = seq_of(first.prompt + [42, 43])
+    side.look_up(longer)
+    assert longer.checkpoint is not None and longer.hit_tokens == 2 * CHUNK  # on the chunk grid: not yet proved
+    longer.pending.extend(longer.prompt)
+    assert side.start(longer) is None
+    assert longer.n_past == 2 * CHUNK and list(longer.pending) == [42, 43] and longer.checkpoint is None
+    assert side.counters["cached_tokens"] == 2 * CHUNK
+    assert side.start(longer) is None and longer.n_past == 2 * CHUNK  # its start is taken once
+    assert prompt_ctx.export().nbytes > 0
+    side.defer(longer, prompt_ctx.export(), None)
+    side.forget(first)  # another sequence's end leaves the deferred blocks
+    assert side.unkept is not None
+    side.forget(longer)  # its own end drops them, and the prompt context with them
+    assert side.unkept is None and side.keep_deferred() == []
+    prompt_ctx.clear()
+
+
+@pytest.fixture
+def ring():
+    from syshaxd.sdk.kv.ring import KVRing
+
+    r = KVRing.create(f"test-{uuid.uuid4().hex[:8]}", 64 << 20)
+    yield r
+    r.unlink()
+    r.close()
+
+
+def test_the_handoff_writes_a_record_reads_it_back_and_recomputes_what_it_cannot_read(model, prompt_ctx, decode,
+                                                                                    ring):
+    from syshax_llamacpp.handoff import Handoff, KVPort
+
+    spec, loaded = model
+    instance = ring.path.name[len("syshax-"):-len("-kv")]
+    port = KVPort(instance, str(loaded.path), n_stream=SEQS, timeout=1.0, whole_state=loaded.whole_state,
+                  shape=loaded.state)
+    handoff = Handoff(port, prompt_ctx, decode)
+    prompt = tokens(30, prompt_ctx.n_vocab, seed=9)
+    producer = seq_of(prompt, decodes_here=False, handoff=True)
+    assert prompt_ctx.decode(prompt, 0) == 0
+    event = handoff.hand_on(producer, 77, None)
+    assert isinstance(event, Prefilled) and event.handle is not None and event.handle.first_token == 77
+    assert prompt_ctx.export().nbytes < 100  # the prompt context is cleared for the next prompt
+    consumer = seq_of(prompt, kv=event.handle)
+    consumer.enter(SlotState.PROMPT)
+    imported, took = handoff.take_kv(consumer)
+    assert took and imported.ok and consumer.state is SlotState.DECODING and consumer.n_past == len(prompt)
+    assert consumer.seq_id in decode.streams.busy
+    decode.leave(consumer)
+    other = seq_of(prompt[:-1] + [prompt[-1] + 1], kv=event.handle)  # another prompt: the record is not its own
+    other.enter(SlotState.PROMPT)
+    imported, took = handoff.take_kv(other)
+    assert not took and imported.reason == Fallback.TOKEN_MISMATCH and list(other.pending) == other.prompt
+    assert not decode.streams.busy and other.state is SlotState.PROMPT  # the stream it tried is given back
+    imported, took = Handoff(None, prompt_ctx, decode).take_kv(seq_of(prompt, kv=event.handle))
+    assert not took and imported.reason == Fallback.NO_RING and not decode.streams.busy
+    handoff.close()
+
+
+def test_a_cancelled_sequence_s_record_is_reported_not_read(prompt_ctx):
+    from syshax_llamacpp.handoff import Handoff
+
+    handle = KVHandle(0, 0, 0, 0, 3, 1, 0.0)
+    handoff = Handoff(None, prompt_ctx, None)
+    waiting = seq_of([1, 2, 3], "w", kv=handle)
+    assert handoff.not_read(waiting) == [Imported("w", False, reason=Fallback.CANCELLED)]
+    assert handoff.not_read(seq_of([1, 2, 3], "x")) == []
+
+
+def test_the_warm_up_proves_and_leaves_both_contexts_empty(model, prompt_ctx, decode):
+    from syshax_llamacpp.proofs import WarmUp
+
+    spec, loaded = model
+    empty = prompt_ctx.export().nbytes
+    keep = dataclasses.replace(spec, keep_generated=True)
+    proved = WarmUp(keep, prompt_ctx, decode, seq_ctx=N_CTX, shape=loaded.state, weight_types=("Q4_0",),
+                    tiled_attention=loaded.tiled_attention, prefix_cache=True, speculative_tokens=0).run()
+    assert proved.exact_resume in (0, 1, 64) and proved.step_cost is None and len(proved.warm_tokens) == CHUNK
+    assert proved.exact_decode == (proved.exact_resume == 1) == proved.keeps_generated
+    assert proved.pad_lone  # a 64-token warm-up cannot prove that a lone row past 256 tokens needs no padding row
+    assert prompt_ctx.export().nbytes == empty and all(empty_stream(decode, s) for s in range(SEQS))
+    # a restart's warm-up keeps what the worker's first one proved, and runs no proof again
+    proven = dataclasses.replace(spec, proven=Proofs(exact_decode=True, exact_resume=1, pad_lone=False),
+                                 keep_generated=True)
+    again = WarmUp(proven, prompt_ctx, decode, seq_ctx=N_CTX, shape=loaded.state, weight_types=("Q4_0",),
+                   tiled_attention=loaded.tiled_attention, prefix_cache=False, speculative_tokens=0).run()
+    assert (again.exact_decode, again.exact_resume, again.pad_lone, again.keeps_generated) == (True, 1, False, False)
