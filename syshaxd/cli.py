@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from syshaxd import __version__
-from syshaxd.config import KEYS, MODES, ConfigError, coerce, from_mapping, from_tables, plain, table_of
+from syshaxd.config import KEYS, MODES, ConfigError, coerce, from_document, plain, table_of
 
 PACKAGED_CONFIG = Path(__file__).resolve().parent / "etc" / "syshax.toml"  # package data: in the wheel too
 
@@ -89,19 +89,19 @@ def _config_file(args: argparse.Namespace) -> int:
         return 1
     if args.key is None:
         print(f"# {path}")
-        current = from_mapping(from_tables(doc.unwrap(), str(path))[0], source=str(path))
+        current = from_document(doc.unwrap(), str(path))
         for key in KEYS:
             print(f"{key} = {json.dumps(plain(key, getattr(current, key)))}")
         return 0
     try:
         if args.value is None:
-            current = from_mapping(from_tables(doc.unwrap(), str(path))[0], source=str(path))
+            current = from_document(doc.unwrap(), str(path))
             if args.key not in KEYS:
                 coerce(args.key, "")  # raises the unknown-key error
             print(json.dumps(plain(args.key, getattr(current, args.key))))
             return 0
         value = coerce(args.key, args.value)
-        from_mapping(from_tables(doc.unwrap(), str(path))[0] | {args.key: value}, source=str(path))  # check first
+        from_document(doc.unwrap(), str(path), {args.key: value})  # check first
     except ConfigError as exc:
         print(f"syshax: {exc}", file=sys.stderr)
         return 2
@@ -121,24 +121,28 @@ def _usage(command: str, message: str) -> int:
 
 
 def _admin_client(args: argparse.Namespace):
-    """A connection to the daemon: --socket, else $SYSHAX_ADMIN_SOCKET, the config's admin_socket, the defaults."""
+    """A connection to the daemon: --socket, else $SYSHAX_ADMIN_SOCKET, the config's admin_socket (--config's, else
+    the file the daemon finds without one), the defaults."""
     from syshaxd.api.admin.unix_socket import client_candidates
     from syshaxd.api.admin.client import AdminClient, AdminUnreachable
+    from syshaxd.config import find_config, load
 
     if args.socket:
         return AdminClient(args.socket)
+    explicit = getattr(args, "config", None)
     try:
-        from syshaxd.config import find_config, load
-
-        cfg = load(find_config(None))
-    except (ConfigError, OSError):
+        cfg = load(find_config(explicit))
+    except (ConfigError, OSError) as exc:
+        if explicit:  # named, so not passed over: its admin_socket is where the daemon listens
+            raise AdminUnreachable(f"--config {explicit}: cannot tell where the daemon listens: {exc}") from None
         cfg = None
     tried = client_candidates(cfg, os.environ)
     for path in tried:
         if path.exists():
             return AdminClient(path)
     raise AdminUnreachable(f"no admin socket found (looked at {', '.join(map(str, tried))}): is syshaxd running? "
-                           "(systemctl status syshaxd) Pass --socket PATH if it listens elsewhere")
+                           "(systemctl status syshaxd) Pass --socket PATH, or --config PATH (the file it was started "
+                           "with), if it listens elsewhere")
 
 
 def _live(args: argparse.Namespace, action, *params) -> int:
@@ -318,7 +322,7 @@ def _save_key(path: Path, key: str, value) -> None:
         doc = tomlkit.parse(path.read_text())
     except tomlkit.exceptions.ParseError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    from_mapping(from_tables(doc.unwrap(), str(path))[0] | {key: value}, source=str(path))
+    from_document(doc.unwrap(), str(path), {key: value})
     set_in_document(doc, key, value)
     path.write_text(tomlkit.dumps(doc))  # in place: the file keeps its owner and mode
 
@@ -426,10 +430,14 @@ def build_parser() -> argparse.ArgumentParser:
     admin = argparse.ArgumentParser(add_help=False)
     admin.add_argument("--socket", metavar="PATH",
                        help="the daemon's admin socket, which it logs at start (default: $SYSHAX_ADMIN_SOCKET; "
-                            "else the admin_socket of the config file found as the daemon finds it without --config "
+                            "else the admin_socket of --config's file, or of the file found as the daemon finds it "
+                            "without --config "
                             "($SYSHAX_CONFIG, ./etc/syshax.toml, /etc/syshax/syshax.toml); else the first that "
                             "exists of /run/syshax/admin.sock, $XDG_RUNTIME_DIR/syshax/admin.sock and "
                             "MODEL_DIR/admin.sock)")
+    admin.add_argument("--config", metavar="PATH",
+                       help="the config file the daemon was started with (syshaxd --config PATH): its admin_socket "
+                            "is where to reach it")
     admin.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     s = sub.add_parser("plugins", help="list installed backends, their roles and whether they run here")

@@ -704,7 +704,6 @@ def load(path: str | os.PathLike | None, overrides: Mapping[str, Any] | None = N
     """Read a TOML file (None: built-in defaults), its keys in their tables or (as before) at the top level; apply
     overrides (command-line flags); validate."""
     data: dict[str, Any] = {}
-    flat: tuple[str, ...] = ()
     source = ""
     if path is not None:
         source = str(path)
@@ -715,7 +714,14 @@ def load(path: str | os.PathLike | None, overrides: Mapping[str, Any] | None = N
             raise ConfigError(f"config file {source} does not exist; create one with `syshax init {source}`") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-        data, flat = from_tables(data, source)
+    return from_document(data, source, overrides)
+
+
+def from_document(document: Mapping[str, Any], source: str = "",
+                  overrides: Mapping[str, Any] | None = None) -> Config:
+    """A parsed TOML document (its keys in their tables, or at the top level), with overrides by key (None: not
+    set), validated. load reads a file into it; `syshax config` checks an edited document with it before saving."""
+    data, flat = from_tables(document, source)
     for key, value in (overrides or {}).items():
         if value is not None:
             data[key] = value

@@ -137,6 +137,23 @@ def test_version_names_client_and_daemon(admin, tmp_path):
     assert "is syshaxd running?" in gone.stdout
 
 
+def test_the_config_file_a_daemon_was_started_with_finds_its_socket(admin, tmp_path):
+    # no --socket, no $SYSHAX_ADMIN_SOCKET, no ./etc/syshax.toml: only --config says where the daemon listens
+    env = {k: v for k, v in os.environ.items() if k not in ("SYSHAX_ADMIN_SOCKET", "SYSHAX_CONFIG")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "syshaxd.cli", *args], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path, env=env)
+
+    found = cli("status", "--json", "--config", str(admin.config))
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout)["pid"] == admin.proc.pid
+    missing = cli("status", "--config", str(tmp_path / "none.toml"))
+    assert missing.returncode == 1
+    assert f"--config {tmp_path / 'none.toml'}: cannot tell where the daemon listens" in missing.stderr
+    assert "does not exist" in missing.stderr
+
+
 def test_config_get_and_set_change_the_live_daemon(admin):
     assert syshax(admin, "config", "get", "max_queue_size").stdout.strip() == "64"
     try:
