@@ -59,8 +59,8 @@ def handoff_vs_prefill(lengths=(512, 2048), repeats=3) -> list[dict]:
                 timings[name] = time.perf_counter() - t
         return wrapper
 
-    pre.port.export = timed("export", pre.port.export)
-    dec.port.import_into = timed("import", dec.port.import_into)
+    pre.handoff.port.export = timed("export", pre.handoff.port.export)
+    dec.handoff.port.import_into = timed("import", dec.handoff.port.import_into)
     rows = []
     try:
         for n in lengths:

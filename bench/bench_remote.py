@@ -92,7 +92,7 @@ def node_side() -> None:
     engine.register(base, len(ring.mapping))
     decoder = LlamaCppEngine(_spec(instance, "generate", 4))
     timings: dict = {}
-    decoder.port.import_into = _timed(timings, "import", decoder.port.import_into)
+    decoder.handoff.port.import_into = _timed(timings, "import", decoder.handoff.port.import_into)
     reserved = {}
     print(json.dumps({"session": engine.session}), flush=True)
     try:
@@ -143,8 +143,8 @@ def record_way(n_tokens: int = 2048, repeats: int = 5) -> dict:
     prefill = LlamaCppEngine(_spec(instance, "prefill", 1))
     local = LlamaCppEngine(_spec(instance, "generate", 4))  # the single-host decoder's import, on this core
     timings: dict = {}
-    prefill.port.export = _timed(timings, "export", prefill.port.export)
-    local.port.import_into = _timed(timings, "import", local.port.import_into)
+    prefill.handoff.port.export = _timed(timings, "export", prefill.handoff.port.export)
+    local.handoff.port.import_into = _timed(timings, "import", local.handoff.port.import_into)
     rows = []
     try:
         for r in range(repeats + 1):  # the first is a warm-up (first touches of the ring and the connection)

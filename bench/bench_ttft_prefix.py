@@ -3,10 +3,10 @@ it (prefix_cache_mb = 0), in one run (issue 38, item 1: the short prompts' TTFT 
 
 On a miss the engine writes the prompt's new blocks into the cache at the step after the first token's Delta left
 the worker, not before it (prefix_side.py, PrefixSide.defer and keep_deferred). Two daemons up at once (cpu mode,
-the default model, 2 threads each), unique random-word prompts of --tokens tokens, one request at a time, alternating which daemon goes
-first; each request streams 4 tokens, timed to its first token by the repo's bench client
-(syshaxd/benchmark/client.py, as bench_peers.py times TTFT). Prints each daemon's p50, the difference, and the CPU
-each daemon and its workers used per request.
+the default model, 2 threads each), unique random-word prompts of --tokens tokens, one request at a time,
+alternating which daemon goes first; each request streams 4 tokens, timed to its first token by the repo's bench
+client (syshaxd/benchmark/client.py, as bench_peers.py times TTFT). Prints each daemon's p50, the difference, and
+the CPU each daemon and its workers used per request.
 
 Found on 2026-12-05 (AMD EPYC with AVX-512, 2 cores, quiet): with the write before the first token (this script
 as of commit 97b0e5d, unstreamed, 1 token) the cache added 11.8 to 17.3 ms at p50; with the write at the step

@@ -2,11 +2,12 @@
 
 On a miss the llama.cpp engine writes the prompt's new blocks at the step after the one that gives its first token
 (prefix_side.py, PrefixSide.defer and keep_deferred), so that the writes (5 to 10 ms on 2 cores:
-bench/bench_ttft_prefix.py) are not in its time to the first token. The daemon must still hear of the blocks (Cached) before the request can end, a
-cancelled request must write none (the daemon gives their slots away with it), and the next prompt must find the
-prompt context empty. One engine in this process, with a real block store and the daemon's own index; the test
-plays the daemon's part. The engine runs in a child process (first_token_scenarios.py): it tiles its attention,
-which llama.cpp reads once per process, and this process's own llama.cpp references (test_lm_eval.py's) must not.
+bench/bench_ttft_prefix.py) are not in its time to the first token. The daemon must still hear of the blocks
+(Cached) before the request can end, a cancelled request must write none (the daemon gives their slots away with
+it), and the next prompt must find the prompt context empty. One engine in this process, with a real block store
+and the daemon's own index; the test plays the daemon's part. The engine runs in a child process
+(first_token_scenarios.py): it tiles its attention, which llama.cpp reads once per process, and this process's own
+llama.cpp references (test_lm_eval.py's) must not.
 """
 
 from __future__ import annotations

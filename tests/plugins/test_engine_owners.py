@@ -1,8 +1,9 @@
-"""The llama.cpp engine's owners, each by itself, apart from the whole engine (engine.py builds them and the Stepper
-asks them): a sequence's states and the slot table, the prompt context, the decode batch, the sampler, the guesser,
-the prefix side (checkpoints and deferred blocks), the handoff and the warm-up. Real llama.cpp on the default model,
-a real KV ring; the engine's own tests (test_ubatch, test_handoff_engine, test_speculation and the exact-text suites)
-run them together."""
+"""The llama.cpp engine's owners over llama.cpp, each by itself, apart from the whole engine (engine.py builds them and
+the Stepper asks them): the prompt context, the decode batch, the sampler, the prefix side (checkpoints and deferred
+blocks), the handoff, the warm-up, and the Stepper's accounting of slots and streams. Real llama.cpp on the default
+model, a real KV ring. test_slots.py has the owners that need no model (the slot table, the sequence's states, the
+guesser); the engine's own tests (test_ubatch, test_handoff_engine, test_speculation and the exact-text suites) run
+them all together."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import numpy as np
 import pytest
 
 from syshax_llamacpp.sequence import Sequence, SlotState
-from syshax_llamacpp.slots import SlotTable
 from syshaxd.sdk.types import (EngineSpec, Fallback, GenerateRequest, Handling, Imported, KVHandle, Prefilled,
                                Proofs, Rejected, SamplingParams)
 
@@ -27,47 +27,6 @@ def seq_of(prompt: list[int], rid: str = "", decodes_here: bool = True, **handli
                     handling=Handling(**handling))
 
 
-# --- the sequence's states and the slot table: no llama.cpp ------------------------------------------------------
-
-
-def test_a_sequence_moves_only_as_its_transitions_allow():
-    seq = seq_of([1, 2, 3])
-    assert seq.state is SlotState.QUEUED
-    with pytest.raises(RuntimeError, match="from queued to decoding"):
-        seq.enter(SlotState.DECODING)  # a sequence decodes only after its prompt (or its KV record)
-    seq.enter(SlotState.PROMPT)
-    seq.enter(SlotState.DECODING)
-    with pytest.raises(RuntimeError, match="from decoding to prompt"):
-        seq.enter(SlotState.PROMPT)
-    seq.enter(SlotState.DONE)
-    with pytest.raises(RuntimeError, match="from done to"):
-        seq.enter(SlotState.DONE)
-
-
-def test_the_slot_table_seats_the_oldest_first_and_frees_a_slot_once():
-    slots = SlotTable(2)
-    a, b, c = seq_of([1], "a"), seq_of([2], "b"), seq_of([3], "c")
-    for seq in (a, b, c):
-        slots.queue(seq)
-    assert slots.has_work() and slots.free_slots == 2
-    assert slots.seat_next() is a and slots.seat_next() is b and slots.free_slots == 0
-    assert a.state is b.state is SlotState.PROMPT and c.state is SlotState.QUEUED
-    handed_on = slots.start(seq_of([4], "d", decodes_here=False))  # a prompt only handed on takes no slot
-    assert slots.free_slots == 0 and set(slots.active) == {"a", "b", "d"}
-    assert slots.seat_next() is None  # c waits: no slot is free
-    assert slots.leave(a) and not slots.leave(a)  # its slot is freed once, however often it is released
-    assert slots.free_slots == 1 and a.state is SlotState.DONE
-    assert slots.leave(handed_on) and slots.free_slots == 1
-    assert slots.seat_next() is c and slots.free_slots == 0 and slots.seat_next() is None
-    e = seq_of([5], "e")
-    slots.queue(e)
-    assert slots.unqueue("e") is e and e.state is SlotState.DONE and not slots.waiting
-    assert slots.unqueue("e") is None
-    b.pending.extend([7, 8])
-    c.next_token, c.seq_id = 9, 0
-    assert slots.next_prompt() is b and slots.decoding() == [c]
-
-
 # --- the owners over llama.cpp ------------------------------------------------------------------------------------
 
 
@@ -75,8 +34,10 @@ def test_the_slot_table_seats_the_oldest_first_and_frees_a_slot_once():
 def model(default_model):
     from syshax_llamacpp.contexts import load_model
 
+    # attention as llama.cpp does it (tiled_attention off): this process's other engines (test_ubatch's,
+    # test_handoff_engine's) read the same once-per-process setting
     spec = EngineSpec(backend="llamacpp", role="generate", model_path=str(default_model), model_name="m",
-                      n_ctx=N_CTX, max_batch_size=SEQS, threads=1, prefill_chunk_size=CHUNK, tiled_attention=True)
+                      n_ctx=N_CTX, max_batch_size=SEQS, threads=1, prefill_chunk_size=CHUNK)
     loaded = load_model(spec)
     yield spec, loaded
     import llama_cpp
@@ -135,6 +96,8 @@ def test_the_prompt_context_takes_back_a_state_it_gave_and_clears_a_bad_one(prom
 
 
 def test_the_decode_batch_keeps_its_streams_one_run_and_a_moved_sequence_its_bytes(prompt_ctx, decode):
+    import llama_cpp
+
     from syshax_llamacpp.decode_batch import SPLIT_KV_FROM
 
     prompt = tokens(40, prompt_ctx.n_vocab, seed=3)
@@ -162,13 +125,32 @@ def test_the_decode_batch_keeps_its_streams_one_run_and_a_moved_sequence_its_byt
     # a lone sequence past SPLIT_KV_FROM tokens gets a padding row in the free stream beside it, while pad_lone holds
     decode.leave(seqs[2])
     lone = seqs[0]
+    held = lone.n_past  # 41: the prompt's 40 and the token just fed
     lone.n_past = SPLIT_KV_FROM - 1
     assert decode.pad_stream([lone]) == -1  # its attention is not split yet: no padding row
     lone.n_past = SPLIT_KV_FROM
     assert decode.pad_stream([lone]) == lone.seq_id + 1
     assert decode.pad_stream([lone, seqs[2]]) == -1  # beside another sequence it is not alone
-    decode.pad_lone = False  # the warm-up proved that this llama.cpp sums a lone row as in a batch
+    lone.n_past = held
+    # its step: its row, then the padding row (one token at position 0 of stream 1), whose KV goes after the step
+    lone.next_token = prompt[1]
+    rows = decode.feed([lone], [[]], pad=1)
+    assert rows == [(lone, 0)] and decode.batch.n_tokens == 2
+    assert (decode.batch.seq_id[1][0], decode.batch.pos[1], decode.batch.logits[1]) == (1, 0, False)
+    assert decode.decode(pad=1)[0] == 0 and empty_stream(decode, 1) and decode.counters["padded_steps"] == 1
+    assert lone.n_past == held + 1 and lone.fed[-1] == prompt[1] and lone.next_token is None
+    decode.proved(pad_lone=False)  # the warm-up proved that this llama.cpp sums a lone row as in a batch
+    lone.n_past = SPLIT_KV_FROM
     assert decode.pad_stream([lone]) == -1
+    lone.n_past = held + 1
+    # a guess: a row per guessed token after the sequence's own; the refused ones' KV is dropped after the step
+    lone.next_token = prompt[2]
+    decode.feed([lone], [[prompt[3], prompt[4]]], pad=-1)
+    assert decode.batch.n_tokens == 3 and [decode.batch.pos[i] for i in range(3)] == [held + 1, held + 2, held + 3]
+    assert decode.decode(pad=-1)[:2] == (0, 3)
+    assert llama_cpp.llama_memory_seq_pos_max(decode.memory, lone.seq_id) == held + 3
+    decode.drop_after(lone)  # the sampler kept none of the guess: the sequence holds its own tokens only
+    assert llama_cpp.llama_memory_seq_pos_max(decode.memory, lone.seq_id) == lone.n_past - 1 == held + 1
     decode.leave(lone)
     assert not decode.streams.busy and all(empty_stream(decode, s) for s in range(SEQS))
 
@@ -220,39 +202,6 @@ def test_the_sampler_owns_each_chain_and_names_a_dead_end(prompt_ctx):
     assert "after 1 tokens" in dead_end(grammar)
 
 
-def test_the_guesser_guesses_for_a_lone_sequence_once_its_rows_are_proved():
-    from syshax_llamacpp.drafting import StepCost
-    from syshax_llamacpp.guessing import Guesser
-    from syshaxd.sdk.output import SequenceOutput
-
-    guesser = Guesser(4, None, n_vocab=1000, n_ctx=N_CTX, guess_always=False)
-    repeated = [10, 11, 12, 13, 14, 15] * 3
-
-    def decoding(rid: str) -> Sequence:
-        seq = seq_of(repeated, rid)
-        seq.out = SequenceOutput(stop=(), ignore_eos=True, max_tokens=64, is_eog=lambda t: False,
-                                 piece_bytes=lambda t: b"x")
-        seq.next_token, seq.n_past = 10, len(repeated)
-        return seq
-
-    lone = decoding("lone")
-    assert guesser.guesses([lone]) == [[]] and not guesser.speculating  # not proved: no guess
-    cost = StepCost()
-    for rows in range(1, 6):
-        cost.add(rows, 0.010 + 0.001 * rows)  # a guessed row costs a tenth of a step: guesses pay
-    guesser.proved(cost, [])
-    assert guesser.speculating
-    guess = guesser.guesses([lone])[0]
-    assert guess and guess == [11, 12, 13, 14][:len(guess)]  # what followed the same tokens before
-    assert guesser.guesses([decoding("a"), decoding("b")]) == [[], []]  # beside another sequence, none
-    guesser.checked(lone, guess, 1)
-    assert guesser.counters["guessed_tokens"] == len(guess) and guesser.counters["kept_guesses"] == 1
-    guesser.timed(1, 3, 0.5)
-    assert cost.seconds[3] == pytest.approx(0.8 * 0.013 + 0.2 * 0.5)
-    guesser.timed(2, 3, 5.0)  # two sequences' step says nothing of a lone one's cost
-    assert cost.seconds[3] == pytest.approx(0.8 * 0.013 + 0.2 * 0.5)
-
-
 def test_the_prefix_side_starts_a_prompt_from_its_checkpoint_and_drops_blocks_it_deferred(model, prompt_ctx):
     from syshax_llamacpp.prefix_side import PrefixSide
     from syshaxd.sdk.gguf.header import fingerprint_from_gguf
@@ -262,6 +211,7 @@ def test_the_prefix_side_starts_a_prompt_from_its_checkpoint_and_drops_blocks_it
     side = PrefixSide(spec, prompt_ctx, fingerprint_from_gguf(loaded.path), arch=loaded.arch, shape=loaded.state,
                       sliding_window=loaded.sliding_window, decodes=True)
     assert side.store is None and side.checkpoints is not None
+    empty = prompt_ctx.export().nbytes
     first = seq_of(tokens(2 * CHUNK, prompt_ctx.n_vocab, seed=5))
     assert prompt_ctx.decode(first.prompt[:CHUNK], 0, "none") == 0
     assert prompt_ctx.decode(first.prompt[CHUNK:], CHUNK) == 0
@@ -275,13 +225,22 @@ def test_the_prefix_side_starts_a_prompt_from_its_checkpoint_and_drops_blocks_it
     assert longer.n_past == 2 * CHUNK and list(longer.pending) == [42, 43] and longer.checkpoint is None
     assert side.counters["cached_tokens"] == 2 * CHUNK
     assert side.start(longer) is None and longer.n_past == 2 * CHUNK  # its start is taken once
-    assert prompt_ctx.export().nbytes > 0
+    assert prompt_ctx.export().nbytes > empty
     side.defer(longer, prompt_ctx.export(), None)
-    side.forget(first)  # another sequence's end leaves the deferred blocks
-    assert side.unkept is not None
-    side.forget(longer)  # its own end drops them, and the prompt context with them
-    assert side.unkept is None and side.keep_deferred() == []
-    prompt_ctx.clear()
+    side.forget(first)  # another sequence's end leaves the deferred blocks, and the prompt context holding them
+    assert side.unkept is not None and prompt_ctx.export().nbytes > empty
+    side.forget(longer)  # its own end drops them, and empties the prompt context
+    assert side.unkept is None and prompt_ctx.export().nbytes == empty
+    assert prompt_ctx.decode(first.prompt[:CHUNK], 0) == 0
+    side.defer(first, prompt_ctx.export(), None)
+    assert side.keep_deferred() == [] and side.unkept is None  # no plan to write (no store): the context is freed
+    assert prompt_ctx.export().nbytes == empty
+    broken = seq_of(first.prompt + [44])
+    side.look_up(broken)
+    broken.checkpoint = dataclasses.replace(broken.checkpoint, state=np.zeros(64, np.uint8))  # not a state
+    broken.pending.extend(broken.prompt)
+    assert side.start(broken) is None and broken.n_past == 0 and broken.hit_tokens == 0  # the whole prompt runs
+    assert len(broken.pending) == len(broken.prompt) and prompt_ctx.export().nbytes == empty
 
 
 @pytest.fixture
@@ -319,9 +278,13 @@ def test_the_handoff_writes_a_record_reads_it_back_and_recomputes_what_it_cannot
     other.enter(SlotState.PROMPT)
     imported, took = handoff.take_kv(other)
     assert not took and imported.reason == Fallback.TOKEN_MISMATCH and list(other.pending) == other.prompt
-    assert not decode.streams.busy and other.state is SlotState.PROMPT  # the stream it tried is given back
+    assert not decode.streams.busy and other.seq_id == -1  # the stream it tried is given back
     imported, took = Handoff(None, prompt_ctx, decode).take_kv(seq_of(prompt, kv=event.handle))
     assert not took and imported.reason == Fallback.NO_RING and not decode.streams.busy
+    assert prompt_ctx.decode(prompt, 0) == 0
+    unwritten = Handoff(None, prompt_ctx, decode).hand_on(seq_of(prompt, decodes_here=False, handoff=True), 77, None)
+    assert unwritten.handle is None and unwritten.reason == Fallback.EXPORT_FAILED  # the decoder recomputes
+    assert prompt_ctx.export().nbytes < 100
     handoff.close()
 
 
@@ -335,21 +298,72 @@ def test_a_cancelled_sequence_s_record_is_reported_not_read(prompt_ctx):
     assert handoff.not_read(seq_of([1, 2, 3], "x")) == []
 
 
-def test_the_warm_up_proves_and_leaves_both_contexts_empty(model, prompt_ctx, decode):
+def test_the_warm_up_proves_and_leaves_both_contexts_empty(model, decode, caplog):
+    from syshax_llamacpp.contexts import prompt_params
     from syshax_llamacpp.proofs import WarmUp
+    from syshax_llamacpp.prompt_context import PromptContext
 
     spec, loaded = model
-    empty = prompt_ctx.export().nbytes
-    keep = dataclasses.replace(spec, keep_generated=True)
-    proved = WarmUp(keep, prompt_ctx, decode, seq_ctx=N_CTX, shape=loaded.state, weight_types=("Q4_0",),
-                    tiled_attention=loaded.tiled_attention, prefix_cache=True, speculative_tokens=0).run()
-    assert proved.exact_resume in (0, 1, 64) and proved.step_cost is None and len(proved.warm_tokens) == CHUNK
-    assert proved.exact_decode == (proved.exact_resume == 1) == proved.keeps_generated
-    assert proved.pad_lone  # a 64-token warm-up cannot prove that a lone row past 256 tokens needs no padding row
-    assert prompt_ctx.export().nbytes == empty and all(empty_stream(decode, s) for s in range(SEQS))
-    # a restart's warm-up keeps what the worker's first one proved, and runs no proof again
-    proven = dataclasses.replace(spec, proven=Proofs(exact_decode=True, exact_resume=1, pad_lone=False),
-                                 keep_generated=True)
-    again = WarmUp(proven, prompt_ctx, decode, seq_ctx=N_CTX, shape=loaded.state, weight_types=("Q4_0",),
-                   tiled_attention=loaded.tiled_attention, prefix_cache=False, speculative_tokens=0).run()
-    assert (again.exact_decode, again.exact_resume, again.pad_lone, again.keeps_generated) == (True, 1, False, False)
+    chunk = 128  # room for the chunking proof: a prompt chunk of at least twice its 64 tokens
+    spec = dataclasses.replace(spec, prefill_chunk_size=chunk, keep_generated=True)
+    prompt = PromptContext(loaded.model, prompt_params(spec, N_CTX, chunk, 1), chunk, decode.n_vocab)
+    empty = prompt.export().nbytes
+
+    def warm(spec: EngineSpec, prefix_cache: bool = True):
+        return WarmUp(spec, prompt, decode, seq_ctx=N_CTX, shape=loaded.state, weight_types=("Q4_0",),
+                      tiled_attention=False, prefix_cache=prefix_cache, speculative_tokens=0).run()
+
+    try:
+        with caplog.at_level("INFO", logger="syshax_llamacpp.engine"):
+            proved = warm(spec)
+        # llama.cpp's own attention: a decode step is not proved to give a prompt chunk's bits, so nothing generated
+        # is kept; whether a hit may resume inside a chunk is proved on this CPU, and the log says which way
+        assert (proved.exact_decode, proved.keeps_generated, proved.step_cost) == (False, False, None)
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prefix cache: a 128-token")]
+        assert len(said) == 1 and ("same bits" in said[0]) == (proved.exact_resume == 64), said
+        assert proved.pad_lone  # a 128-token warm-up cannot prove that a lone row past 256 tokens needs no padding row
+        assert len(proved.warm_tokens) == chunk
+        assert prompt.export().nbytes == empty and all(empty_stream(decode, s) for s in range(SEQS))
+        # kernels whose chunk's bits depend on where it starts: hits resume only at whole chunks
+        assert warm(dataclasses.replace(spec, fault="chunking")).exact_resume == 0
+        # a restart's warm-up keeps what the worker's first one proved and runs no proof again: the fault would fail it
+        proven = dataclasses.replace(spec, fault="chunking",
+                                     proven=Proofs(exact_decode=True, exact_resume=1, pad_lone=False))
+        again = warm(proven, prefix_cache=False)
+        assert (again.exact_decode, again.exact_resume, again.pad_lone, again.keeps_generated) == (True, 1, False,
+                                                                                                   False)
+        assert prompt.export().nbytes == empty and all(empty_stream(decode, s) for s in range(SEQS))
+    finally:
+        prompt.close()
+
+
+def test_the_stepper_gives_back_every_slot_and_stream_it_took(default_model):
+    from syshax_llamacpp.engine import LlamaCppEngine
+    from syshaxd.sdk.types import Delta
+
+    eng = LlamaCppEngine(EngineSpec(backend="llamacpp", role="generate", model_path=str(default_model),
+                                    model_name="m", n_ctx=N_CTX, max_batch_size=2, threads=1,
+                                    prefill_chunk_size=CHUNK))
+    try:
+        eng.warm_up()
+        events: list = []
+        for rid, n in (("a", 6), ("b", 1), ("c", 6), ("d", 6)):
+            events += eng.submit(GenerateRequest(request_id=rid, max_tokens=n, sampling=SamplingParams(temperature=0),
+                                                 prompt=f"Count from one to ten, request {rid}:"))
+        assert eng.slots.free_slots == 2 and len(eng.slots.waiting) == 4  # seated at the next step
+        assert eng.cancel("d") == [] and len(eng.slots.waiting) == 3  # a queued one leaves the queue
+        events += eng.step()  # a and b seated; a's prompt runs: a decodes
+        assert eng.slots.free_slots == 0 and eng.slots.active["a"].state is SlotState.DECODING
+        assert eng.cancel("a") == [] and eng.cancel("a") == []  # an active one is released, once
+        assert eng.slots.free_slots == 1 and not eng.decode.streams.busy
+        while eng.has_work():
+            events += eng.step()
+        finished = {e.request_id: e.finish_reason for e in events if isinstance(e, Delta) and e.finish_reason}
+        assert finished == {"b": "length", "c": "length"}  # b's first token its last, c seated in a's slot
+        assert eng.slots.free_slots == 2 and not eng.slots.active and not eng.slots.waiting
+        assert not eng.decode.streams.busy and all(empty_stream(eng.decode, s) for s in range(2))
+        stats = eng.stats()
+        assert (stats.finished, stats.running, stats.waiting, stats.free_slots) == (2, 0, 0, 2)
+        assert stats.generated_tokens == sum(e.n_tokens for e in events if isinstance(e, Delta)) == 1 + 1 + 6
+    finally:
+        eng.close()

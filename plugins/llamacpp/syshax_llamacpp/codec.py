@@ -311,6 +311,11 @@ class StateBuffer:
             self._array = np.frombuffer(mm, np.uint8)
         return self._array[:nbytes]
 
+    @property
+    def capacity(self) -> int:
+        """Bytes it holds now: ensure() up to this many keeps what is in it."""
+        return len(self._array)
+
     @staticmethod
     def pointer(array: np.ndarray):
         return ctypes.cast(array.ctypes.data, ctypes.POINTER(ctypes.c_uint8))

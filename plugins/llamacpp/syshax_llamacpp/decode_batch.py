@@ -45,6 +45,10 @@ class DecodeBatch:
         self.pad_lone = max_seqs > 1
         self.counters = {"steps": 0, "padded_steps": 0, "stream_moves": 0}
 
+    def proved(self, pad_lone: bool) -> None:
+        """What the warm-up proved (proofs.Proved): whether a lone sequence needs its padding row."""
+        self.pad_lone = pad_lone
+
     def enter(self, seq: Sequence, state: np.ndarray) -> bool:
         """seq's KV (a whole state, widened for max_seqs streams) into a stream of its own, next to the others; False,
         with no stream taken, when llama.cpp takes less than all of it."""

@@ -2,7 +2,7 @@
 
 Prompt lookup (drafting.PromptLookup) guesses only what the sequence's own context holds. A draft model (config
 draft_model: Qwen2.5-0.5B beside Qwen2.5-7B, say) guesses any text, greedily, one llama_decode of its own per
-token; the served model checks the guess in its step exactly as it checks a lookup's (stepping._check), so the
+token; the served model checks the guess in its step exactly as it checks a lookup's (stepping.Stepper._check), so the
 text is the one it gives without a guess. It pays where a guessed row of the served model costs far less than a
 step and the draft's own steps less still: drafting.best_guess weighs both, as they are timed, against the
 lookup's guess.

@@ -7,7 +7,7 @@ sequence's last few tokens. The step then checks the guess in the same llama_dec
 guessed token, each sampled in order with the sequence's own sampler chain, and kept while the sampled token is
 the guessed one. The sampler draws each token from the very distribution, with the very random numbers, it would
 have without the guess, so a request's text is the one it gets without speculation (greedy or seeded), where the
-rows give a token the bits a lone decode row gives it (the warm-up proves it: proofs._proves_guessed_rows).
+rows give a token the bits a lone decode row gives it (the warm-up proves it: proofs.WarmUp._proves_guessed_rows).
 
 A guessed row costs time whether it is kept or not, and that cost depends on the machine and the model (on 2
 cores, with llama.cpp patches 0008 to 0011, a second row 0.29 of a step with the 135M model, 0.48 with a

@@ -150,7 +150,7 @@ class LlamaCppEngine:
                                 speculative_tokens=self.guesser.speculative_tokens).run()
         self.exact_decode = proved.exact_decode
         if self.decode is not None:
-            self.decode.pad_lone = proved.pad_lone
+            self.decode.proved(proved.pad_lone)
         self.prefix.proved(proved.exact_resume, proved.keeps_generated)
         if self.guesser.speculative_tokens and self.decode is not None:
             self.guesser.proved(proved.step_cost, list(proved.warm_tokens))

@@ -143,18 +143,19 @@ class Handoff:
         rid, handle = seq.request_id, seq.handling.kv
         reason = seq.handling.kv_missing
         started = time.monotonic()
-        if handle is not None and self.decode is not None:
-            stream = self.decode.take_stream()
+        if handle is not None:
+            # a record is only ever sent to a decoder (the daemon's plan): this engine has a decode batch
+            assert self.decode is not None, "a KV record was sent to a prefill-only worker"
+            seq.seq_id = self.decode.take_stream()  # held by seq from now: its release gives it back, whatever raises
             try:
                 if self.port is None:
                     raise ImportRefused(Fallback.NO_RING, "this worker has no KV ring")
-                nbytes = self.port.import_into(self.decode.ctx, stream, handle, seq.prompt)
+                nbytes = self.port.import_into(self.decode.ctx, seq.seq_id, handle, seq.prompt)
             except ImportRefused as exc:
                 reason = exc.reason
-                self.decode.drop(stream)  # it joins when its recomputed prompt is done
+                self.decode.leave(seq)  # it joins when its recomputed prompt is done
                 engine_log.warning("%s: KV record unusable (%s: %s); recomputing the prompt here", rid, reason, exc)
             else:
-                seq.seq_id = stream
                 seq.enter(SlotState.DECODING)
                 seq.n_past = len(seq.prompt)
                 if handle.prompt_logprobs is not None:  # computed by the prefill engine, as this one would

@@ -98,6 +98,9 @@ class PrefixSide:
         plan = seq.handling.prefix
         if plan is None or self.store is None:
             return None
+        # the blocks go in through the prompt context's scratch buffer, where deferred blocks' state waits: those were
+        # written at the start of this step (the Stepper's keep_deferred runs before any prompt chunk)
+        assert self.unkept is None, "cached blocks imported over a deferred prompt's state"
         found = seq.found = prefix.find(self.store, self.fingerprint, plan, seq.prompt, self.prompt.n_vocab, seq.found)
         seq.hit_tokens = 0
         blocks = prefix.usable(found, plan, len(seq.prompt), self.exact_resume)

@@ -53,8 +53,10 @@ class PromptContext:
         return export_seq(self.ctx, 0, self.scratch)
 
     def widen(self, state: np.ndarray, n_stream: int, shape: StateShape) -> np.ndarray:
-        """The state just exported (with room for 8 bytes a stream), re-addressed in place for a context of n_stream
-        KV streams (codec.widen_streams)."""
+        """The state just exported with export(room=8 * n_stream) or more, re-addressed in place for a context of
+        n_stream KV streams (codec.widen_streams)."""
+        if self.scratch.capacity < state.nbytes + 8 * n_stream:  # ensure() would map a new, empty buffer
+            raise ValueError(f"widen: export(room={8 * n_stream}) first, so that the state can grow in place")
         buf = self.scratch.ensure(state.nbytes + 8 * n_stream)
         return buf[:widen_streams(buf, state.nbytes, n_stream, shape)]
 

@@ -140,10 +140,10 @@ class WarmUp:
 
     def _proves_decode_kv(self, decode: DecodeBatch, history: list[int]) -> bool:
         """Whether stream 0 of the decode batch just run -- its prompt from one chunk, its last token from the
-        decode step -- holds the very KV bytes, and its row the very logits, that the prefill context gives the
+        decode step -- holds the very KV bytes, and its row the very logits, that the prompt context gives the
         same tokens in chunks of 1, 16 and the rest: true where every query row's attention is tiled
-        (contexts.TILED_ATTENTION_ENV with mk/llama-wheel.sh's llama.cpp), so a decoded token's KV can be kept as if a prompt
-        had computed it. Leaves the prefill context empty."""
+        (contexts.TILED_ATTENTION_ENV with mk/llama-wheel.sh's llama.cpp), so a decoded token's KV can be kept as if
+        a prompt had computed it. Leaves the prompt context empty."""
         n = len(history)
         batched = decode.logits(0).copy()
         decoded = export_seq(decode.ctx, 0, decode.scratch).copy()  # every KV cache of the model's (gemma: two)

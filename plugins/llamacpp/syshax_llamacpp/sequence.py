@@ -54,7 +54,7 @@ class Sequence:
     out: SequenceOutput | None = None
     started: float = 0.0
     handling: Handling = field(default_factory=Handling)  # how the daemon has it run here (KV, handoff, resume)
-    # where its prompt may start instead of token 0, taken at its first chunk (prompt_reuse.py): the prefix cache's
+    # where its prompt may start instead of token 0, taken at its first chunk (prefix_side.py): the prefix cache's
     # records checked when it was submitted, or a whole state kept after an earlier prompt
     found: prefix.Found | None = None
     checkpoint: Checkpoint | None = None

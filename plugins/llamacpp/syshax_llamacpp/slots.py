@@ -1,8 +1,9 @@
 """The slot table: which sequences the engine holds, which wait for a batch slot, and how many slots are free.
 
 The one owner of a sequence's place in the engine. A sequence that decodes here waits in the queue until one of the
-max_batch_size slots frees, oldest first; one whose prompt is only handed on takes no slot and starts at once.
-Each move goes through Sequence.enter, so the table and a sequence's state cannot disagree.
+max_batch_size slots frees, oldest first; one whose prompt is only handed on takes no slot and starts at once. The
+table moves a sequence into its prompt (PROMPT) and out (DONE); the decode batch moves it into DECODING when it takes
+a stream. Every move goes through Sequence.enter, which refuses one that sequence.TRANSITIONS does not allow.
 """
 
 from __future__ import annotations
@@ -40,9 +41,15 @@ class SlotTable:
         seq = self.waiting.popleft()
         del self.queued[seq.request_id]
         self.seated += 1
-        return self.start(seq)
+        return self._activate(seq)
 
-    def start(self, seq: Sequence) -> Sequence:
+    def start_unseated(self, seq: Sequence) -> Sequence:
+        """A sequence whose prompt is only handed on starts at once, without a slot (it never decodes here)."""
+        if seq.decodes_here:
+            raise RuntimeError(f"{seq.request_id} decodes here: it waits for a slot (queue, seat_next)")
+        return self._activate(seq)
+
+    def _activate(self, seq: Sequence) -> Sequence:
         """seq is active: its prompt runs (or its KV record is read) from now."""
         seq.enter(SlotState.PROMPT)
         self.active[seq.request_id] = seq
@@ -61,7 +68,7 @@ class SlotTable:
         if seq.state is SlotState.DONE:
             return False
         self.active.pop(seq.request_id, None)
-        if seq.decodes_here and seq.state is not SlotState.QUEUED:
+        if seq.decodes_here and seq.state is not SlotState.QUEUED:  # seated by seat_next, the one way it starts
             self.seated -= 1
         seq.enter(SlotState.DONE)
         return True

@@ -53,7 +53,7 @@ class Stepper:
         if seq.decodes_here:
             self.slots.queue(seq)
             return []
-        return self._start(self.slots.start(seq))
+        return self._start(self.slots.start_unseated(seq))
 
     def cancel(self, request_id: str) -> list:
         """The events of a cancel: a queued sequence leaves the queue (the daemon's ledger frees a KV record it was
