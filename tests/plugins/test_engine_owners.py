@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from syshax_llamacpp.sequence import Sequence, SlotState
+from test_handoff_engine import _instance, ring  # noqa: F401  (the fixture: a real KV ring of 64 MiB)
 from syshaxd.sdk.types import (EngineSpec, Fallback, GenerateRequest, Handling, Imported, KVHandle, Prefilled,
                                Proofs, Rejected, SamplingParams)
 
@@ -243,23 +244,12 @@ def test_the_prefix_side_starts_a_prompt_from_its_checkpoint_and_drops_blocks_it
     assert len(broken.pending) == len(broken.prompt) and prompt_ctx.export().nbytes == empty
 
 
-@pytest.fixture
-def ring():
-    from syshaxd.sdk.kv.ring import KVRing
-
-    r = KVRing.create(f"test-{uuid.uuid4().hex[:8]}", 64 << 20)
-    yield r
-    r.unlink()
-    r.close()
-
-
 def test_the_handoff_writes_a_record_reads_it_back_and_recomputes_what_it_cannot_read(model, prompt_ctx, decode,
                                                                                     ring):
     from syshax_llamacpp.handoff import Handoff, KVPort
 
     spec, loaded = model
-    instance = ring.path.name[len("syshax-"):-len("-kv")]
-    port = KVPort(instance, str(loaded.path), n_stream=SEQS, timeout=1.0, whole_state=loaded.whole_state,
+    port = KVPort(_instance(ring), str(loaded.path), n_stream=SEQS, timeout=1.0, whole_state=loaded.whole_state,
                   shape=loaded.state)
     handoff = Handoff(port, prompt_ctx, decode)
     prompt = tokens(30, prompt_ctx.n_vocab, seed=9)

@@ -121,6 +121,15 @@ def add_row(b, token: int, pos: int, seq_id: int, logits: bool) -> int:
     return i
 
 
+def free_context(ctx, batch) -> None:
+    """Free a llama context and its batch (the prompt context's, the decode batch's, the draft model's); None for
+    either: never made, or freed already. The owner forgets both after."""
+    if batch is not None:
+        llama_cpp.llama_batch_free(batch)
+    if ctx is not None:
+        llama_cpp.llama_free(ctx)
+
+
 def batch_params(spec: EngineSpec, seq_ctx: int, max_seqs: int, n_batch: int):
     """The batch context's parameters: max_seqs streams of seq_ctx cells, room for n_batch tokens per
     llama_decode."""

@@ -14,7 +14,7 @@ import llama_cpp
 import numpy as np
 
 from syshax_llamacpp.codec import StateBuffer, export_seq
-from syshax_llamacpp.contexts import add_row
+from syshax_llamacpp.contexts import add_row, free_context
 from syshax_llamacpp.sequence import Sequence, SlotState
 from syshax_llamacpp.streams import StreamRun
 
@@ -170,9 +170,5 @@ class DecodeBatch:
             llama_cpp.llama_memory_seq_rm(self.memory, stream, -1, -1)
 
     def close(self) -> None:
-        if self.batch is not None:
-            llama_cpp.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx is not None:
-            llama_cpp.llama_free(self.ctx)
-            self.ctx = None
+        free_context(self.ctx, self.batch)
+        self.ctx = self.batch = None

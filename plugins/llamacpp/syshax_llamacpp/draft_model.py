@@ -23,7 +23,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from syshax_llamacpp.contexts import add_row
+from syshax_llamacpp.contexts import add_row, free_context
 
 log = logging.getLogger("syshax_llamacpp.engine")
 
@@ -162,12 +162,8 @@ class DraftModel:
         return True
 
     def close(self) -> None:
-        if getattr(self, "batch", None) is not None:
-            llama_cpp.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx is not None:
-            llama_cpp.llama_free(self.ctx)
-            self.ctx = None
+        free_context(self.ctx, getattr(self, "batch", None))  # no batch yet where its context could not be made
+        self.ctx = self.batch = None
         if self.model is not None:
             llama_cpp.llama_model_free(self.model)
             self.model = None

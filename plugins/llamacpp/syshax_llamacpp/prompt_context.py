@@ -11,7 +11,7 @@ import llama_cpp
 import numpy as np
 
 from syshax_llamacpp.codec import StateBuffer, StateShape, export_seq, widen_streams
-from syshax_llamacpp.contexts import add_row
+from syshax_llamacpp.contexts import add_row, free_context
 
 
 class PromptContext:
@@ -70,9 +70,5 @@ class PromptContext:
         return True
 
     def close(self) -> None:
-        if self.batch is not None:
-            llama_cpp.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx is not None:
-            llama_cpp.llama_free(self.ctx)
-            self.ctx = None
+        free_context(self.ctx, self.batch)
+        self.ctx = self.batch = None
