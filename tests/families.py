@@ -68,9 +68,11 @@ class Tokenizer:
     """How a family's tokenizer is made. kind "bpe": SmolLM2's, with `special`/`added` tokens appended;
     kind "spm": a sentencepiece model trained here (vocab_size pieces; its unk/bos/eos/pad `pieces` at `ids`, -1
     for none; `control` symbols right after them), then `added` special tokens after its pieces (as Phi-3 appends
-    its chat tokens). bos/eos/pad: the tokens that play those roles (transformers' and the GGUF's)."""
+    its chat tokens); kind "wordpiece": BERT's lower-cased WordPiece vocabulary of vocab_size tokens, trained here
+    as the sentencepiece model is ([PAD] [UNK] [CLS] [SEP] [MASK] first, as in bert-base-uncased). bos/eos/pad: the
+    tokens that play those roles (transformers' and the GGUF's)."""
 
-    kind: str
+    kind: str  # "bpe", "spm" or "wordpiece"
     bos: str | None = None
     eos: str | None = None
     pad: str | None = None
@@ -94,7 +96,7 @@ class Family:
     arch: str  # transformers architecture (config.architectures[0])
     note: str  # what the family exercises
     tokenizer: Tokenizer
-    template: str  # a file of the sdist's models/templates/, or "smollm2": the default model's own template
+    template: str  # a file of the sdist's models/templates/, "smollm2": the default model's own template, "": none
     config: dict = field(default_factory=dict)
     embed_std: float | None = None  # the token embedding's init std, where not the config's initializer_range
     final_norm_weight: float | None = None  # the final norm's weights (all alike), where not the init's
@@ -102,6 +104,9 @@ class Family:
     # an embedding model's pooling, as sentence-transformers' 1_Pooling/config.json names it ("mean", "cls",
     # "lasttoken"), which the converter writes as the GGUF's pooling_type; "": a chat model
     pooling: str = ""
+    # the pre-tokenizer the converter writes for a vocabulary made here, whose hash it cannot know (it names a
+    # BPE pre-tokenizer by the hash of a real model's token ids): "" keeps the converter's own check
+    tokenizer_pre: str = ""
 
 
 _LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -284,6 +289,14 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
            dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, full_attn_idxs=[1],
                 block_auto_adjust_ff_dim=False, tie_word_embeddings=True,
                 rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    Family("bert-embedding", "BertModel",
+           "an embedding model as bge and all-MiniLM are: the bert arch (non-causal attention, learned positions, "
+           "token types, LayerNorm, GELU) with mean pooling, hidden 256, 4 heads of 64, a lower-cased WordPiece "
+           "vocabulary (llama.cpp's WPM tokenizer: [CLS] text [SEP])",
+           Tokenizer("wordpiece", pad="[PAD]", vocab_size=4000), "",
+           dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, intermediate_size=512,
+                max_position_embeddings=512, initializer_range=0.1),
+           pooling="mean", tokenizer_pre="bert-bge"),
     Family("qwen3-embedding", "Qwen3ForCausalLM",
            "an embedding model as Qwen3-Embedding is one: the qwen3 arch with last-token pooling (sentence-"
            "transformers' modules.json and 1_Pooling), so the GGUF carries pooling_type LAST",
@@ -372,7 +385,7 @@ def recipe_key(family: str) -> str:
 def _spec_key(spec: Family, *extra) -> str:
     # a field at its empty default is left out, so that adding one keeps the other families' files
     fields = {k: v for k, v in asdict(spec).items()
-              if k != "note" and not (k in ("convert_args", "pooling") and not v)}
+              if k != "note" and not (k in ("convert_args", "pooling", "tokenizer_pre") and not v)}
     text = json.dumps([RECIPE, SEED, LLAMA_VERSION, fields, *extra], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
@@ -402,12 +415,13 @@ def make_family_model(family: str, out_dir: Path, quant: str = "f16") -> Path:
     by the converter, any other llama.cpp file type (q4_0, q4_k_m, ...) is quantized from the f16 file."""
     if family not in FAMILY_SPECS:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    spec = FAMILY_SPECS[family]
     return _made_once(Path(out_dir), family_stem(family), quant, lambda: _ensure_hf(family, Path(out_dir)),
-                      FAMILY_SPECS[family].convert_args)
+                      spec.convert_args, spec.tokenizer_pre)
 
 
 def _made_once(out_dir: Path, stem: str, quant: str, hf: Callable[[], Path],
-               convert_args: tuple[str, ...] = ()) -> Path:
+               convert_args: tuple[str, ...] = (), tokenizer_pre: str = "") -> Path:
     """{stem}.{quant}.gguf in out_dir, made the first time under stem's lock (tests of several processes may ask at
     once): the converter writes its own types from the HF folder hf() gives, llama.cpp's quantizer any other from the
     f16 file, which is made first and kept."""
@@ -422,11 +436,11 @@ def _made_once(out_dir: Path, stem: str, quant: str, hf: Callable[[], Path],
         if target.is_file():
             return target
         if quant in CONVERTER_TYPES:
-            _convert(hf(), target, quant, convert_args)
+            _convert(hf(), target, quant, convert_args, tokenizer_pre)
         else:
             source = out_dir / f"{stem}.f16.gguf"
             if not source.is_file():
-                _convert(hf(), source, "f16", convert_args)
+                _convert(hf(), source, "f16", convert_args, tokenizer_pre)
             _quantize(source, target, quant)
     return target
 
@@ -536,9 +550,9 @@ def _build_hf(spec: Family, out: Path, low_memory: bool = False) -> None:
         template = tokenizer.chat_template
         if not template:
             raise FamilyModelError("the default model's tokenizer has no chat template")
-    else:
-        template = (src / "models" / "templates" / spec.template).read_text(encoding="utf-8")
-    tokenizer.chat_template = template
+        tokenizer.chat_template = template
+    elif spec.template:  # "": none (an encoder, which never chats)
+        tokenizer.chat_template = (src / "models" / "templates" / spec.template).read_text(encoding="utf-8")
 
     ids = {f"{role}_token_id": tokenizer.convert_tokens_to_ids(getattr(tokenizer, f"{role}_token"))
            for role in ("bos", "eos", "pad") if getattr(tokenizer, f"{role}_token", None)}
@@ -576,10 +590,12 @@ def _write_pooling(out: Path, pooling: str, dim: int) -> None:
 def _model_type(arch: str) -> str:
     import transformers
 
-    types = [t for t, name in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
-             if name == arch]
+    auto = transformers.models.auto.modeling_auto
+    # a causal LM, or a base model (BertModel: an encoder, no LM head)
+    types = [t for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_MAPPING_NAMES)
+             for t, name in mapping.items() if name == arch]
     if not types:
-        raise FamilyModelError(f"transformers has no causal LM {arch}")
+        raise FamilyModelError(f"transformers has no causal LM or base model {arch}")
     # a multimodal model's causal LM is listed under its text config too (qwen3_5 and qwen3_5_text): the text one
     return next((t for t in types if t.endswith("_text")), types[0])
 
@@ -617,6 +633,19 @@ def _make_tokenizer(spec: Tokenizer, src: Path, out: Path):
             tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special], special_tokens=True)
         if spec.added:
             tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.added])
+    elif spec.kind == "wordpiece":
+        from tokenizers import BertWordPieceTokenizer
+        from transformers import BertTokenizer
+
+        trainer = BertWordPieceTokenizer(lowercase=True)
+        # without sentencepiece's "\u2581" (some templates hold it): the converter writes a word's first piece as
+        # "\u2581piece" and a continuation "##piece" as "piece", so a vocabulary holding "\u2581" itself would give
+        # two tokens one text, which llama.cpp refuses (id_to_token.size() == token_to_id.size()); real BERT
+        # vocabularies have no such token
+        corpus = [line.replace("\u2581", " ") for line in _spm_corpus(src)]
+        trainer.train_from_iterator(corpus, vocab_size=spec.vocab_size, min_frequency=1, show_progress=False,
+                                    special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+        tok = BertTokenizer(vocab=trainer.get_vocab(), do_lower_case=True)
     elif spec.kind == "spm":
         (out / "tokenizer.model").write_bytes(_train_spm(spec, src))
         # the sentencepiece model's own special pieces; the roles are set below, once the added tokens exist
@@ -669,7 +698,9 @@ def _train_spm(spec: Tokenizer, src: Path) -> bytes:
 # (qwen2, phi3, ...: MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS) with that family's own pre-tokenizer, whatever the
 # folder says. Our folders are written by transformers 5 itself, so they are right as they are: with the list
 # emptied, AutoTokenizer reads them as 4.57 would (else qwen2's SmolLM2 vocab gets Qwen2's regex, a pre-tokenizer
-# hash the converter does not know, and the conversion stops).
+# hash the converter does not know, and the conversion stops). A family whose vocabulary is made here and is no
+# real model's (bert-embedding's WordPiece) has a hash no converter knows: its tokenizer_pre names the pre-tokenizer
+# the converter would write for a real model of the family (bge's "bert-bge"; llama.cpp's WPM tokenizer reads none).
 _CONVERTER_START = """
 import os, runpy, sys
 try:
@@ -680,15 +711,30 @@ except (ImportError, AttributeError):
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path[0] = os.path.dirname(script)  # as `python convert_hf_to_gguf.py` has it: conversion/, models/
+pre = os.environ.get("SYSHAX_TOKENIZER_PRE")
+if pre:  # a vocabulary made here: its hash is no real model's, so the family names its pre-tokenizer
+    from conversion import base
+
+    known = base.TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer):
+        try:
+            return known(self, tokenizer)
+        except NotImplementedError:
+            return pre
+
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
 runpy.run_path(script, run_name="__main__")
 """
 
 
-def _convert(hf: Path, target: Path, outtype: str, extra: tuple[str, ...] = ()) -> None:
+def _convert(hf: Path, target: Path, outtype: str, extra: tuple[str, ...] = (), tokenizer_pre: str = "") -> None:
     src = llama_source()
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     # PYTHONPATH: the sdist's gguf-py, not the venv's gguf (the converter also puts it first, unless NO_LOCAL_GGUF)
-    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_LOCAL_GGUF", "SYSHAX_TOKENIZER_PRE")}
+    if tokenizer_pre:
+        env["SYSHAX_TOKENIZER_PRE"] = tokenizer_pre
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src / "gguf-py"), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-c", _CONVERTER_START, str(src / "convert_hf_to_gguf.py"), str(hf),
            "--outfile", str(tmp), "--outtype", outtype, *extra]

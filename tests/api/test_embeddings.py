@@ -1,8 +1,10 @@
 """POST /v1/embeddings: an embedding model of [[models]] beside the chat model, in a real daemon.
 
-The model is families.py's qwen3-embedding (Qwen3-Embedding's shape: last-token pooling), converted by llama.cpp's
-converter; its vectors are checked against the same model in transformers (the last hidden state at the last
-token, scaled to length 1), through the official openai client and langchain-openai's OpenAIEmbeddings.
+The models are families.py's qwen3-embedding (Qwen3-Embedding's shape: a decoder, last-token pooling) and
+bert-embedding (bge's and all-MiniLM's kind: an encoder, WordPiece, mean pooling), converted by llama.cpp's
+converter; their vectors are checked against the same models in transformers (the last hidden state at the last
+token, or its mean over the tokens, scaled to length 1), through the official openai client and langchain-openai's
+OpenAIEmbeddings.
 """
 
 from __future__ import annotations
@@ -37,22 +39,32 @@ TEXTS = [
 ]
 
 
+BERT = "bert-embedding"
+
+
 @pytest.fixture(scope="module")
 def embed_file() -> Path:
     return make_family_model(FAMILY, MODEL_DIR / "families")
 
 
-def _tables(path: Path) -> str:
-    """The eager model, and the same file under a second name loaded at its first request."""
+@pytest.fixture(scope="module")
+def bert_file() -> Path:
+    return make_family_model(BERT, MODEL_DIR / "families")
+
+
+def _tables(path: Path, bert: Path) -> str:
+    """The eager model, the same file under a second name loaded at its first request, and the BERT model (on
+    demand too, at its own n_ctx: the 512 positions it was trained with)."""
     return (f'[[models]]\nname = "embed"\npath = "{path}"\nn_ctx = {N_CTX}\n'
-            f'[[models]]\nname = "embed-lazy"\npath = "{path}"\nn_ctx = {N_CTX}\nload = "on_demand"\n')
+            f'[[models]]\nname = "embed-lazy"\npath = "{path}"\nn_ctx = {N_CTX}\nload = "on_demand"\n'
+            f'[[models]]\nname = "bert"\npath = "{bert}"\nload = "on_demand"\n')
 
 
 @pytest.fixture(scope="module")
-def daemon(default_model, embed_file, tmp_path_factory):
+def daemon(default_model, embed_file, bert_file, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("embeddings")
     d = start_daemon(tmp, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024,
-                           "admin_socket": str(tmp / "admin.sock")}, tables=_tables(embed_file))
+                           "admin_socket": str(tmp / "admin.sock")}, tables=_tables(embed_file, bert_file))
     d.socket = tmp / "admin.sock"
     yield d
     code = d.stop()
@@ -79,6 +91,25 @@ def reference():
         with torch.no_grad():
             last = model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
         out[text] = (ids, last / np.linalg.norm(last))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bert_reference():
+    """text -> (token ids, unit vector): the BERT model's last hidden states averaged over the text's tokens
+    ([CLS] and [SEP] among them), as sentence-transformers' mean pooling gives them, float32."""
+    import torch
+    import transformers
+
+    tokenizer = hf_tokenizer(BERT, MODEL_DIR / "families")
+    model = transformers.AutoModel.from_pretrained(hf_folder(BERT, MODEL_DIR / "families"),
+                                                   dtype=torch.float32).eval()
+    out = {}
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        with torch.no_grad():
+            mean = model(torch.tensor([ids])).last_hidden_state[0].mean(0).numpy()
+        out[text] = (ids, mean / np.linalg.norm(mean))
     return out
 
 
@@ -148,6 +179,26 @@ def test_langchain_openai_embeddings(daemon, reference):
     assert float(np.array(query) @ reference[TEXTS[4]][1]) >= 0.99
 
 
+def test_bert_vectors_match_transformers(daemon, client, bert_reference):
+    """A BERT-style model (an encoder with mean pooling, llama.cpp's WordPiece tokenizer) loads at its first request
+    and gives the model's own vectors, token counts and an over-long input's 400 at its 512 positions; through
+    langchain-openai too."""
+    from langchain_openai import OpenAIEmbeddings
+
+    answer = client.embeddings.create(model="bert", input=TEXTS)
+    for text, item in zip(TEXTS, answer.data):
+        assert float(np.array(item.embedding) @ bert_reference[text][1]) >= 0.99, text
+    assert answer.usage.prompt_tokens == sum(len(bert_reference[t][0]) for t in TEXTS)
+    card = client.models.retrieve("bert").syshax
+    assert card["state"] == "ready" and card["pooling"] == "mean" and card["dimensions"] == 256
+    embedder = OpenAIEmbeddings(model="bert", base_url=daemon.base_url, api_key="unused",
+                                check_embedding_ctx_length=False, max_retries=0)
+    for text, vector in zip(TEXTS[:3], embedder.embed_documents(TEXTS[:3])):
+        assert float(np.array(vector) @ bert_reference[text][1]) >= 0.99
+    code, error = _post(daemon, {"model": "bert", "input": "word " * 600})
+    assert code == 400 and "602 tokens, 90 over the 512 an input may hold here" in error["error"]["message"], error
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"model": "embed", "input": "word " * (N_CTX + 40)}, 400, "over the 256 an input may hold here"),
     ({"model": "embed", "input": ""}, 400, "empty string"),
@@ -192,7 +243,7 @@ def test_models_status_metrics_and_on_demand_load(daemon, client):
     """/v1/models lists every model with its state; the on-demand one loads at its first request; the status,
     `syshax status` and /metrics show them."""
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {MODEL_NAME, "embed", "embed-lazy"}
+    assert set(cards) == {MODEL_NAME, "embed", "embed-lazy", "bert"}
     assert cards["embed"].syshax == {"kind": "embedding", "state": "ready", "load": "start", "dimensions": 256,
                                      "pooling": "last"}
     assert cards["embed-lazy"].syshax["state"] == "unloaded"
