@@ -114,7 +114,8 @@ class Config:
                                          "`[[models]]` tables (name, path, and optionally n_ctx, threads, "
                                          "cpu_affinity, load, keep_alive; a chat model also mode, quantize, "
                                          "draft_model, batch_slots): an embedding model answers POST /v1/embeddings "
-                                         "under its name, in a worker of its own; a chat model answers the "
+                                         "(a reranker POST /v1/rerank) under its name, in a worker of its own; a "
+                                         "chat model answers the "
                                          "generation APIs under its name, from a syshaxd of its own.")
     models_dir: str = key("", _SERVE, "A folder whose GGUF files are each served as a [[models]] entry named by its "
                           'file name without ".gguf", loaded on demand (llama-server\'s --models-dir); an entry of '

@@ -297,6 +297,13 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
            dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, intermediate_size=512,
                 max_position_embeddings=512, initializer_range=0.1),
            pooling="mean", tokenizer_pre="bert-bge"),
+    Family("qwen3-reranker", "Qwen3ForCausalLM",
+           "a reranker as Qwen3-Reranker is one: the qwen3 arch, which llama.cpp's converter (by the folder's name) "
+           "writes with pooling_type RANK, a two-row classifier of the LM head's rows for \"yes\" and \"no\", and "
+           "Qwen3-Reranker's prompt as the file's \"rerank\" template; the score is P(yes)",
+           _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
+           dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
     Family("qwen3-embedding", "Qwen3ForCausalLM",
            "an embedding model as Qwen3-Embedding is one: the qwen3 arch with last-token pooling (sentence-"
            "transformers' modules.json and 1_Pooling), so the GGUF carries pooling_type LAST",
@@ -309,9 +316,12 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
 # families whose KV layout this engine does not carry in every mode yet (a sliding window with sinks, MLA, a
 # recurrent state): the header and plan tests make them; test_families.py serves FAMILIES in cpu mode and hetero
 LAYOUT_FAMILIES: list[str] = ["gemma4", "gpt-oss", "deepseek3", "lfm2", "qwen35", "qwen35moe", "nemotron_h", "mamba"]
-# embedding models (a pooling type): served by /v1/embeddings, not chat (test_embeddings.py)
+# embedding models (a pooling type) and rerankers: served by /v1/embeddings and /v1/rerank, not chat
+# (test_embeddings.py, test_rerank.py)
+RERANKER_FAMILIES: list[str] = ["qwen3-reranker"]
 EMBEDDING_FAMILIES: list[str] = [name for name, f in FAMILY_SPECS.items() if f.pooling]
-FAMILIES: list[str] = [name for name in FAMILY_SPECS if name not in LAYOUT_FAMILIES + EMBEDDING_FAMILIES]
+FAMILIES: list[str] = [name for name in FAMILY_SPECS
+                       if name not in LAYOUT_FAMILIES + EMBEDDING_FAMILIES + RERANKER_FAMILIES]
 NOTES: dict[str, str] = {name: f.note for name, f in FAMILY_SPECS.items()}
 
 # Real models' full shapes with random weights, for benchmarks (bench/bench_real_shape.py): what a decode step, a

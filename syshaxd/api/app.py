@@ -15,7 +15,7 @@ from syshaxd.api.core.auth import KeyCheck
 from syshaxd.api.core.connections import ConnectionCap
 from syshaxd.api.core.errors import APIError, error_type_for
 from syshaxd.api.core.state import ServiceState
-from syshaxd.api.openai import embeddings, model_routes, token_routes
+from syshaxd.api.openai import embeddings, model_routes, rerank, token_routes
 from syshaxd.api.openai import routes as openai_routes
 from syshaxd.api.openapi import build_document
 from syshaxd.api.web import routes as web_routes
@@ -108,6 +108,7 @@ def make_app(config: Config, scheduler: Scheduler, model_name: str, state: Servi
     app.add_routes(model_routes.routes)
     app.add_routes(token_routes.routes)
     app.add_routes(embeddings.routes)
+    app.add_routes(rerank.routes)
     app.add_routes(responses.routes)
     app.add_routes(messages.routes)
     if config.web_ui:

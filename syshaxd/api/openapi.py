@@ -18,6 +18,8 @@ from syshaxd import __version__
 from syshaxd.api import messages, responses
 from syshaxd.api.core.fields import (CHAT, CHAT_ROLES, COMPLETIONS, DEFAULT_ONLY, HARMLESS, MESSAGES, MESSAGES_COUNT,
                                      RESPONSES, Each, Obj, OneOf, Spec, Val)
+from syshaxd.api.openai.vector_schemas import nullable as _nullable
+from syshaxd.api.openai.vector_schemas import vector_schemas
 
 ERROR_STATUSES = {
     "400": "The body is invalid: the error's `param` names the field and its message says what is allowed.",
@@ -30,11 +32,6 @@ ERROR_STATUSES = {
     "503": "No engine is ready, the daemon is draining, the request waited past request_timeout, or "
            "max_connections is reached; retry after `Retry-After` seconds.",
 }
-
-
-def _nullable(schema: dict) -> dict:
-    """The schema, or null: validate.py treats a null field as an absent one."""
-    return {"anyOf": [schema, {"type": "null"}]}
 
 
 def _ref(name: str) -> dict:
@@ -218,42 +215,6 @@ def _token_schemas(model_name: str) -> dict:
     }
 
 
-def _embedding_schemas() -> dict:
-    """/v1/embeddings: OpenAI's request and answer."""
-    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-    text = {"type": "string", "minLength": 1}
-    return {
-        "EmbeddingRequest": {
-            "type": "object", "required": ["input", "model"], "additionalProperties": False,
-            "properties": {
-                "input": {"description": "A string, an array of strings, an array of token ids, or an array of "
-                                         "those: at most 2048 inputs, each within the model's n_ctx.",
-                          "anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 2048}, ids,
-                                    {"type": "array", "items": ids, "minItems": 1, "maxItems": 2048}]},
-                "model": {"type": "string", "description": "An embedding model of [[models]] (GET /v1/models)."},
-                "encoding_format": _nullable({"type": "string", "enum": ["float", "base64"],
-                                              "description": "base64: the float32 little-endian bytes."}),
-                "dimensions": _nullable({"type": "integer", "minimum": 1,
-                                         "description": "Only the model's own size."}),
-                "user": _nullable({"type": "string"}),
-                "keep_alive": _nullable({"anyOf": [{"type": "number"}, {"type": "string"}], "description":
-                                         "Ollama's: seconds the model stays loaded after it, or \"5m\" (-1 never)"})}},
-        "ModelName": {"type": "object", "required": ["model"], "additionalProperties": True,
-                      "properties": {"model": {"type": "string", "description": "A model of [[models]]."}}},
-        "Success": {"type": "object", "required": ["success"], "properties": {"success": {"const": True}}},
-        "EmbeddingList": {
-            "type": "object", "required": ["object", "data", "model", "usage"],
-            "properties": {
-                "object": {"const": "list"}, "model": {"type": "string"},
-                "data": {"type": "array", "items": {
-                    "type": "object", "required": ["object", "index", "embedding"],
-                    "properties": {"object": {"const": "embedding"}, "index": {"type": "integer"}, "embedding": {
-                        "anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
-                "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
-                    "prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}},
-    }
-
-
 def _token_op(summary: str, request: str, answer: str, secured: list, *more_errors: str) -> dict:
     return {"post": {"summary": summary, "security": secured,
                      "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
@@ -428,7 +389,7 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
     daemon = _Daemon(model_name, n_ctx, routes)
     schemas = _schemas() | {"CompletionRequest": _request(COMPLETIONS, daemon),
                             "ChatCompletionRequest": _request(CHAT, daemon)} | _token_schemas(model_name) \
-        | _other_api_schemas(model_name, n_ctx) | _embedding_schemas()
+        | _other_api_schemas(model_name, n_ctx) | vector_schemas()
     json_200 = lambda ref, what: {"200": {"description": what,  # noqa: E731
                                           "content": {"application/json": {"schema": _ref(ref)}}}}
     return {
@@ -454,6 +415,10 @@ def build_document(model_name: str, n_ctx: int, routes: list[str], keys_required
             "/v1/embeddings": _token_op("Vectors of texts or token ids from an embedding model of [[models]]: one "
                                         "per input, in order, each of length 1", "EmbeddingRequest", "EmbeddingList",
                                         secured, "500", "503"),
+            "/v1/rerank": _token_op("Documents scored against a query by a reranker of [[models]], best first",
+                                    "RerankRequest", "RerankList", secured, "500", "503"),
+            "/rerank": _token_op("The same as POST /v1/rerank, at llama-server's other path", "RerankRequest",
+                                 "RerankList", secured, "500", "503"),
             "/models/load": _token_op("Load a model of [[models]] now (llama-server's router)", "ModelName",
                                       "Success", secured, "503"),
             "/models/unload": _token_op("Unload a model of [[models]] once its requests are done (llama-server's "

@@ -36,16 +36,22 @@ class EmbeddingFile:
     arch: str
     n_embd: int
     n_ctx_train: int
-    pooling: str  # mean, cls, last
+    pooling: str  # mean, cls, last; rank: a reranker
+
+    @property
+    def reranker(self) -> bool:
+        """A model that scores a query and a document together (POST /v1/rerank), not one that makes vectors."""
+        return self.pooling == "rank"
 
 
 def embedding_file(meta: dict, path: Path, where: str) -> EmbeddingFile:
-    """The embedding model in a GGUF's header (`meta`), or ModelsError saying why it is none this daemon serves."""
+    """The embedding model or reranker in a GGUF's header (`meta`), or ModelsError saying why it is none this daemon
+    serves."""
     arch = str(meta.get("general.architecture", ""))
     pooling = int(meta.get(f"{arch}.pooling_type", 0) or 0)
-    if pooling not in (1, 2, 3):
-        raise ModelsError(f"{where}: {path.name} pools its tokens as {POOLING_NAMES.get(pooling, pooling)} (a "
-                          "reranker's), not into a vector; only mean, CLS and last-token embedding models serve")
+    if pooling not in POOLING_NAMES:
+        raise ModelsError(f"{where}: {path.name} has pooling type {pooling}, which this llama.cpp does not know; "
+                          "mean, CLS and last-token embedding models and rerankers (rank) serve")
     return EmbeddingFile(arch, int(meta.get(f"{arch}.embedding_length", 0)),
                          int(meta.get(f"{arch}.context_length", 0)), POOLING_NAMES[pooling])
 
@@ -173,6 +179,7 @@ def plan_embedding(entry: ModelEntry, where: str, path: Path, meta: dict, backen
     spec = EngineSpec(backend=backend, role=Role.EMBED, pool=Pool.EMBED, model_path=str(path),
                       model_name=entry.name, n_ctx=n_ctx, max_batch_size=1, threads=placement.threads,
                       placement=replace(placement, role="embed"), repack=repack)
-    log.info("embedding model %s: %s (%s, %d dimensions, %s pooling, %d tokens an input, %d threads, load %s)",
-             entry.name, path.name, file.arch, file.n_embd, file.pooling, n_ctx, placement.threads, entry.load)
+    log.info("%s %s: %s (%s, %d dimensions, %s pooling, %d tokens an input, %d threads, load %s)",
+             "reranker" if file.reranker else "embedding model", entry.name, path.name, file.arch, file.n_embd,
+             file.pooling, n_ctx, placement.threads, entry.load)
     return EmbeddingModel(entry, path, file, spec)

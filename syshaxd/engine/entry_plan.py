@@ -47,7 +47,7 @@ def plan_entries(cfg: Config, chat_model: str, chat_model_path: Path, env: Mappi
         except ModelsError as exc:
             if i < len(cfg.models):
                 raise
-            # a file of the folder that cannot serve (a reranker, one still downloading) is left out, as
+            # a file of the folder that cannot serve (an unknown pooling type, one still downloading) is left out, as
             # llama-server's router leaves it; an entry written by hand stops the start
             log.warning("%s; not served", exc)
     _check_memory(models, cfg.max_loaded_models, cfg, chat_model_path, strict=not cfg.models_dir)

@@ -432,11 +432,16 @@ class Submit:
 @dataclass(frozen=True)
 class EmbedRequest:
     """One /v1/embeddings request's inputs for an embedding engine, in order: each a text (the engine tokenizes it
-    as the model does: its BOS or EOS where the model adds them) or token ids, sent as they are."""
+    as the model does: its BOS or EOS where the model adds them) or token ids, sent as they are.
+
+    For a reranker (a model whose pooling is "rank"), `query` is set (a /v1/rerank request): each input is then a
+    document's text, which the engine puts beside the query as the model asks (its "rerank" template, or llama.cpp's
+    query-separator-document form), and each answer is the model's scores of that pair, not a vector."""
 
     request_id: str
     inputs: tuple[str | tuple[int, ...], ...]
     normalize: bool = True  # each vector scaled to length 1 (OpenAI's embeddings are)
+    query: str | None = None  # a reranker's query; None: an embeddings request
 
 
 @dataclass(frozen=True)
@@ -447,7 +452,8 @@ class Embed:
 @dataclass(frozen=True)
 class Embedded:
     """An EmbedRequest's answer: one vector per input, in order, each float32 little-endian bytes (OpenAI's base64
-    form before base64), and the tokens the inputs took."""
+    form before base64), and the tokens the inputs took. A reranker's vector is its scores of the pair, the first
+    the relevance (Qwen3-Reranker's: P(yes), P(no))."""
 
     request_id: str
     vectors: tuple[bytes, ...]

@@ -3,7 +3,8 @@ every request waiting taken in turn.
 
 The model's own pooling (its GGUF's pooling_type: mean, CLS, last token) makes one vector of each input, as
 llama-server's /v1/embeddings does; a model without one is a chat model, which the daemon refuses as an embedding
-model before it gets here.
+model before it gets here. A reranker (pooling "rank": Qwen3-Reranker) gives its classifier's scores of a query
+and a document instead, each pair one input, written as llama-server's /v1/rerank writes it (pair_tokens).
 
 One input a pass, because then an input's vector is the same whatever else is asked at the same time: several
 inputs in one pass multiply hundreds of rows at once, and llama.cpp's matrix kernels sum a row in another order
@@ -32,7 +33,7 @@ from syshaxd.sdk.types import Embedded, EmbedRequest, EngineSpec, EngineStats, R
 log = logging.getLogger("syshax_llamacpp.embedding")
 
 POOLING = {llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean", llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
-           llama_cpp.LLAMA_POOLING_TYPE_LAST: "last"}
+           llama_cpp.LLAMA_POOLING_TYPE_LAST: "last", llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank"}
 RATE_WINDOW = 5.0  # seconds of passes the tokens_per_second stat averages
 
 def _meta(model, key: str) -> str:
@@ -58,7 +59,8 @@ class _Pending:
 
 class LlamaCppEmbedder:
     """The SDK's Engine for Role.EMBED: `embed` queues a request (or refuses it at once, naming the input and by how
-    many tokens it is over), `step` runs one input of the request whose turn it is."""
+    many tokens it is over), `step` runs one input of the request whose turn it is (a reranker's: one document
+    beside the query)."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -96,8 +98,13 @@ class LlamaCppEmbedder:
         self.pooling = POOLING.get(llama_cpp.llama_pooling_type(self.ctx), "")
         if not self.pooling:
             self.close()
-            raise RuntimeError(f"{spec.model_path} has no pooling type (mean, CLS or last token): it is not an "
-                               "embedding model")
+            raise RuntimeError(f"{spec.model_path} has no pooling type (mean, CLS, last token or rank): it is not "
+                               "an embedding model or a reranker")
+        self.reranker = self.pooling == "rank"
+        # what a pass gives: a vector, or a reranker's n_cls_out scores (llama.cpp's "rank" pooling)
+        self.n_out = llama_cpp.llama_model_n_cls_out(self.model) if self.reranker else self.n_embd
+        template = llama_cpp.llama_model_chat_template(self.model, b"rerank") if self.reranker else None
+        self.rerank_template = template.decode("utf-8", "replace") if template else ""
         self.batch = llama_cpp.llama_batch_init(self.n_ctx, 0, 1)
         self.queue: deque[_Pending] = deque()
         self._inputs = self._tokens = self._passes = self._finished = 0
@@ -107,7 +114,7 @@ class LlamaCppEmbedder:
 
     def info(self) -> dict:
         return {"model_name": self.spec.model_name, "n_ctx": self.n_ctx, "max_batch_size": 1,
-                "n_embd": self.n_embd, "pooling": self.pooling, "arch": self.arch,
+                "n_embd": self.n_embd, "pooling": self.pooling, "arch": self.arch, "n_out": self.n_out,
                 "kernels": self.kernels.kernels, "kernels_why": self.kernels.why}
 
     def submit(self, request, handling=None) -> list:
@@ -115,15 +122,26 @@ class LlamaCppEmbedder:
                          "makes vectors (POST /v1/embeddings), not text", code="model_not_supported", param="model")]
 
     def embed(self, request: EmbedRequest) -> list:
+        reranking = request.query is not None
+        if reranking != self.reranker:  # the daemon sends each kind of request to its kind of model; never here
+            why = (f"{self.spec.model_name} is a reranker: it scores documents against a query (POST /v1/rerank)"
+                   if self.reranker else f"{self.spec.model_name} makes vectors (POST /v1/embeddings); it is no "
+                   "reranker")
+            return [Rejected(request.request_id, Refusal.INVALID, why, code="model_not_supported", param="model")]
+        param = "documents" if reranking else "input"
         tokens: list[list[int]] = []
         for i, item in enumerate(request.inputs):
-            ids = self._tokenize(item) if isinstance(item, str) else list(item)
-            why = self._refusal(i, ids, isinstance(item, str), len(request.inputs))
+            if reranking:
+                ids = self._pair_tokens(str(request.query), str(item))
+            else:
+                ids = self._tokenize(item) if isinstance(item, str) else list(item)
+            why = self._refusal(i, ids, isinstance(item, str), len(request.inputs), param)
             if why:
                 return [Rejected(request.request_id, Refusal.INVALID, why, code="context_length_exceeded"
-                                 if "over" in why else "invalid_value", param="input")]
+                                 if "over" in why else "invalid_value", param=param)]
             tokens.append(ids)
-        self.queue.append(_Pending(request.request_id, tokens, request.normalize, [None] * len(tokens)))
+        self.queue.append(_Pending(request.request_id, tokens, request.normalize and not reranking,
+                                   [None] * len(tokens)))
         return []
 
     def cancel(self, request_id: str) -> list:
@@ -154,7 +172,7 @@ class LlamaCppEmbedder:
         ptr = llama_cpp.llama_get_embeddings_seq(self.ctx, 0)
         if not ptr:
             return self._failed(pending, "llama.cpp gave no pooled vector")
-        vector = np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).astype("<f4")
+        vector = np.ctypeslib.as_array(ptr, shape=(self.n_out,)).astype("<f4")
         if pending.normalize:
             norm = float(np.linalg.norm(vector))
             vector = vector / norm if norm > 0 else vector
@@ -186,7 +204,8 @@ class LlamaCppEmbedder:
         """A short input and one of n_ctx tokens (the largest pass): kernels that crash here, or a pass that does not
         fit in memory, fail before the worker says ready."""
         token = 0 if self.n_vocab <= 1 else 1
-        self.embed(EmbedRequest("warm-up", ((token,) * min(self.n_ctx, 8), (token,) * self.n_ctx)))
+        tokens = [[token] * min(self.n_ctx, 8), [token] * self.n_ctx]  # queued as they are, a reranker's too
+        self.queue.append(_Pending("warm-up", tokens, False, [None] * len(tokens)))
         while self.queue:
             for event in self.step():
                 if isinstance(event, Rejected):
@@ -207,29 +226,48 @@ class LlamaCppEmbedder:
 
     # --- inputs -----------------------------------------------------------------------------
 
-    def _tokenize(self, text: str) -> list[int]:
-        """The text's tokens as llama-server tokenizes an embedding input: the model's BOS/EOS added, and special
-        tokens written in the text read as such (Qwen3-Embedding asks for its <|endoftext|> at the end)."""
+    def _tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """The text's tokens as llama-server tokenizes an embedding input: the model's BOS/EOS added (unless
+        add_special is False), and special tokens written in the text read as such (Qwen3-Embedding asks for its
+        <|endoftext|> at the end)."""
         data = text.encode("utf-8")
         vocab = llama_cpp.llama_model_get_vocab(self.model)
         room = len(data) + 8
         buf = (llama_cpp.llama_token * room)()
-        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, True, True)
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_special, True)
         if n < 0:  # never with a byte a token at most, but llama.cpp says how many it needs
             room = -n
             buf = (llama_cpp.llama_token * room)()
-            n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, True, True)
+            n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_special, True)
         return list(buf[:n])
 
-    def _refusal(self, index: int, ids: list[int], text: bool, count: int) -> str:
-        where = f"input[{index}]" if count > 1 else "input"
+    def _pair_tokens(self, query: str, document: str) -> list[int]:
+        """A reranker's input, as llama-server writes it (format_prompt_rerank): the model's "rerank" template with
+        {query} and {document} filled in, its special tokens read as such; else BOS, the query, EOS, SEP, the
+        document, EOS, each where the vocabulary adds it (a cross-encoder's [CLS] query [SEP] document [SEP])."""
+        if self.rerank_template:
+            prompt = self.rerank_template.replace("{query}", query).replace("{document}", document)
+            return self._tokenize(prompt, add_special=False)
+        vocab = llama_cpp.llama_model_get_vocab(self.model)
+        eos = llama_cpp.llama_vocab_eos(vocab)
+        if eos == llama_cpp.LLAMA_TOKEN_NULL:
+            eos = llama_cpp.llama_vocab_sep(vocab)
+        add_eos = llama_cpp.llama_vocab_get_add_eos(vocab)
+        ids = [llama_cpp.llama_vocab_bos(vocab)] if llama_cpp.llama_vocab_get_add_bos(vocab) else []
+        ids += self._tokenize(query, add_special=False) + ([eos] if add_eos else [])
+        ids += [llama_cpp.llama_vocab_sep(vocab)] if llama_cpp.llama_vocab_get_add_sep(vocab) else []
+        return ids + self._tokenize(document, add_special=False) + ([eos] if add_eos else [])
+
+    def _refusal(self, index: int, ids: list[int], text: bool, count: int, param: str = "input") -> str:
+        where = f"{param}[{index}]" if count > 1 or param == "documents" else param
+        what = "with the query and the model's prompt around it, " if param == "documents" else ""
         if not ids:
             return f"{where} is empty{' after tokenization' if text else ''}; send at least one token"
         if len(ids) > self.n_ctx:
             more = (f"; the n_ctx of its [[models]] entry raises that up to the model's {self.trained}"
                     if self.n_ctx < self.trained else "")
-            return (f"{where} has {len(ids)} tokens, {len(ids) - self.n_ctx} over the {self.n_ctx} an input may hold "
-                    f"here; shorten or split it{more}")
+            return (f"{where} has {len(ids)} tokens, {what}{len(ids) - self.n_ctx} over the {self.n_ctx} an input "
+                    f"may hold here; shorten or split it{more}")
         bad = next((t for t in ids if not 0 <= t < self.n_vocab), None)
         if bad is not None:
             return f"{where} holds token id {bad}, which this model's vocabulary (0 to {self.n_vocab - 1}) has not"

@@ -122,8 +122,11 @@ def _refuse_embedding_model(request: web.Request, body: dict) -> None:
     model = body.get("model")
     entries = request.app[SCHEDULER].entries
     if isinstance(model, str) and model in entries and entries[model].kind == "embedding":
-        raise invalid(f"`{model}` is an embedding model: it makes vectors (POST /v1/embeddings), not text. Send "
-                      f"this request to `{request.app[MODEL_NAME]}`.", param="model", code="model_not_supported")
+        what = ("a reranker: it scores documents against a query (POST /v1/rerank)"
+                if getattr(getattr(entries[model], "file", None), "reranker", False)
+                else "an embedding model: it makes vectors (POST /v1/embeddings)")
+        raise invalid(f"`{model}` is {what}, not text. Send this request to `{request.app[MODEL_NAME]}`.",
+                      param="model", code="model_not_supported")
 
 
 def route_of(stream: RequestStream) -> dict:

@@ -80,23 +80,33 @@ def _is_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _chosen_model(request: web.Request, body: dict) -> EmbeddingModel:
+def chosen_model(request: web.Request, body: dict, rerank: bool = False) -> EmbeddingModel:
+    """The embedding model (or, for /v1/rerank, the reranker) that `model` names; a 400 or 404 that says which
+    models this server has for the request."""
     entries = request.app[SCHEDULER].entries
-    names = ", ".join(f"`{m.name}`" for m in entries.of_kind("embedding")) or "none (add a [[models]] entry)"
+    kind = "rerankers" if rerank else "embedding models"
+    served = [m for m in entries.of_kind("embedding") if isinstance(m, EmbeddingModel) and m.file.reranker == rerank]
+    names = ", ".join(f"`{m.name}`" for m in served) or "none (add a [[models]] entry)"
     model = body.get("model")
     if model is None:
-        raise invalid(f"you must provide a model parameter; this server's embedding models: {names}",
+        raise invalid(f"you must provide a model parameter; this server's {kind}: {names}",
                       param="model", code="missing_required_parameter")
     if not isinstance(model, str):
         raise type_error("model", "a string", model)
     if model == request.app[MODEL_NAME] or (model in entries and entries[model].kind == "chat"):
-        raise invalid(f"`{model}` is a chat model: it has no pooling to make one vector of an input. Send an "
-                      f"embedding model; this server's: {names}.", param="model", code="model_not_supported")
+        what = "score a query and a document together" if rerank else "make one vector of an input"
+        raise invalid(f"`{model}` is a chat model: it has no pooling to {what}. Send one of this server's {kind}: "
+                      f"{names}.", param="model", code="model_not_supported")
     if model not in entries:
-        raise APIError(404, f"The model `{model}` does not exist. This server's embedding models: {names}.",
+        raise APIError(404, f"The model `{model}` does not exist. This server's {kind}: {names}.",
                        param="model", code="model_not_found")
     chosen = entries[model]
     assert isinstance(chosen, EmbeddingModel)
+    if chosen.file.reranker != rerank:
+        why = ("is an embedding model: it makes vectors (POST /v1/embeddings), not scores" if rerank else
+               "is a reranker: it scores documents against a query (POST /v1/rerank), not texts into vectors")
+        raise invalid(f"`{model}` {why}. Send one of this server's {kind}: {names}.", param="model",
+                      code="model_not_supported")
     return chosen
 
 
@@ -105,7 +115,7 @@ def _parse(request: web.Request, body: dict) -> tuple[EmbeddingModel, tuple, str
     if unknown:
         raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
                       code="unknown_parameter")
-    model = _chosen_model(request, body)
+    model = chosen_model(request, body)
     inputs = parse_inputs(body.get("input"))
     encoding = body.get("encoding_format")
     if encoding is None:
@@ -131,31 +141,42 @@ def _parse(request: web.Request, body: dict) -> tuple[EmbeddingModel, tuple, str
 @routes.post("/v1/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
     """Vectors of the inputs from an embedding model of [[models]]."""
+    return await counted(request, _answered)
+
+
+async def counted(request: web.Request, answered) -> web.Response:
+    """answered(request) counted as one request in flight (a drain waits for it), or a 503 while draining."""
     try:
         with request.app[STATE].one_request():
-            return await _answered(request)
+            return await answered(request)
     except Draining as exc:
         raise APIError(503, f"syshaxd is draining ({exc}) and takes no new requests; retry shortly or send the "
                        "request to another instance.", type="server_error", code="draining",
                        headers={"Retry-After": "5"}) from None
 
 
-async def _answered(request: web.Request) -> web.Response:
-    body = await read_body(request)
-    model, inputs, encoding = _parse(request, body)
+async def answer_of(request: web.Request, model: EmbeddingModel, embed: EmbedRequest) -> Embedded | None:
+    """The model's answer to the request (None: the client left, and its inputs were dropped); the engine's refusal
+    as its status (400, 503, 500), the worker's loss or a timeout as a 503."""
     timeout = request.app[STATE].config.request_timeout
-    embed = EmbedRequest(f"embd-{uuid.uuid4().hex}", inputs)
     try:
         event = await embedders.embed(request.app[SCHEDULER].entries, model.name, embed, timeout,
                                       lambda: client_gone(request))
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), type="server_error", code="model_unavailable",
                        headers={} if exc.final else {"Retry-After": "5"}) from None
-    if event is None:  # the client left: nothing to answer, and its inputs were dropped
-        return web.Response(status=499, text="client closed the request")
-    if not isinstance(event, Embedded):
+    if event is not None and not isinstance(event, Embedded):
         raise APIError(_STATUS[event.kind], event.message, param=event.param, code=event.code,
                        type="invalid_request_error" if event.kind == Refusal.INVALID else "server_error")
+    return event
+
+
+async def _answered(request: web.Request) -> web.Response:
+    body = await read_body(request)
+    model, inputs, encoding = _parse(request, body)
+    event = await answer_of(request, model, EmbedRequest(f"embd-{uuid.uuid4().hex}", inputs))
+    if event is None:  # the client left: nothing to answer, and its inputs were dropped
+        return web.Response(status=499, text="client closed the request")
     answer = {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, encoding)}
                                          for i, v in enumerate(event.vectors)],
               "model": model.name, "usage": {"prompt_tokens": event.n_tokens, "total_tokens": event.n_tokens}}
