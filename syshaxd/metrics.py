@@ -235,16 +235,16 @@ class RequestTimer:
 
 
 def _embedding_families(models):
-    """The embedding models of [[models]], each under its own model_name."""
+    """The embedding models and rerankers of [[models]], each under its own model_name."""
     labels = ["model_name"]
     loaded = GaugeMetricFamily("syshax_embedding_model_loaded", "1 while an embedding model's worker is ready, "
                                "else 0 (unloaded, loading, restarting or failed).", labels=labels)
-    requests = CounterMetricFamily("syshax_embedding_requests", "Embeddings requests an embedding model answered "
-                                   "(refused ones included).", labels=labels)
-    inputs = CounterMetricFamily("syshax_embedding_inputs", "Inputs an embedding model made vectors of.",
-                                 labels=labels)
+    requests = CounterMetricFamily("syshax_embedding_requests", "Embeddings requests an embedding model answered, "
+                                   "rerank requests a reranker answered (refused ones included).", labels=labels)
+    inputs = CounterMetricFamily("syshax_embedding_inputs", "Inputs an embedding model made vectors of (a "
+                                 "reranker's: documents it scored).", labels=labels)
     tokens = CounterMetricFamily("syshax_embedding_tokens", "Tokens of the inputs an embedding model made vectors "
-                                 "of (usage.prompt_tokens).", labels=labels)
+                                 "of, or of the pairs a reranker scored (usage.prompt_tokens).", labels=labels)
     for m in models:
         loaded.add_metric([m.name], 1.0 if m.state == HandleState.READY else 0.0)
         requests.add_metric([m.name], m.requests)

@@ -63,8 +63,8 @@ def print_status(st: dict) -> None:
             print(f"{'':<{wide}} error: {w.error}")
     for m in sched.embedding_models:
         runs = m.worker  # None until an on-demand model is asked for
-        kind = "reranker" if m.pooling == "rank" else "embedding model"
-        print(f"{kind} {m.name} ({m.file}, {m.dimensions} dimensions, {m.pooling} pooling): {m.state}"
+        shape = "rank pooling" if m.pooling == "rank" else f"{m.dimensions} dimensions, {m.pooling} pooling"
+        print(f"{'reranker' if m.pooling == 'rank' else 'embedding model'} {m.name} ({m.file}, {shape}): {m.state}"
               + (f", pid {runs.pid}, cpus {format_cpulist(runs.cpus) or '-'}" if runs is not None and runs.pid else "")
               + f"; {m.requests} requests, {m.inputs} inputs, {m.tokens} tokens"
               + (f", {m.refused} refused" if m.refused else "") + f" (load {m.load}, {m.n_ctx} tokens an input)" + (f"; error: {runs.error}" if runs is not None and runs.error else ""))

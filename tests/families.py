@@ -107,6 +107,9 @@ class Family:
     # the pre-tokenizer the converter writes for a vocabulary made here, whose hash it cannot know (it names a
     # BPE pre-tokenizer by the hash of a real model's token ids): "" keeps the converter's own check
     tokenizer_pre: str = ""
+    # a Qwen3-Reranker: the HF folder gets the model card's heading, by which llama.cpp's converter knows one (it
+    # then writes "rank" pooling, a "yes"/"no" classifier and the rerank prompt)
+    reranker: bool = False
 
 
 _LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -298,12 +301,13 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
                 max_position_embeddings=512, initializer_range=0.1),
            pooling="mean", tokenizer_pre="bert-bge"),
     Family("qwen3-reranker", "Qwen3ForCausalLM",
-           "a reranker as Qwen3-Reranker is one: the qwen3 arch, which llama.cpp's converter (by the folder's name) "
+           "a reranker as Qwen3-Reranker is one: the qwen3 arch, which llama.cpp's converter (by the model card) "
            "writes with pooling_type RANK, a two-row classifier of the LM head's rows for \"yes\" and \"no\", and "
            "Qwen3-Reranker's prompt as the file's \"rerank\" template; the score is P(yes)",
            _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
            dict(_DENSE, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+           reranker=True),
     Family("qwen3-embedding", "Qwen3ForCausalLM",
            "an embedding model as Qwen3-Embedding is one: the qwen3 arch with last-token pooling (sentence-"
            "transformers' modules.json and 1_Pooling), so the GGUF carries pooling_type LAST",
@@ -339,6 +343,15 @@ SHAPE_SPECS: dict[str, Family] = {f.name: f for f in [
                 intermediate_size=3072, max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
                 tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
            pooling="lasttoken"),
+    Family("qwen3-reranker-0.6b-shape", "Qwen3ForCausalLM",
+           "Qwen3-Reranker-0.6B's shape: Qwen3-Embedding-0.6B's (qwen3 arch, hidden 1024, 28 layers, 16 heads and 8 KV "
+           "heads of head_dim 128, intermediate 3072, tied embeddings), converted as a reranker (rank pooling, the "
+           "yes/no classifier, the rerank prompt); SmolLM2's 49152-token vocabulary, Qwen3 template",
+           _QWEN3_BPE, "Qwen-Qwen3-0.6B.jinja",
+           dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                intermediate_size=3072, max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6,
+                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+           reranker=True),
     Family("qwen2-1.5b-shape", "Qwen2ForCausalLM",
            "Qwen2-1.5B's shape: qwen2 arch, hidden 1536, 28 layers, 12 heads, 2 KV heads (head_dim 128), "
            "intermediate 8960, QKV biases, tied embeddings, rope theta 1e6; SmolLM2's 49152-token vocabulary "
@@ -395,7 +408,7 @@ def recipe_key(family: str) -> str:
 def _spec_key(spec: Family, *extra) -> str:
     # a field at its empty default is left out, so that adding one keeps the other families' files
     fields = {k: v for k, v in asdict(spec).items()
-              if k != "note" and not (k in ("convert_args", "pooling", "tokenizer_pre") and not v)}
+              if k != "note" and not (k in ("convert_args", "pooling", "tokenizer_pre", "reranker") and not v)}
     text = json.dumps([RECIPE, SEED, LLAMA_VERSION, fields, *extra], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
@@ -582,6 +595,8 @@ def _build_hf(spec: Family, out: Path, low_memory: bool = False) -> None:
     model.save_pretrained(out)
     if spec.pooling:
         _write_pooling(out, spec.pooling, config.hidden_size)
+    if spec.reranker:
+        (out / "README.md").write_text("# Qwen3-Reranker\n\nA tiny random model of its shape, for tests.\n")
 
 
 def _write_pooling(out: Path, pooling: str, dim: int) -> None:

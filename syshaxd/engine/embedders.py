@@ -70,6 +70,10 @@ class EmbeddingModel(EntryModel):
         self.tokens = 0
         self.refused = 0
 
+    @property
+    def kind_name(self) -> str:
+        return "reranker" if self.file.reranker else "embedding model"
+
     def _new_handle(self) -> WorkerHandle:
         if self.make_handle is None:
             raise RuntimeError(f"embedding model {self.name}: no worker factory (bind_workers)")
@@ -92,7 +96,7 @@ class EmbeddingModel(EntryModel):
         if event is None:
             return None
         if isinstance(event, WorkerLost):
-            raise EngineUnavailable(f"embedding model {self.name}'s worker {event.why}; retry the request")
+            raise EngineUnavailable(f"{self.kind_name} {self.name}'s worker {event.why}; retry the request")
         self.requests += 1
         if isinstance(event, Embedded):
             self.inputs += len(event.vectors)
@@ -109,7 +113,7 @@ class EmbeddingModel(EntryModel):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     stream.cancel()
-                    raise EngineUnavailable(f"embedding model {self.name} gave no vectors within request_timeout")
+                    raise EngineUnavailable(f"{self.kind_name} {self.name} gave no answer within request_timeout")
                 done, _ = await asyncio.wait({waiting}, timeout=min(left, CLIENT_CHECK))
                 if done:
                     return waiting.result()

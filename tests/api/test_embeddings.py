@@ -209,6 +209,7 @@ def test_bert_vectors_match_transformers(daemon, client, bert_reference):
     ({"model": "embed", "input": [1, "a"]}, 400, "Invalid type for 'input[0]'"),
     ({"model": "embed", "input": [10**9]}, 400, "token id 1000000000"),
     ({"model": "embed", "input": 7}, 400, "Invalid type for 'input'"),
+    ({"model": "embed", "input": ["a", "\ud800"]}, 400, "'input[1]': character 0 is a lone UTF-16 surrogate"),
     ({"model": "embed"}, 400, "you must provide 'input'"),
     ({"input": "a"}, 400, "you must provide a model"),
     ({"model": "embed", "input": "a", "encoding_format": "int8"}, 400, "encoding_format"),

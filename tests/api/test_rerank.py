@@ -142,6 +142,30 @@ def test_an_over_long_pair_says_by_how_much(daemon):
     assert "over the 256 an input may hold here" in message
 
 
+def test_a_query_too_long_for_any_document_names_the_query(daemon):
+    code, answer = _post(daemon, {"model": "rerank", "query": "word " * 300, "documents": ["a", "b"]})
+    assert code == 400 and answer["error"]["param"] == "query", answer
+    assert "shorten the query" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("body, where", [
+    ('{"model": "rerank", "query": "\\ud800", "documents": ["a"]}', "query"),
+    ('{"model": "rerank", "query": "q", "documents": ["a", "x\\udfff"]}', "documents[1]"),
+])
+def test_text_that_is_not_unicode_is_refused_and_the_worker_lives(daemon, body, where):
+    """A lone surrogate (JSON's \\ud800) is no text: a 400 naming the field, and the worker goes on (its pid)."""
+    import urllib.error
+    import urllib.request
+
+    pid = daemon.status()["embedding_models"][0]["worker"]["pid"]
+    request = urllib.request.Request(f"{daemon.url}/v1/rerank", body.encode(), {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=60)
+    assert caught.value.code == 400 and f"Invalid '{where}'" in caught.value.read().decode()
+    assert _post(daemon, {"model": "rerank", "query": "q", "documents": ["a"]})[0] == 200
+    assert daemon.status()["embedding_models"][0]["worker"]["pid"] == pid
+
+
 def test_other_apis_sent_to_a_reranker_say_where_to_go(daemon):
     code, answer = http_json(f"{daemon.base_url}/embeddings", {"model": "rerank", "input": "a"})
     assert code == 400 and "is a reranker: it scores documents against a query (POST /v1/rerank)" in \
@@ -152,6 +176,8 @@ def test_other_apis_sent_to_a_reranker_say_where_to_go(daemon):
     code, cards = http_json(f"{daemon.base_url}/models")
     card = next(m for m in cards["data"] if m["id"] == "rerank")
     assert card["syshax"]["pooling"] == "rank" and card["syshax"]["state"] == "ready"
+    assert "dimensions" not in card["syshax"]  # scores, not vectors
     shown = subprocess.run([sys.executable, "-m", "syshaxd.cli", "status", "--socket", str(daemon.socket)],
                            capture_output=True, text=True, timeout=60)
     assert "reranker rerank (" in shown.stdout and "rank pooling): ready" in shown.stdout, shown.stdout
+    assert "embedding model embed (" in shown.stdout and "256 dimensions, mean pooling" in shown.stdout

@@ -128,6 +128,7 @@ def test_which_paths_a_key_protects():
     assert not keys.protects("/health") and not keys.protects("/metrics") and not keys.protects("/openapi.json")
     assert not keys.protects("/v1x") and KeyCheck(("k1",), True).protects("/metrics")
     assert not KeyCheck((), True).protects("/v1/completions")  # no keys: an open API
+    assert keys.protects("/rerank") and keys.protects("/v1/rerank")  # llama-server's second path runs a model too
 
 
 def test_every_key_is_compared_in_constant_time(monkeypatch):

@@ -118,8 +118,10 @@ class LlamaCppEmbedder:
                 "kernels": self.kernels.kernels, "kernels_why": self.kernels.why}
 
     def submit(self, request, handling=None) -> list:
-        return [Rejected(request.request_id, Refusal.INVALID, f"{self.spec.model_name} is an embedding model: it "
-                         "makes vectors (POST /v1/embeddings), not text", code="model_not_supported", param="model")]
+        what = ("a reranker: it scores documents against a query (POST /v1/rerank)" if self.reranker
+                else "an embedding model: it makes vectors (POST /v1/embeddings)")
+        return [Rejected(request.request_id, Refusal.INVALID, f"{self.spec.model_name} is {what}, not text",
+                         code="model_not_supported", param="model")]
 
     def embed(self, request: EmbedRequest) -> list:
         reranking = request.query is not None
@@ -130,16 +132,27 @@ class LlamaCppEmbedder:
             return [Rejected(request.request_id, Refusal.INVALID, why, code="model_not_supported", param="model")]
         param = "documents" if reranking else "input"
         tokens: list[list[int]] = []
-        for i, item in enumerate(request.inputs):
-            if reranking:
-                ids = self._pair_tokens(str(request.query), str(item))
-            else:
-                ids = self._tokenize(item) if isinstance(item, str) else list(item)
-            why = self._refusal(i, ids, isinstance(item, str), len(request.inputs), param)
-            if why:
-                return [Rejected(request.request_id, Refusal.INVALID, why, code="context_length_exceeded"
-                                 if "over" in why else "invalid_value", param=param)]
-            tokens.append(ids)
+        try:
+            if reranking:  # a query over the limit alone is the query's fault, not its first document's
+                alone = len(self._pair_tokens(str(request.query), ""))
+                if alone > self.n_ctx:
+                    return [Rejected(request.request_id, Refusal.INVALID, f"query has {alone} tokens with the "
+                                     f"model's prompt around it, over the {self.n_ctx} a query and a document may "
+                                     "hold together here; shorten the query", code="context_length_exceeded",
+                                     param="query")]
+            for i, item in enumerate(request.inputs):
+                if reranking:
+                    ids = self._pair_tokens(str(request.query), str(item))
+                else:
+                    ids = self._tokenize(item) if isinstance(item, str) else list(item)
+                why = self._refusal(i, ids, isinstance(item, str), len(request.inputs), param)
+                if why:
+                    return [Rejected(request.request_id, Refusal.INVALID, why, code="context_length_exceeded"
+                                     if "over" in why else "invalid_value", param=param)]
+                tokens.append(ids)
+        except UnicodeEncodeError as exc:  # the API refuses such text first; a worker never dies of it
+            return [Rejected(request.request_id, Refusal.INVALID, f"a text is not valid Unicode ({exc.reason}); "
+                             "send valid UTF-8", param=param)]
         self.queue.append(_Pending(request.request_id, tokens, request.normalize and not reranking,
                                    [None] * len(tokens)))
         return []
@@ -226,26 +239,26 @@ class LlamaCppEmbedder:
 
     # --- inputs -----------------------------------------------------------------------------
 
-    def _tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    def _tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """The text's tokens as llama-server tokenizes an embedding input: the model's BOS/EOS added (unless
         add_special is False), and special tokens written in the text read as such (Qwen3-Embedding asks for its
-        <|endoftext|> at the end)."""
+        <|endoftext|> at the end; unless parse_special is False)."""
         data = text.encode("utf-8")
         vocab = llama_cpp.llama_model_get_vocab(self.model)
         room = len(data) + 8
         buf = (llama_cpp.llama_token * room)()
-        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_special, True)
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_special, parse_special)
         if n < 0:  # never with a byte a token at most, but llama.cpp says how many it needs
             room = -n
             buf = (llama_cpp.llama_token * room)()
-            n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_special, True)
+            n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, room, add_special, parse_special)
         return list(buf[:n])
 
     def _pair_tokens(self, query: str, document: str) -> list[int]:
         """A reranker's input, as llama-server writes it (format_prompt_rerank): the model's "rerank" template with
         {query} and {document} filled in, its special tokens read as such; else BOS, the query, EOS, SEP, the
         document, EOS, each where the vocabulary adds it (a cross-encoder's [CLS] query [SEP] document [SEP])."""
-        if self.rerank_template:
+        if self.rerank_template:  # (an empty template is none: llama-server would score the empty prompt)
             prompt = self.rerank_template.replace("{query}", query).replace("{document}", document)
             return self._tokenize(prompt, add_special=False)
         vocab = llama_cpp.llama_model_get_vocab(self.model)
@@ -254,9 +267,11 @@ class LlamaCppEmbedder:
             eos = llama_cpp.llama_vocab_sep(vocab)
         add_eos = llama_cpp.llama_vocab_get_add_eos(vocab)
         ids = [llama_cpp.llama_vocab_bos(vocab)] if llama_cpp.llama_vocab_get_add_bos(vocab) else []
-        ids += self._tokenize(query, add_special=False) + ([eos] if add_eos else [])
+        # the texts' own special-token text stays text here, as llama-server tokenizes them (a document holding
+        # "[SEP]" does not cut the pair)
+        ids += self._tokenize(query, add_special=False, parse_special=False) + ([eos] if add_eos else [])
         ids += [llama_cpp.llama_vocab_sep(vocab)] if llama_cpp.llama_vocab_get_add_sep(vocab) else []
-        return ids + self._tokenize(document, add_special=False) + ([eos] if add_eos else [])
+        return ids + self._tokenize(document, add_special=False, parse_special=False) + ([eos] if add_eos else [])
 
     def _refusal(self, index: int, ids: list[int], text: bool, count: int, param: str = "input") -> str:
         where = f"{param}[{index}]" if count > 1 or param == "documents" else param

@@ -68,7 +68,7 @@ def _digest(token: str) -> bytes:
 
 
 # the paths outside /v1/ that need a key too: the token endpoints, and loading and unloading models
-KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/models/load", "/models/unload"})
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/models/load", "/models/unload", "/rerank"})
 
 
 class KeyCheck:

@@ -27,7 +27,8 @@ def _entry_card(request: web.Request, model: EntryModel) -> dict:
     """A model of [[models]]: OpenAI's fields, and what it is and whether it is loaded (and why it failed)."""
     about: dict[str, str | int] = {"kind": model.kind, "state": model.state, "load": model.entry.load}
     if isinstance(model, EmbeddingModel):
-        about |= {"dimensions": model.file.n_embd, "pooling": model.file.pooling}
+        # a reranker gives scores, not vectors: no dimensions to show
+        about |= ({} if model.file.reranker else {"dimensions": model.file.n_embd}) | {"pooling": model.file.pooling}
     else:
         about |= {"mode": model.status().mode}
     if model.handle is not None and model.handle.error:

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import uuid
 
+import numpy as np
 from aiohttp import web
 
 from syshaxd.api.core.errors import invalid
 from syshaxd.api.core.generation import read_body
 from syshaxd.api.core.model_proxy import ask_keep_alive
-from syshaxd.api.core.validate import type_error
+from syshaxd.api.core.validate import _text, type_error
 from syshaxd.api.openai.embeddings import MAX_INPUTS, answer_of, chosen_model, counted
 from syshaxd.engine.embedders import EmbeddingModel
 from syshaxd.sdk.types import EmbedRequest
-
-import numpy as np
 
 routes = web.RouteTableDef()
 
@@ -42,6 +41,7 @@ def _parse(request: web.Request, body: dict) -> tuple[EmbeddingModel, str, tuple
         raise type_error("query", "a string", query)
     if not query:
         raise invalid("Invalid 'query': it must not be an empty string.", param="query")
+    _text("query", query)
     documents = body.get("documents")
     if documents is None:
         raise invalid("you must provide 'documents': an array of the texts to score", param="documents",
@@ -58,6 +58,7 @@ def _parse(request: web.Request, body: dict) -> tuple[EmbeddingModel, str, tuple
             raise type_error(f"documents[{i}]", "a string", document)
         if not document:
             raise invalid(f"Invalid 'documents[{i}]': a document must not be an empty string.", param="documents")
+        _text(f"documents[{i}]", document)
     top_n = body.get("top_n")
     if top_n is None:
         top_n = len(documents)

@@ -91,7 +91,7 @@ function renderWorkers(workers) {
 
 function embeddingRow(m) {
   // an embedding model of [[models]]: its worker, or a row saying it is unloaded until asked for
-  if (m.worker) return { ...m.worker, name: `${m.worker.name} (${m.dimensions}-d)` };
+  if (m.worker) return { ...m.worker, name: `${m.worker.name} (${m.pooling === "rank" ? "reranker" : `${m.dimensions}-d`})` };
   return { name: `embed-${m.name}`, backend: "", role: "embed", state: "unloaded", pid: null, cpus: [],
     error: "", stats: { running: 0, max_batch_size: 1, waiting: 0, kv_usage: 0, tokens_per_second: 0 } };
 }
