@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(main_async(args))
     print(f"scores of the two servers: at most {results['score_diff_max']} apart, the same order: "
           f"{results['same_order']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

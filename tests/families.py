@@ -300,6 +300,15 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
            dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, intermediate_size=512,
                 max_position_embeddings=512, initializer_range=0.1),
            pooling="mean", tokenizer_pre="bert-bge"),
+    Family("bert-reranker", "BertForSequenceClassification",
+           "a cross-encoder as ms-marco-MiniLM and bge-reranker are: the bert arch with a one-output classifier, "
+           "which llama.cpp's converter writes with its label and no pooling type (llama-server serves it with "
+           "--reranking: the [CLS] row through the classifier; BERT's pooler layer is left out), WordPiece "
+           "(a pair is [CLS] query [SEP] document [SEP])",
+           Tokenizer("wordpiece", pad="[PAD]", vocab_size=4000), "",
+           dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, intermediate_size=512,
+                max_position_embeddings=512, initializer_range=0.1, num_labels=1),
+           tokenizer_pre="bert-bge"),
     Family("qwen3-reranker", "Qwen3ForCausalLM",
            "a reranker as Qwen3-Reranker is one: the qwen3 arch, which llama.cpp's converter (by the model card) "
            "writes with pooling_type RANK, a two-row classifier of the LM head's rows for \"yes\" and \"no\", and "
@@ -322,7 +331,7 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [
 LAYOUT_FAMILIES: list[str] = ["gemma4", "gpt-oss", "deepseek3", "lfm2", "qwen35", "qwen35moe", "nemotron_h", "mamba"]
 # embedding models (a pooling type) and rerankers: served by /v1/embeddings and /v1/rerank, not chat
 # (test_embeddings.py, test_rerank.py)
-RERANKER_FAMILIES: list[str] = ["qwen3-reranker"]
+RERANKER_FAMILIES: list[str] = ["qwen3-reranker", "bert-reranker"]
 EMBEDDING_FAMILIES: list[str] = [name for name, f in FAMILY_SPECS.items() if f.pooling]
 FAMILIES: list[str] = [name for name in FAMILY_SPECS
                        if name not in LAYOUT_FAMILIES + EMBEDDING_FAMILIES + RERANKER_FAMILIES]
@@ -616,8 +625,9 @@ def _model_type(arch: str) -> str:
     import transformers
 
     auto = transformers.models.auto.modeling_auto
-    # a causal LM, or a base model (BertModel: an encoder, no LM head)
-    types = [t for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_MAPPING_NAMES)
+    # a causal LM, a base model (BertModel: an encoder, no LM head) or a classifier (a cross-encoder)
+    types = [t for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_MAPPING_NAMES,
+                               auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
              for t, name in mapping.items() if name == arch]
     if not types:
         raise FamilyModelError(f"transformers has no causal LM or base model {arch}")

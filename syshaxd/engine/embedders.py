@@ -49,6 +49,9 @@ def embedding_file(meta: dict, path: Path, where: str) -> EmbeddingFile:
     serves."""
     arch = str(meta.get("general.architecture", ""))
     pooling = int(meta.get(f"{arch}.pooling_type", 0) or 0)
+    if not pooling and meta.get(f"{arch}.classifier.output_labels"):
+        pooling = 4  # a cross-encoder (bge-reranker): a classifier without a pooling type, which llama-server's
+        # --reranking serves with rank pooling, as the worker does (syshax_llamacpp/embedding.py, cross_encoder)
     if pooling not in POOLING_NAMES:
         raise ModelsError(f"{where}: {path.name} has pooling type {pooling}, which this llama.cpp does not know; "
                           "mean, CLS and last-token embedding models and rerankers (rank) serve")

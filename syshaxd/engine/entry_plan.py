@@ -69,7 +69,8 @@ def _plan_one(cfg: Config, entry: ModelEntry, where: str, chat_model: str, topol
     except (GGUFError, OSError) as exc:
         raise ModelsError(f"{where}: {path} is not a GGUF file llama.cpp reads ({exc})") from None
     arch = str(meta.get("general.architecture", ""))
-    if int(meta.get(f"{arch}.pooling_type", 0) or 0) == 0:  # no pooling: a model that generates text
+    if int(meta.get(f"{arch}.pooling_type", 0) or 0) == 0 and not meta.get(f"{arch}.classifier.output_labels"):
+        # no pooling and no classifier (a cross-encoder's): a model that generates text
         _check_cpus(entry.cpu_affinity, topology.cpus, where)
         return plan_chat(cfg, entry, where, path, env)
     return plan_embedding(entry, where, path, meta, cfg.cpu_engine, cfg.repack, topology)

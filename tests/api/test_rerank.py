@@ -1,10 +1,14 @@
-"""POST /v1/rerank and /rerank: a reranker of [[models]] beside the chat model and an embedding model, in a real
+"""POST /v1/rerank and /rerank: rerankers of [[models]] beside the chat model and an embedding model, in a real
 daemon.
 
-The reranker is families.py's qwen3-reranker (Qwen3-Reranker's kind: the qwen3 arch, which llama.cpp's converter
+The rerankers are families.py's qwen3-reranker (Qwen3-Reranker's kind: the qwen3 arch, which llama.cpp's converter
 writes with "rank" pooling, a classifier of the LM head's "yes" and "no" rows, and the model's prompt as a "rerank"
-template). Its scores are checked against the same model in transformers, scored as Qwen3-Reranker's card scores
-it: the prompt with the query and the document, the last token's logits of "yes" and "no", softmaxed, P(yes).
+template) and bert-reranker (a cross-encoder: BERT with a one-output classifier, which the converter writes with
+its label and no pooling type, as bge-reranker's GGUFs are). Qwen3's scores are checked against the same model in
+transformers, scored as Qwen3-Reranker's card scores it: the prompt with the query and the document, the last
+token's logits of "yes" and "no", softmaxed, P(yes). The cross-encoder's against transformers' hidden states, scored
+as llama.cpp scores the file: [CLS] query [SEP] document [SEP] (transformers' own pair), the [CLS] row through the
+classifier (the converter leaves BERT's pooler layer out).
 """
 
 from __future__ import annotations
@@ -30,18 +34,18 @@ DOCUMENTS = [
 
 @pytest.fixture(scope="module")
 def files() -> tuple:
-    return make_family_model(FAMILY, MODEL_DIR / "families"), make_family_model("bert-embedding",
-                                                                                MODEL_DIR / "families")
+    return tuple(make_family_model(f, MODEL_DIR / "families") for f in (FAMILY, "bert-embedding", "bert-reranker"))
 
 
 @pytest.fixture(scope="module")
 def daemon(default_model, files, tmp_path_factory):
-    reranker, embedder = files
+    reranker, embedder, cross = files
     tmp = tmp_path_factory.mktemp("rerank")
     d = start_daemon(tmp, {"model": str(default_model), "model_name": MODEL_NAME, "n_ctx": 1024,
                            "admin_socket": str(tmp / "admin.sock")},
                      tables=f'[[models]]\nname = "rerank"\npath = "{reranker}"\nn_ctx = 256\n'
-                            f'[[models]]\nname = "embed"\npath = "{embedder}"\n')
+                            f'[[models]]\nname = "embed"\npath = "{embedder}"\n'
+                            f'[[models]]\nname = "cross"\npath = "{cross}"\nload = "on_demand"\n')
     d.socket = tmp / "admin.sock"
     yield d
     code = d.stop()
@@ -71,6 +75,24 @@ def reference() -> dict[str, tuple[int, float]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def cross_reference() -> dict[str, tuple[int, float]]:
+    """document -> (the pair's tokens, score) of the cross-encoder, from transformers' float32 hidden states."""
+    import torch
+    import transformers
+
+    tokenizer = hf_tokenizer("bert-reranker", MODEL_DIR / "families")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        hf_folder("bert-reranker", MODEL_DIR / "families"), dtype=torch.float32).eval()
+    out = {}
+    for document in DOCUMENTS:
+        ids = tokenizer(QUERY, document)["input_ids"]  # [CLS] query [SEP] document [SEP]
+        with torch.no_grad():  # token types all 0, as llama.cpp passes them
+            first = model.bert(torch.tensor([ids])).last_hidden_state[0, 0]
+            out[document] = (len(ids), float(model.classifier(first)[0]))
+    return out
+
+
 def _post(daemon, body: dict, path: str = "/v1/rerank") -> tuple[int, dict]:
     return http_json(f"{daemon.url}{path}", body)
 
@@ -92,6 +114,18 @@ def test_scores_match_transformers(daemon, reference):
     # the same pair scored alone gives the same bits: one pair a pass
     alone = _post(daemon, {"model": "rerank", "query": QUERY, "documents": [DOCUMENTS[3]]})[1]
     assert alone["results"][0]["relevance_score"] == next(r["relevance_score"] for r in results if r["index"] == 3)
+
+
+def test_a_cross_encoder_scores_as_llama_cpp_reads_it(daemon, cross_reference):
+    """A classifier GGUF with no pooling type (bge-reranker's kind) is a reranker, loaded at its first request: its
+    scores are the [CLS] row through the classifier, its raw logit (within 0.01 of transformers'), on pairs laid out
+    [CLS] query [SEP] document [SEP] as transformers lays them out, and usage counts those tokens."""
+    code, answer = _post(daemon, {"model": "cross", "query": QUERY, "documents": DOCUMENTS})
+    assert code == 200, answer
+    for r in answer["results"]:
+        assert abs(r["relevance_score"] - cross_reference[DOCUMENTS[r["index"]]][1]) < 0.01, r
+    assert answer["usage"]["prompt_tokens"] == sum(n for n, _ in cross_reference.values())
+    assert http_json(f"{daemon.base_url}/models/cross")[1]["syshax"]["pooling"] == "rank"
 
 
 def test_top_n_return_documents_and_the_plain_path(daemon):
@@ -122,10 +156,10 @@ def test_top_n_return_documents_and_the_plain_path(daemon):
      "Unrecognized request argument supplied: rank_fields"),
     ({"model": "rerank", "query": "q", "documents": ["word " * 300]}, 400,
      "documents[0] has"),
-    ({"query": "q", "documents": ["a"]}, 400, "this server's rerankers: `rerank`"),
+    ({"query": "q", "documents": ["a"]}, 400, "this server's rerankers: `rerank`, `cross`"),
     ({"model": "embed", "query": "q", "documents": ["a"]}, 400, "is an embedding model: it makes vectors"),
     ({"model": MODEL_NAME, "query": "q", "documents": ["a"]}, 400, "is a chat model"),
-    ({"model": "nope", "query": "q", "documents": ["a"]}, 404, "This server's rerankers: `rerank`."),
+    ({"model": "nope", "query": "q", "documents": ["a"]}, 404, "This server's rerankers: `rerank`, `cross`."),
 ])
 def test_bad_requests_say_why(daemon, body, status, words):
     code, answer = _post(daemon, body)

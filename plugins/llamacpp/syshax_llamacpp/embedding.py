@@ -36,6 +36,14 @@ POOLING = {llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean", llama_cpp.LLAMA_POOLING_TY
            llama_cpp.LLAMA_POOLING_TYPE_LAST: "last", llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank"}
 RATE_WINDOW = 5.0  # seconds of passes the tokens_per_second stat averages
 
+def cross_encoder(model) -> bool:
+    """A classifier with no pooling type in its header (bge-reranker, jina-reranker and other cross-encoders, as
+    llama.cpp's converter writes them): a reranker, which llama-server serves with --reranking, its "rank" pooling
+    (the first token's row through the classifier). embedders.embedding_file reads the same rule in the header."""
+    arch = _meta(model, "general.architecture")
+    return (not _meta(model, f"{arch}.pooling_type")) and llama_cpp.llama_model_cls_label(model, 0) is not None
+
+
 def _meta(model, key: str) -> str:
     buf = ctypes.create_string_buffer(64)
     n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
@@ -89,6 +97,8 @@ class LlamaCppEmbedder:
         cparams.n_seq_max = 1
         cparams.flash_attn_type = 1
         cparams.embeddings = True
+        if cross_encoder(self.model):  # (a reranker whose header says rank needs no telling)
+            cparams.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_RANK
         cparams.n_threads = cparams.n_threads_batch = spec.threads
         cparams.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)

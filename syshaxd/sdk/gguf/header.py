@@ -37,9 +37,13 @@ def _gguf_value(mv, pos: int, vtype: int):
             size = struct.calcsize(fmt) * count
             values = list(struct.iter_unpack(fmt, mv[pos:pos + size])) if count <= 1024 else None
             return values and [v[0] for v in values], pos + size
+        # short ones are kept (a classifier's output labels); long ones (the vocabulary) are not needed
+        items: list | None = [] if count <= 64 else None
         for _ in range(count):
-            _, pos = _gguf_value(mv, pos, etype)
-        return None, pos  # string arrays (the vocabulary) are not needed
+            item, pos = _gguf_value(mv, pos, etype)
+            if items is not None:
+                items.append(item)
+        return items, pos
     fmt = "<" + _GGUF_SCALARS[vtype]
     return struct.unpack_from(fmt, mv, pos)[0], pos + struct.calcsize(fmt)
 
