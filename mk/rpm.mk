@@ -14,6 +14,9 @@ RPM_PYTHON ?= $(RPM_REPO)/.venv/bin/python
 RPM_TOPDIR ?= $(RPM_REPO)/rpm/build
 RPM_MACROS ?= $(RPM_REPO)/rpm/macros.stand-in
 RPM_SPEC   := $(RPM_REPO)/rpm/syshax.spec
+# RPM_TARGET=aarch64 (a Kunpeng server's arch) or x86_64: rpmbuild --target; the package is noarch (it carries no
+# native code: llama-wheel.sh builds llama.cpp on the host it runs on), so it comes out the same for either
+RPM_TARGET ?=
 
 # What goes into Source0: the working tree as it is (committed or not), minus
 # the venv, models, build outputs and VCS data, which are never listed here.
@@ -31,8 +34,10 @@ rpm: rpm-tarball
 	@# systemd-rpm-macros, ...) are openEuler rpm names; on this Debian host
 	@# the same tools come from apt and the venv, and no rpm database knows
 	@# them, so rpmbuild's build-dependency check could only fail.
+	@# --target reads the macro files again and drops --load's: with it, the stand-ins go last in the macro path
 	rpmbuild -bb --nodeps \
-	    --load "$(RPM_MACROS)" \
+	    $(if $(RPM_TARGET),--target $(RPM_TARGET) --macros "$$(rpm --showrc | sed -n 's/^Macro path: //p'):$(RPM_MACROS)",\
+	    --load "$(RPM_MACROS)") \
 	    --define "_topdir $(RPM_TOPDIR)" \
 	    --define "syshax_build_python $(RPM_PYTHON)" \
 	    "$(RPM_SPEC)"

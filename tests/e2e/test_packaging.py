@@ -51,6 +51,21 @@ def rpm_query(package: Path, *args: str) -> str:
     return result.stdout
 
 
+def test_rpm_builds_for_a_kunpeng_server(built_rpm, tmp_path):
+    """`make rpm RPM_TARGET=aarch64` (rpmbuild --target aarch64, the arch of openEuler's Kunpeng servers) builds the
+    same noarch package: the same files and requirements, no native code in it."""
+    made = run("make", "-f", "mk/rpm.mk", "rpm", f"RPM_PYTHON={sys.executable}", "RPM_TARGET=aarch64",
+               f"RPM_TOPDIR={tmp_path}", cwd=REPO, timeout=300)
+    assert made.returncode == 0, f"make rpm RPM_TARGET=aarch64 failed:\n{made.stdout[-3000:]}\n{made.stderr[-3000:]}"
+    assert "Building for target aarch64" in made.stdout + made.stderr
+    [arm] = (tmp_path / "RPMS" / "noarch").glob(f"syshax-{package_version()}-*.noarch.rpm")
+    assert rpm_query(arm, "--qf", "%{ARCH}") == "noarch"
+    for query in (("-l",), ("-R",)):
+        assert rpm_query(arm, *query) == rpm_query(built_rpm, *query), query
+    files = rpm_query(arm, "-l").split()
+    assert len(files) > 20 and not [f for f in files if re.search(r"\.so(\.|$)|\.o$", f)]
+
+
 def test_rpm_holds_the_unit_config_and_entry_points(built_rpm):
     files = set(rpm_query(built_rpm, "-l").split())
     print(f"\n{built_rpm.name}:\n" + "\n".join(sorted(files)))
