@@ -262,6 +262,7 @@ class Service:
         self.entries.start()
         if self.entries.models:
             self._spawn(self.entries.unload_idle())  # keep_alive
+            self._spawn(self.entries.keep_started(self.cfg.worker_start_timeout))  # load = "start" stays up
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         shown = ""

@@ -300,9 +300,9 @@ class ChatModel(EntryModel):
         return isinstance(self.handle, ChildDaemon) and self.handle.was_ready
 
     def _restartable(self, handle) -> bool:
-        """A child that served and then died starts again at the next request; one that never served stays failed
-        until a load is asked for (syshax models load, POST /models/load), so requests are not each made to wait
-        for a load that fails the same way."""
+        """A child that served and then died starts again at the next request (one loaded with the daemon also by
+        itself: EntryModels.keep_started); one that never served stays failed until a load is asked for (syshax
+        models load, POST /models/load), so requests are not each made to wait for a load that fails the same way."""
         return isinstance(handle, ChildDaemon) and handle.exited and handle.was_ready
 
     def status(self) -> ChatModelStatus:

@@ -25,6 +25,9 @@ from syshaxd.model_entries import ModelEntry
 
 log = logging.getLogger(__name__)
 
+RESTART_DELAYS = (1.0, 5.0, 30.0)  # seconds before a model started with the daemon is started again by itself
+QUICK_DEATH = 60.0  # a restart within this many seconds of the one before waits the next, longer delay
+
 
 class ModelsError(ValueError):
     """A [[models]] entry cannot be served; the message names it and what to do."""
@@ -72,6 +75,8 @@ class EntryModel:
         self.requests = 0
         self.loads = 0
         self.unloads = 0
+        self.last_restart: float | None = None  # when keep_started last started it again by itself
+        self.quick_restarts = 0  # such restarts in a row, each within QUICK_DEATH seconds of the one before
 
     @property
     def name(self) -> str:
@@ -111,6 +116,20 @@ class EntryModel:
     def _restartable(self, handle: Loaded) -> bool:
         """Whether a failed `handle` is dropped and started again by the next request (a child daemon that died)."""
         return False
+
+    def needs_restart(self) -> bool:
+        """What runs it died after serving and nothing has started it again yet (a deliberate unload or stop is not
+        this: it leaves no handle, or a stopped one)."""
+        return (self.handle is not None and self.handle.state == HandleState.FAILED
+                and self._restartable(self.handle))
+
+    def restart_delay(self, now: float) -> float:
+        """Seconds to wait before starting it again by itself: RESTART_DELAYS[n] for the n-th restart in a row that
+        came within QUICK_DEATH seconds of the one before (a daemon dying at each start is not restarted in a loop)."""
+        quick = self.last_restart is not None and now - self.last_restart < QUICK_DEATH
+        self.quick_restarts = self.quick_restarts + 1 if quick else 0
+        self.last_restart = now
+        return RESTART_DELAYS[min(self.quick_restarts, len(RESTART_DELAYS) - 1)]
 
     async def load(self, deadline: float, room: Room, retry: bool = False) -> Loaded:
         """What runs the model, loading it first where it is not (room(self, deadline) unloads others to make room),
@@ -197,6 +216,7 @@ class EntryModels:
 
     def __init__(self, models: list[EntryModel], max_loaded: int = 0) -> None:
         self.models = {m.name: m for m in models}
+        self.stopping = False
         self.max_loaded = max_loaded  # 0: no bound; else the daemon's own model and the entries loaded together
         self.room: int | None = max_loaded - 1 if max_loaded else None  # entries loaded at once; None: any
 
@@ -273,7 +293,36 @@ class EntryModels:
                     log.exception("%s model %s: the unload after keep_alive failed", model.kind, model.name)
             await asyncio.sleep(every)
 
+    async def keep_started(self, timeout: float, every: float = 0.5) -> None:
+        """Run while the daemon serves: a model loaded with the daemon (load = "start") whose daemon died after
+        serving is started again by itself, as the daemon's own workers are, not only at its next request; within
+        `timeout` (worker_start_timeout) a try. An embedding model's worker is restarted by its supervisor."""
+        restarting: dict[str, asyncio.Future] = {}
+        try:
+            while not self.stopping:
+                for model in self.models.values():
+                    task = restarting.get(model.name)
+                    if model.entry.load == "start" and model.needs_restart() and (task is None or task.done()):
+                        restarting[model.name] = asyncio.ensure_future(self._restart(model, timeout))
+                await asyncio.sleep(every)
+        finally:  # the daemon stops: no model is started again behind its back
+            for task in restarting.values():
+                task.cancel()
+
+    async def _restart(self, model: EntryModel, timeout: float) -> None:
+        delay = model.restart_delay(time.monotonic())
+        log.warning("%s model %s: what served it died; starting it again in %gs (load = \"start\")", model.kind,
+                    model.name, delay)
+        await asyncio.sleep(delay)
+        if self.stopping or not model.needs_restart():  # a request started it first, it was unloaded, or we stop
+            return
+        try:
+            await model.load(time.monotonic() + timeout, self.make_room)
+        except EngineUnavailable as exc:
+            log.error("%s model %s: not started again: %s", model.kind, model.name, exc)
+
     async def stop(self) -> None:
+        self.stopping = True  # keep_started starts nothing again from here on
         await asyncio.gather(*(h.stop() for h in self.handles))
 
     def reconfigure(self, cfg: Any) -> None:

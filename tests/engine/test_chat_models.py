@@ -116,16 +116,19 @@ def test_greedy_texts_equal_a_single_model_daemons(many, alone):
                                                                                           PROMPTS[0])
 
 
-def test_a_dead_child_is_started_again_by_the_next_request(many):
-    """The daemon stays healthy (its own model serves); the model's next request starts its daemon again."""
+def test_a_dead_child_loaded_at_start_is_started_again_by_itself(many):
+    """The daemon stays healthy (its own model serves); a model with load = "start" whose daemon died is started
+    again a second later, no request asking for it, and answers as before."""
     want = _chat(many, "second", PROMPTS[2])
     status = _chat_status(many, "second")
     assert status["loads"] == 1  # (loaded once, at start: a later load would keep /health up by itself)
     os.kill(status["pid"], signal.SIGKILL)
-    wait_for(lambda: _chat_status(many, "second")["state"] == "failed", 30, "the daemon to see its child die")
     assert http_json(f"{many.url}/health")[0] == 200
-    assert _chat(many, "second", PROMPTS[2]) == want
+    wait_for(lambda: _chat_status(many, "second")["state"] == "ready"
+             and _chat_status(many, "second")["pid"] not in (None, status["pid"]), 120, "second's restart")
     assert _chat_status(many, "second")["loads"] == status["loads"] + 1
+    assert 'chat model second: what served it died; starting it again in 1s (load = "start")' in many.log()
+    assert _chat(many, "second", PROMPTS[2]) == want
 
 
 def test_each_model_answers_by_name_and_the_third_loads_in_room_for_two(many):
@@ -278,16 +281,19 @@ def test_keep_alive_unloads_an_idle_chat_model(many):
 
 
 def test_a_failed_model_makes_room_first(many):
-    """A model whose daemon died holds a place under max_loaded_models but serves nothing: loading another model
-    unloads it before an idle one that serves, though it was used last."""
-    assert _client(many).embeddings.create(model="embed", input="used before second").data
-    _chat(many, "second", "used last")
-    if _states(many)["small"] != "unloaded":
-        assert _syshax(many, "models", "unload", "small").returncode == 0
-    os.kill(_chat_status(many, "second")["pid"], signal.SIGKILL)
-    wait_for(lambda: _chat_status(many, "second")["state"] == "failed", 30, "the daemon to see its child die")
-    _chat(many, "small", "make room")
-    assert _states(many) | {MODEL_NAME: None} == {MODEL_NAME: None, "second": "unloaded", "small": "ready",
+    """A model whose daemon died (an on-demand one, which only a request starts again) holds a place under
+    max_loaded_models but serves nothing: loading another model unloads it before an idle one that serves, though
+    it was used last. A model unloaded by hand stays unloaded, load = "start" or not."""
+    if _states(many)["second"] != "unloaded":
+        assert _syshax(many, "models", "unload", "second").returncode == 0
+    assert _client(many).embeddings.create(model="embed", input="used before small").data
+    _chat(many, "small", "used last")
+    os.kill(_chat_status(many, "small")["pid"], signal.SIGKILL)
+    wait_for(lambda: _chat_status(many, "small")["state"] == "failed", 30, "the daemon to see its child die")
+    time.sleep(2)  # (keep_started's time to start second, unloaded by hand, were it to)
+    assert _states(many)["second"] == "unloaded"
+    _chat(many, "second", "make room")
+    assert _states(many) | {MODEL_NAME: None} == {MODEL_NAME: None, "second": "ready", "small": "unloaded",
                                                   "embed": "ready"}
 
 
