@@ -124,3 +124,20 @@ def test_the_daemon_says_once_where_top_level_keys_now_live(tmp_path):
     assert done.returncode == 2 and "no.gguf does not exist" in done.stderr  # it read the file, then the model
     warnings = [line for line in done.stderr.splitlines() if " WARNING " in line]
     assert len(warnings) == 1 and "move port to [server]; n_ctx to [engines]" in warnings[0], done.stderr
+
+
+def test_a_reload_line_names_the_tables_it_changed():
+    """A reload's log line gives routing_rules and [[models]] by count and by name, not their whole tables."""
+    from syshaxd.api.core.state import ConfigChange
+    from syshaxd.config import from_mapping
+
+    def rule(name: str, priority: int) -> dict:
+        return {"name": name, "priority": priority, "action": {"device": "CPU"},
+                "conditions": [{"field": "model", "operator": "eq", "value": name}]}
+
+    old = from_mapping({"routing_rules": [rule("kept", 1), rule("moved", 2), rule("gone", 3)]}).routing_rules
+    new = from_mapping({"routing_rules": [rule("kept", 1), rule("moved", 5), rule("new", 4)]}).routing_rules
+    line = ConfigChange(applied={"routing_rules": (old, new), "max_queue_size": (64, 3)}).describe()
+    assert line == ("applied routing_rules 3 -> 3 (added 'new'; changed 'moved'; removed 'gone'), "
+                    "max_queue_size 64 -> 3")
+    assert ConfigChange(applied={"routing_rules": (old, old)}).describe() == "applied routing_rules 3 -> 3"

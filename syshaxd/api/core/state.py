@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from syshaxd.config import KEYS, LIVE_KEYS, MODES, Config, ConfigError, coerce, flat_keys_warning, shown
+from syshaxd.config import KEYS, LIVE_KEYS, MODES, Config, ConfigError, coerce, flat_keys_warning, plain, shown
 from syshaxd.routing_rules import RuleError, check_served
 
 log = logging.getLogger(__name__)
@@ -46,12 +46,24 @@ class ConfigChange:
             return "no keys changed"
         parts = []
         if self.applied:
-            parts.append("applied " + ", ".join(f"{k} {shown(k, o)} -> {shown(k, n)}"
-                                                for k, (o, n) in self.applied.items()))
+            parts.append("applied " + ", ".join(_changed(k, o, n) for k, (o, n) in self.applied.items()))
         if self.restart:
-            parts.append("need a restart to apply: " + ", ".join(f"{k} {shown(k, o)} -> {shown(k, n)}"
-                                                                 for k, (o, n) in self.restart.items()))
+            parts.append("need a restart to apply: " + ", ".join(_changed(k, o, n) for k, (o, n) in self.restart.items()))
         return "; ".join(parts + self.notes)
+
+
+def _changed(key: str, old: Any, new: Any) -> str:
+    """One key's change for a log line: its values, or for a list of named tables (routing_rules, [[models]]) how
+    many there are and which were added, changed or removed, by name (the whole tables would fill the line)."""
+    if key not in ("routing_rules", "models"):
+        return f"{key} {shown(key, old)} -> {shown(key, new)}"
+    before = {str(t.get("name", i)): t for i, t in enumerate(plain(key, old))}
+    after = {str(t.get("name", i)): t for i, t in enumerate(plain(key, new))}
+    what = [f"{verb} {', '.join(repr(n) for n in names)}" for verb, names in (
+        ("added", [n for n in after if n not in before]),
+        ("changed", [n for n in after if n in before and after[n] != before[n]]),
+        ("removed", [n for n in before if n not in after])) if names]
+    return f"{key} {len(before)} -> {len(after)}" + (f" ({'; '.join(what)})" if what else "")
 
 
 class ServiceState:
