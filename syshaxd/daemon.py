@@ -330,6 +330,7 @@ class Service:
     async def _drain(self) -> None:
         state = self.state
         timeout = state.config.drain_timeout
+        self.entries.stopping = True  # a model's daemon that dies now (Ctrl-C reaches the children too) stays down
         state.drain("shutting down")
         self.notifier.stopping(f"draining: {state.active} requests in progress, up to {timeout:g}s")
         self.notifier.extend_timeout(timeout + 30)

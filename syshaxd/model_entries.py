@@ -1,7 +1,7 @@
 """The `[[models]]` tables of the config: models served beside the daemon's chat model (the `model` key), by name.
 
 An entry is an embedding model (a GGUF with a pooling type), served by POST /v1/embeddings (engine/embedders.py),
-or a chat model, served by a syshaxd of its own that this daemon starts and forwards to (engine/chat_models.py); the
+a reranker (pooling "rank", or a cross-encoder's one-output classifier), served by POST /v1/rerank, or a chat model, served by a syshaxd of its own that this daemon starts and forwards to (engine/chat_models.py); the
 daemon reads the file's header at start to know which. Every key of an entry is checked here, and one this daemon
 does not know is refused by name, never ignored.
 """

@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import tomllib
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -94,6 +95,8 @@ class ChildDaemon:
         self.url = ""  # http://127.0.0.1:PORT once it serves
         self.key = secrets.token_hex(24)
         self.was_ready = False
+        self.ready_at: float | None = None  # time.monotonic() when it said it serves, and when it exited
+        self.exited_at: float | None = None
         self.exited = False
         self.folder: Path | None = None
         self.proc: asyncio.subprocess.Process | None = None
@@ -158,6 +161,7 @@ class ChildDaemon:
             if readers is not None:
                 readers.cancel()
             self.exited = True
+            self.exited_at = time.monotonic()
             self.ready.clear()
         if self.state != HandleState.STOPPED:  # not stopped by us: it died, or never served
             self._failed(self.error or f"its daemon exited with code {code} (see the lines above, under "
@@ -188,6 +192,7 @@ class ChildDaemon:
                 self.url = line[len(READY_LINE):].strip()
                 self.state = HandleState.READY
                 self.was_ready = True
+                self.ready_at = time.monotonic()
                 self.ready.set()
                 log.info("chat model %s: ready (its daemon on %s)", self.model, self.url)
                 if self._reload_when_ready:
@@ -298,6 +303,12 @@ class ChatModel(EntryModel):
 
     def served_once(self) -> bool:
         return isinstance(self.handle, ChildDaemon) and self.handle.was_ready
+
+    def served_for(self) -> float | None:
+        handle = self.handle
+        if isinstance(handle, ChildDaemon) and handle.ready_at is not None and handle.exited_at is not None:
+            return handle.exited_at - handle.ready_at
+        return None
 
     def _restartable(self, handle) -> bool:
         """A child that served and then died starts again at the next request (one loaded with the daemon also by

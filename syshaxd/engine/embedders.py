@@ -44,14 +44,28 @@ class EmbeddingFile:
         return self.pooling == "rank"
 
 
-def embedding_file(meta: dict, path: Path, where: str) -> EmbeddingFile:
-    """The embedding model or reranker in a GGUF's header (`meta`), or ModelsError saying why it is none this daemon
-    serves."""
+def file_pooling(meta: dict, tensors: list, path: Path, where: str) -> int:
+    """A GGUF's pooling as this daemon serves it (`meta`, `tensors`: read_gguf_header's): the header's pooling type;
+    4 (rank) for a cross-encoder, a classifier of one output with no pooling type (bge-reranker, jina-reranker, as
+    llama.cpp's converter writes them: with that one label, or before mid-2025 with the classifier's tensor and no
+    label), which llama-server's --reranking serves with rank pooling; 0 for none (a model that generates text).
+    ModelsError for a classifier of several outputs, which is neither."""
     arch = str(meta.get("general.architecture", ""))
     pooling = int(meta.get(f"{arch}.pooling_type", 0) or 0)
-    if not pooling and meta.get(f"{arch}.classifier.output_labels"):
-        pooling = 4  # a cross-encoder (bge-reranker): a classifier without a pooling type, which llama-server's
-        # --reranking serves with rank pooling, as the worker does (syshax_llamacpp/embedding.py, cross_encoder)
+    if pooling:
+        return pooling
+    labels = meta.get(f"{arch}.classifier.output_labels") or []
+    if len(labels) > 1:
+        raise ModelsError(f"{where}: {path.name} is a classifier of {len(labels)} outputs ({', '.join(labels)}), "
+                          "not a reranker (one output) or an embedding model (a pooling type); it is not served")
+    return 4 if labels or any(t[0] == "cls.output.weight" for t in tensors) else 0
+
+
+def embedding_file(meta: dict, tensors: list, path: Path, where: str) -> EmbeddingFile:
+    """The embedding model or reranker in a GGUF's header (read_gguf_header's `meta` and `tensors`), or ModelsError
+    saying why it is none this daemon serves."""
+    arch = str(meta.get("general.architecture", ""))
+    pooling = file_pooling(meta, tensors, path, where)
     if pooling not in POOLING_NAMES:
         raise ModelsError(f"{where}: {path.name} has pooling type {pooling}, which this llama.cpp does not know; "
                           "mean, CLS and last-token embedding models and rerankers (rank) serve")
@@ -154,9 +168,9 @@ async def embed(models: EntryModels, name: str, request: EmbedRequest, timeout: 
     return await model.embed(request, timeout, models.make_room, client_gone)
 
 
-def plan_embedding(entry: ModelEntry, where: str, path: Path, meta: dict, backend: str, repack: str,
-                   topology) -> EmbeddingModel:
-    """An embedding entry (`meta`: its GGUF's header) placed to run on `backend` (the config's cpu_engine);
+def plan_embedding(entry: ModelEntry, where: str, path: Path, meta: dict, tensors: list, backend: str,
+                   repack: str, topology) -> EmbeddingModel:
+    """An embedding entry (`meta`, `tensors`: its GGUF's header) placed to run on `backend` (the config's cpu_engine);
     ModelsError names what cannot serve."""
     from syshaxd.sdk.plugins import BackendNotFound, find_backend, make_plugin_manager
 
@@ -171,7 +185,7 @@ def plan_embedding(entry: ModelEntry, where: str, path: Path, meta: dict, backen
     if chat_keys:
         raise ModelsError(f"{where}: {', '.join(chat_keys)} set on an embedding model; an embedding model is "
                           "loaded as its file is, one input a pass (those keys are for chat models)")
-    file = embedding_file(meta, path, where)
+    file = embedding_file(meta, tensors, path, where)
     try:
         cpus = parse_cpulist(entry.cpu_affinity, what=f"{where}.cpu_affinity") if entry.cpu_affinity \
             else topology.cpus
@@ -185,7 +199,7 @@ def plan_embedding(entry: ModelEntry, where: str, path: Path, meta: dict, backen
         n_ctx = min(n_ctx, file.n_ctx_train)
     spec = EngineSpec(backend=backend, role=Role.EMBED, pool=Pool.EMBED, model_path=str(path),
                       model_name=entry.name, n_ctx=n_ctx, max_batch_size=1, threads=placement.threads,
-                      placement=replace(placement, role="embed"), repack=repack)
+                      placement=replace(placement, role="embed"), repack=repack, pooling=file.pooling)
     log.info("%s %s: %s (%s, %d dimensions, %s pooling, %d tokens an input, %d threads, load %s)",
              "reranker" if file.reranker else "embedding model", entry.name, path.name, file.arch, file.n_embd,
              file.pooling, n_ctx, placement.threads, entry.load)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,7 +27,8 @@ from syshaxd.model_entries import ModelEntry
 log = logging.getLogger(__name__)
 
 RESTART_DELAYS = (1.0, 5.0, 30.0)  # seconds before a model started with the daemon is started again by itself
-QUICK_DEATH = 60.0  # a restart within this many seconds of the one before waits the next, longer delay
+QUICK_DEATH = 60.0  # a daemon that served less than this before it died is restarted after the next, longer delay
+QUICK_DEATHS = 3  # ... and after this many such deaths in a row, not by itself again (a load by hand or a request)
 
 
 class ModelsError(ValueError):
@@ -75,8 +77,7 @@ class EntryModel:
         self.requests = 0
         self.loads = 0
         self.unloads = 0
-        self.last_restart: float | None = None  # when keep_started last started it again by itself
-        self.quick_restarts = 0  # such restarts in a row, each within QUICK_DEATH seconds of the one before
+        self.quick_deaths = 0  # deaths in a row, each within QUICK_DEATH seconds of serving (restart_delay)
 
     @property
     def name(self) -> str:
@@ -123,13 +124,35 @@ class EntryModel:
         return (self.handle is not None and self.handle.state == HandleState.FAILED
                 and self._restartable(self.handle))
 
-    def restart_delay(self, now: float) -> float:
-        """Seconds to wait before starting it again by itself: RESTART_DELAYS[n] for the n-th restart in a row that
-        came within QUICK_DEATH seconds of the one before (a daemon dying at each start is not restarted in a loop)."""
-        quick = self.last_restart is not None and now - self.last_restart < QUICK_DEATH
-        self.quick_restarts = self.quick_restarts + 1 if quick else 0
-        self.last_restart = now
-        return RESTART_DELAYS[min(self.quick_restarts, len(RESTART_DELAYS) - 1)]
+    def served_for(self) -> float | None:
+        """Seconds what runs it served before it died (None: unknown)."""
+        return None
+
+    def restart_delay(self, served_for: float | None) -> float | None:
+        """Seconds to wait before starting it again by itself, after it served `served_for` seconds and died:
+        RESTART_DELAYS[n] for the n-th death in a row that came within QUICK_DEATH seconds of serving; None once
+        QUICK_DEATHS such deaths came in a row (a daemon that dies at each start is not restarted in a loop)."""
+        quick = served_for is not None and served_for < QUICK_DEATH
+        self.quick_deaths = self.quick_deaths + 1 if quick else 0
+        if self.quick_deaths >= QUICK_DEATHS:
+            return None
+        return RESTART_DELAYS[min(self.quick_deaths, len(RESTART_DELAYS) - 1)]
+
+    async def restart(self, deadline: float, room: Room, stopping: Callable[[], bool]) -> None:
+        """Start it again now that what ran it died, under its lock: nothing happens if it no longer needs it (a
+        request started it, it was unloaded) or the daemon stops. It does not wait for the new one to be ready: an
+        unload meanwhile stops it, and one that never gets ready stays failed (needs_restart() is then False)."""
+        async with self._changing:
+            if stopping() or not self.needs_restart():
+                return
+            old, self.handle = self.handle, None  # not loaded while it makes room: no other load unloads it
+            assert old is not None
+            await asyncio.shield(old.stop())
+            await room(self, deadline)
+            if stopping():
+                return
+            log.info("%s model %s: loading (started again by itself)", self.kind, self.name)
+            self.start()
 
     async def load(self, deadline: float, room: Room, retry: bool = False) -> Loaded:
         """What runs the model, loading it first where it is not (room(self, deadline) unloads others to make room),
@@ -216,7 +239,8 @@ class EntryModels:
 
     def __init__(self, models: list[EntryModel], max_loaded: int = 0) -> None:
         self.models = {m.name: m for m in models}
-        self.stopping = False
+        self.stopping = False  # the daemon stops: keep_started starts nothing again (set at the stop signal)
+        self._restarts: dict[str, asyncio.Future] = {}  # keep_started's restarts under way, by model name
         self.max_loaded = max_loaded  # 0: no bound; else the daemon's own model and the entries loaded together
         self.room: int | None = max_loaded - 1 if max_loaded else None  # entries loaded at once; None: any
 
@@ -296,33 +320,48 @@ class EntryModels:
     async def keep_started(self, timeout: float, every: float = 0.5) -> None:
         """Run while the daemon serves: a model loaded with the daemon (load = "start") whose daemon died after
         serving is started again by itself, as the daemon's own workers are, not only at its next request; within
-        `timeout` (worker_start_timeout) a try. An embedding model's worker is restarted by its supervisor."""
-        restarting: dict[str, asyncio.Future] = {}
-        try:
-            while not self.stopping:
-                for model in self.models.values():
-                    task = restarting.get(model.name)
-                    if model.entry.load == "start" and model.needs_restart() and (task is None or task.done()):
-                        restarting[model.name] = asyncio.ensure_future(self._restart(model, timeout))
-                await asyncio.sleep(every)
-        finally:  # the daemon stops: no model is started again behind its back
-            for task in restarting.values():
-                task.cancel()
+        `timeout` (worker_start_timeout) it makes room. An embedding model's worker is restarted by its supervisor."""
+        judged: dict[str, Loaded] = {}  # each model's last dead handle already judged (each death once)
+        while not self.stopping:
+            for model in self.models.values():
+                handle = model.handle
+                if (model.entry.load != "start" or handle is None or not model.needs_restart()
+                        or judged.get(model.name) is handle or model.name in self._restarts):
+                    continue
+                judged[model.name] = handle
+                served = model.served_for()
+                delay = model.restart_delay(served)
+                if delay is None:
+                    log.error("%s model %s: what served it died %d times in a row within %gs of serving; not "
+                              "started again by itself: see its lines above, mend the cause, then `syshax models "
+                              "load %s` (or its next request loads it)", model.kind, model.name, QUICK_DEATHS,
+                              QUICK_DEATH, model.name)
+                    continue
+                log.warning("%s model %s: what served it died%s; starting it again in %gs (load = \"start\")",
+                            model.kind, model.name, f" after serving {served:.0f}s" if served is not None else "",
+                            delay)
+                task = asyncio.ensure_future(self._restart(model, delay, timeout))
+                self._restarts[model.name] = task
+                task.add_done_callback(functools.partial(self._restarted, model.name))
+            await asyncio.sleep(every)
 
-    async def _restart(self, model: EntryModel, timeout: float) -> None:
-        delay = model.restart_delay(time.monotonic())
-        log.warning("%s model %s: what served it died; starting it again in %gs (load = \"start\")", model.kind,
-                    model.name, delay)
+    def _restarted(self, name: str, _: asyncio.Future) -> None:
+        self._restarts.pop(name, None)
+
+    async def _restart(self, model: EntryModel, delay: float, timeout: float) -> None:
         await asyncio.sleep(delay)
-        if self.stopping or not model.needs_restart():  # a request started it first, it was unloaded, or we stop
-            return
         try:
-            await model.load(time.monotonic() + timeout, self.make_room)
+            await model.restart(time.monotonic() + timeout, self.make_room, lambda: self.stopping)
         except EngineUnavailable as exc:
-            log.error("%s model %s: not started again: %s", model.kind, model.name, exc)
+            log.error("%s model %s: not started again now: %s; its next request loads it, or `syshax models load "
+                      "%s`", model.kind, model.name, exc, model.name)
 
     async def stop(self) -> None:
         self.stopping = True  # keep_started starts nothing again from here on
+        restarts = list(self._restarts.values())
+        for task in restarts:  # a restart under way ends first: its child, if it started one, is a handle below
+            task.cancel()
+        await asyncio.gather(*restarts, return_exceptions=True)
         await asyncio.gather(*(h.stop() for h in self.handles))
 
     def reconfigure(self, cfg: Any) -> None:

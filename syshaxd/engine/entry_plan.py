@@ -1,6 +1,6 @@
-"""Reads each [[models]] entry's GGUF at start and plans it as what its header says it is: an embedding model (a
-pooling type: engine/embedders.py) or a chat model (none: engine/chat_models.py); ModelsError names an entry that
-cannot be served, so the daemon does not start with it."""
+"""Reads each [[models]] entry's GGUF at start and plans it as what its header says it is: an embedding model or a
+reranker (a pooling type, or a cross-encoder's classifier: engine/embedders.py) or a chat model (neither:
+engine/chat_models.py); ModelsError names an entry that cannot be served, so the daemon does not start with it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import psutil
 
 from syshaxd.config import Config
 from syshaxd.engine.chat_models import ChatModel, plan_chat
-from syshaxd.engine.embedders import EmbeddingModel, plan_embedding
+from syshaxd.engine.embedders import EmbeddingModel, file_pooling, plan_embedding
 from syshaxd.engine.entry_models import EntryModel, EntryModels, ModelsError
 from syshaxd.engine.numa import Topology, read_host_topology
 from syshaxd.model_entries import EntryError, ModelEntry, folder_entries
@@ -65,15 +65,13 @@ def _plan_one(cfg: Config, entry: ModelEntry, where: str, chat_model: str, topol
     if not path.is_file():
         raise ModelsError(f"{where}: {path} does not exist; set path to a GGUF file")
     try:
-        meta, _ = read_gguf_header(path)
+        meta, tensors = read_gguf_header(path)
     except (GGUFError, OSError) as exc:
         raise ModelsError(f"{where}: {path} is not a GGUF file llama.cpp reads ({exc})") from None
-    arch = str(meta.get("general.architecture", ""))
-    if int(meta.get(f"{arch}.pooling_type", 0) or 0) == 0 and not meta.get(f"{arch}.classifier.output_labels"):
-        # no pooling and no classifier (a cross-encoder's): a model that generates text
+    if file_pooling(meta, tensors, path, where) == 0:  # no pooling, no reranker's classifier: it generates text
         _check_cpus(entry.cpu_affinity, topology.cpus, where)
         return plan_chat(cfg, entry, where, path, env)
-    return plan_embedding(entry, where, path, meta, cfg.cpu_engine, cfg.repack, topology)
+    return plan_embedding(entry, where, path, meta, tensors, cfg.cpu_engine, cfg.repack, topology)
 
 
 def _check_cpus(affinity: str, allowed: frozenset[int], where: str) -> None:

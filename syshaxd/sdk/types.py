@@ -123,6 +123,9 @@ class EngineSpec:
     keep_generated: bool = False  # the daemon's prefix cache keeps what requests generate here (cpu mode)
     proven: Proofs | None = None  # what this worker's earlier warm-up proved (kept by the supervisor); None: prove
     repack: str = "auto"  # the llama.cpp engine's weight repacking: auto, on or off (its kernels.py)
+    # an embedding worker's pooling as the daemon read it in the GGUF's header (engine/embedders.file_pooling):
+    # "rank" for a reranker, a cross-encoder with no pooling type in its file included; "": the file's own
+    pooling: str = ""
     # Fault injection for tests (SYSHAX_FAULT in the daemon's environment; sdk/faults.py): the worker
     # kills itself with SIGSEGV at that point, as a CPU's bad kernels would. Empty in service.
     fault: str = ""

@@ -127,7 +127,10 @@ def test_a_dead_child_loaded_at_start_is_started_again_by_itself(many):
     wait_for(lambda: _chat_status(many, "second")["state"] == "ready"
              and _chat_status(many, "second")["pid"] not in (None, status["pid"]), 120, "second's restart")
     assert _chat_status(many, "second")["loads"] == status["loads"] + 1
-    assert 'chat model second: what served it died; starting it again in 1s (load = "start")' in many.log()
+    # 1 s, or 5 s if it served less than a minute before it died (QUICK_DEATH)
+    assert re.search(r'chat model second: what served it died after serving \d+s; starting it again in [15]s '
+                     r'\(load = "start"\)', many.log()), many.log()[-3000:]
+    assert "chat model second: loading (started again by itself)" in many.log()
     assert _chat(many, "second", PROMPTS[2]) == want
 
 
@@ -287,7 +290,11 @@ def test_a_failed_model_makes_room_first(many):
     if _states(many)["second"] != "unloaded":
         assert _syshax(many, "models", "unload", "second").returncode == 0
     assert _client(many).embeddings.create(model="embed", input="used before small").data
-    _chat(many, "small", "used last")
+    want = _chat(many, "small", PROMPTS[0])
+    loads = _chat_status(many, "small")["loads"]
+    os.kill(_chat_status(many, "small")["pid"], signal.SIGKILL)  # an on-demand model: its next request starts it
+    wait_for(lambda: _chat_status(many, "small")["state"] == "failed", 30, "the daemon to see its child die")
+    assert _chat(many, "small", PROMPTS[0]) == want and _chat_status(many, "small")["loads"] == loads + 1
     os.kill(_chat_status(many, "small")["pid"], signal.SIGKILL)
     wait_for(lambda: _chat_status(many, "small")["state"] == "failed", 30, "the daemon to see its child die")
     time.sleep(2)  # (keep_started's time to start second, unloaded by hand, were it to)

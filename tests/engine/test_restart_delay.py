@@ -1,19 +1,33 @@
 """How long a model of [[models]] loaded with the daemon waits before it is started again by itself (engine/
-entry_models.py): a second after a death, longer when it keeps dying soon after each restart."""
+entry_models.py): a second after a death, longer when it keeps dying soon after it serves, and never by itself
+after QUICK_DEATHS such deaths in a row."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from syshaxd.engine.entry_models import QUICK_DEATH, RESTART_DELAYS, EntryModel
+from syshaxd.engine.entry_models import QUICK_DEATH, QUICK_DEATHS, RESTART_DELAYS, EntryModel
 from syshaxd.model_entries import ModelEntry
 
 
-def test_restarts_that_come_quickly_wait_longer_each_time():
-    model = EntryModel(ModelEntry("m", "/m.gguf"), Path("/m.gguf"))
-    assert model.restart_delay(1000.0) == RESTART_DELAYS[0]  # the first death
-    assert model.restart_delay(1010.0) == RESTART_DELAYS[1]  # it died again 10 s after its restart
-    assert model.restart_delay(1020.0) == RESTART_DELAYS[2]
-    assert model.restart_delay(1030.0) == RESTART_DELAYS[-1]  # and no longer than the last
-    assert model.restart_delay(1030.0 + QUICK_DEATH + 1) == RESTART_DELAYS[0]  # it served a while: a fresh start
+def _model() -> EntryModel:
+    return EntryModel(ModelEntry("m", "/m.gguf"), Path("/m.gguf"))
+
+
+def test_a_model_that_served_long_is_restarted_at_once_every_time():
+    model = _model()
+    for _ in range(10):
+        assert model.restart_delay(QUICK_DEATH + 1) == RESTART_DELAYS[0]
+    assert model.restart_delay(None) == RESTART_DELAYS[0]  # (how long it served unknown: not counted as quick)
     assert model.needs_restart() is False  # nothing loaded, nothing to start again
+
+
+def test_deaths_soon_after_serving_wait_longer_then_stop_the_restarts():
+    """Each death within QUICK_DEATH seconds of serving waits the next delay; QUICK_DEATHS of them in a row, however
+    long its start takes (the delays and the start are not counted, only how long it served), end the restarts."""
+    model = _model()
+    delays = [model.restart_delay(5.0) for _ in range(QUICK_DEATHS)]
+    assert delays == [*RESTART_DELAYS[1:QUICK_DEATHS], None]
+    assert model.restart_delay(5.0) is None  # until it serves a while again
+    assert model.restart_delay(QUICK_DEATH * 2) == RESTART_DELAYS[0]
+    assert model.restart_delay(5.0) == RESTART_DELAYS[1]

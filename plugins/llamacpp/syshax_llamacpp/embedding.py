@@ -3,8 +3,10 @@ every request waiting taken in turn.
 
 The model's own pooling (its GGUF's pooling_type: mean, CLS, last token) makes one vector of each input, as
 llama-server's /v1/embeddings does; a model without one is a chat model, which the daemon refuses as an embedding
-model before it gets here. A reranker (pooling "rank": Qwen3-Reranker) gives its classifier's scores of a query
-and a document instead, each pair one input, written as llama-server's /v1/rerank writes it (pair_tokens).
+model before it gets here. A reranker (pooling "rank": Qwen3-Reranker, or a cross-encoder such as bge-reranker,
+whose file has no pooling type and which the daemon names one in EngineSpec.pooling, as llama-server's --reranking
+does) gives its classifier's scores of a query and a document instead, each pair one input, written as
+llama-server's /v1/rerank writes it (_pair_tokens).
 
 One input a pass, because then an input's vector is the same whatever else is asked at the same time: several
 inputs in one pass multiply hundreds of rows at once, and llama.cpp's matrix kernels sum a row in another order
@@ -35,14 +37,6 @@ log = logging.getLogger("syshax_llamacpp.embedding")
 POOLING = {llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean", llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
            llama_cpp.LLAMA_POOLING_TYPE_LAST: "last", llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank"}
 RATE_WINDOW = 5.0  # seconds of passes the tokens_per_second stat averages
-
-def cross_encoder(model) -> bool:
-    """A classifier with no pooling type in its header (bge-reranker, jina-reranker and other cross-encoders, as
-    llama.cpp's converter writes them): a reranker, which llama-server serves with --reranking, its "rank" pooling
-    (the first token's row through the classifier). embedders.embedding_file reads the same rule in the header."""
-    arch = _meta(model, "general.architecture")
-    return (not _meta(model, f"{arch}.pooling_type")) and llama_cpp.llama_model_cls_label(model, 0) is not None
-
 
 def _meta(model, key: str) -> str:
     buf = ctypes.create_string_buffer(64)
@@ -97,7 +91,7 @@ class LlamaCppEmbedder:
         cparams.n_seq_max = 1
         cparams.flash_attn_type = 1
         cparams.embeddings = True
-        if cross_encoder(self.model):  # (a reranker whose header says rank needs no telling)
+        if spec.pooling == "rank":  # the daemon's reading: a cross-encoder's file has no pooling type to say it
             cparams.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_RANK
         cparams.n_threads = cparams.n_threads_batch = spec.threads
         cparams.no_perf = True
