@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import psutil
@@ -261,6 +262,28 @@ def test_a_reload_reaches_the_chat_models_daemons(many):
     wait_for(lambda: re.search(r"model second: syshaxd: SIGHUP: reloaded .*routing_rules", many.log()[before:]), 30,
              "the child's reload")
     assert _chat(many, "second", "still serving")
+
+
+def test_a_reload_while_a_model_loads_reaches_it_once_it_serves(many):
+    """A model's daemon ends at a SIGHUP that comes before it handles one: new keys set while it loads are written
+    to its file and sent once it says it serves. Its request is answered, and it takes the keys."""
+    if _states(many)["small"] != "unloaded":
+        assert _syshax(many, "models", "unload", "small").returncode == 0
+    before = len(many.log())
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_chat, many, "small", PROMPTS[1])
+        wait_for(lambda: "chat model small: started its daemon" in many.log()[before:], 30, "small's load")
+        done = _syshax(many, "config", "set", "max_queue_size", "77")
+        assert done.returncode == 0, done.stderr
+        assert answer.result() == _chat(many, MODEL_NAME, PROMPTS[1])
+    log = many.log()[before:]
+    assert log.index('"key": "max_queue_size"') < log.index("chat model small: ready"), log[-3000:]  # while it loaded
+    # (its daemon read its file after the keys were written, or before: then the reload applies them)
+    reloaded = wait_for(lambda: re.search(r"model small: syshaxd: SIGHUP: reloaded (\S+): (no keys changed|applied "
+                                          r"max_queue_size \d+ -> 77)", many.log()[before:]), 30,
+                        "small's reload once it serves")
+    assert "max_queue_size = 77" in Path(reloaded.group(1)).read_text()
+    assert _chat_status(many, "small")["state"] == "ready"
 
 
 def test_a_requests_keep_alive_holds_until_the_unload(many):
