@@ -65,6 +65,12 @@ async def run_load(url: str, model: str, load: Load, texts: list[str]) -> dict:
     """Embeddings per second and request latency of one load on one server."""
     bodies = [{"model": model, "input": texts[i * load.batch:(i + 1) * load.batch] if load.batch > 1
                else texts[i], "encoding_format": "base64"} for i in range(load.requests)]
+    return await timed_posts(url + "/v1/embeddings", bodies, load, "embeddings")
+
+
+async def timed_posts(url: str, bodies: list[dict], load: Load, unit: str, total_s: float = 600) -> dict:
+    """The bodies posted to url by load.clients clients, each sending its next when the last is answered: `unit`
+    (load.requests * load.batch of them) a second, and the requests' latency."""
     latencies: list[float] = []
     queue: asyncio.Queue = asyncio.Queue()
     for body in bodies:
@@ -74,19 +80,18 @@ async def run_load(url: str, model: str, load: Load, texts: list[str]) -> dict:
         while not queue.empty():
             body = queue.get_nowait()
             started = time.perf_counter()
-            async with session.post(url + "/v1/embeddings", json=body) as resp:
+            async with session.post(url, json=body) as resp:
                 answer = await resp.json()
                 if resp.status != 200:
                     raise RuntimeError(f"{url}: {resp.status} {answer}")
             latencies.append(time.perf_counter() - started)
 
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=total_s)) as session:
         started = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(load.clients)))
         elapsed = time.perf_counter() - started
-    inputs = load.requests * load.batch
-    return {"inputs": inputs, "seconds": round(elapsed, 3), "embeddings_per_s": round(inputs / elapsed, 2),
+    count = load.requests * load.batch
+    return {unit: count, "seconds": round(elapsed, 3), f"{unit}_per_s": round(count / elapsed, 2),
             "latency_p50_ms": round(statistics.median(latencies) * 1000, 1),
             "latency_p99_ms": round(sorted(latencies)[int(0.99 * (len(latencies) - 1))] * 1000, 1)}
 
@@ -100,9 +105,11 @@ async def vectors(url: str, model: str, texts: list[str]) -> np.ndarray:
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)  # llama-server's are normalized too; be sure
 
 
-async def start_peer(binary: str, model: Path, threads: int, slots: int, log_dir: Path) -> tuple[str, subprocess.Popen]:
+async def start_peer(binary: str, model: Path, threads: int, slots: int, log_dir: Path,
+                     flags: tuple[str, ...] = ("--embeddings", "--pooling", "last")) -> tuple[str, subprocess.Popen]:
+    """llama-server on the model with `flags` (an embedding model's by default; bench_rerank.py: --reranking)."""
     port = free_port()
-    argv = [binary, "-m", str(model), "--embeddings", "--pooling", "last", "-t", str(threads), "-tb", str(threads),
+    argv = [binary, "-m", str(model), *flags, "-t", str(threads), "-tb", str(threads),
             "-c", str(N_CTX * slots), "-np", str(slots), "-b", str(N_CTX * slots), "-ub", str(N_CTX),
             "-fa", "on", "--host", "127.0.0.1", "--port", str(port)]
     log = log_dir / "llama-server.log"
@@ -114,14 +121,17 @@ async def start_peer(binary: str, model: Path, threads: int, slots: int, log_dir
     return url, proc
 
 
-async def start_ours(model: Path, threads: int, log_dir: Path):
+async def start_ours(model: Path, threads: int, log_dir: Path, name: str = "embed",
+                     written_by: str = "bench/bench_embeddings.py: the default chat model (idle) and the embedding "
+                                       "model"):
+    """syshaxd with the model as the [[models]] entry `name`, beside the idle default chat model."""
     config = log_dir / "syshaxd.toml"
     config.write_text(
-        "# written by bench/bench_embeddings.py: the default chat model (idle) and the embedding model\n"
+        f"# written by {written_by}\n"
         f"model_dir = {json.dumps(str(REPO / 'models'))}\n"
         "threads = 1\n"
         f"admin_socket = {json.dumps(str(log_dir / 'admin.sock'))}\n"
-        f'[[models]]\nname = "embed"\npath = {json.dumps(str(model))}\nn_ctx = {N_CTX}\n'
+        f'[[models]]\nname = "{name}"\npath = {json.dumps(str(model))}\nn_ctx = {N_CTX}\n'
         f"threads = {threads}\n")
     return await start_daemon("cpu", command=daemon_command(), config=str(config), startup_timeout_s=300,
                               log_dir=str(log_dir))

@@ -27,10 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,9 +36,11 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import aiohttp  # noqa: E402
 
-from bench_embeddings import N_CTX, Load, documents  # noqa: E402
-from bench_peers import find_llama_server, wait_healthy  # noqa: E402
-from syshaxd.benchmark.daemon import daemon_command, free_port, start_daemon, stop_daemon  # noqa: E402
+from bench_embeddings import Load, documents, timed_posts  # noqa: E402
+from bench_embeddings import start_ours as embedding_ours  # noqa: E402
+from bench_embeddings import start_peer as embedding_peer  # noqa: E402
+from bench_peers import find_llama_server  # noqa: E402
+from syshaxd.benchmark.daemon import stop_daemon  # noqa: E402
 
 QUERIES = ("which server keeps the cache", "how does the river reach the ocean", "a kernel for the batch",
            "music and painting in the evening", "the network route policy", "memory of the worker thread")
@@ -56,29 +55,7 @@ def bodies(load: Load, seed: int) -> list[dict]:
 
 async def run_load(url: str, load: Load, seed: int) -> dict:
     """Pairs per second and request latency of one load on one server."""
-    latencies: list[float] = []
-    queue: asyncio.Queue = asyncio.Queue()
-    for body in bodies(load, seed):
-        queue.put_nowait(body)
-
-    async def client(session: aiohttp.ClientSession) -> None:
-        while not queue.empty():
-            body = queue.get_nowait()
-            started = time.perf_counter()
-            async with session.post(url + "/v1/rerank", json=body) as resp:
-                answer = await resp.json()
-                if resp.status != 200:
-                    raise RuntimeError(f"{url}: {resp.status} {answer}")
-            latencies.append(time.perf_counter() - started)
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        started = time.perf_counter()
-        await asyncio.gather(*(client(session) for _ in range(load.clients)))
-        elapsed = time.perf_counter() - started
-    pairs = load.requests * load.batch
-    return {"pairs": pairs, "seconds": round(elapsed, 3), "pairs_per_s": round(pairs / elapsed, 2),
-            "latency_p50_ms": round(statistics.median(latencies) * 1000, 1),
-            "latency_p99_ms": round(sorted(latencies)[int(0.99 * (len(latencies) - 1))] * 1000, 1)}
+    return await timed_posts(url + "/v1/rerank", bodies(load, seed), load, "pairs", total_s=900)
 
 
 async def scores(url: str, body: dict) -> dict[int, float]:
@@ -88,31 +65,13 @@ async def scores(url: str, body: dict) -> dict[int, float]:
     return {r["index"]: r["relevance_score"] for r in answer["results"]}
 
 
-async def start_peer(binary: str, model: Path, threads: int, slots: int, log_dir: Path) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    argv = [binary, "-m", str(model), "--reranking", "-t", str(threads), "-tb", str(threads),
-            "-c", str(N_CTX * slots), "-np", str(slots), "-b", str(N_CTX * slots), "-ub", str(N_CTX),
-            "-fa", "on", "--host", "127.0.0.1", "--port", str(port)]
-    log = log_dir / "llama-server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    await wait_healthy(url, proc, log)
-    return url, proc
+async def start_peer(binary: str, model: Path, threads: int, slots: int, log_dir: Path):
+    return await embedding_peer(binary, model, threads, slots, log_dir, flags=("--reranking",))
 
 
 async def start_ours(model: Path, threads: int, log_dir: Path):
-    config = log_dir / "syshaxd.toml"
-    config.write_text(
-        "# written by bench/bench_rerank.py: the default chat model (idle) and the reranker\n"
-        f"model_dir = {json.dumps(str(REPO / 'models'))}\n"
-        "threads = 1\n"
-        f"admin_socket = {json.dumps(str(log_dir / 'admin.sock'))}\n"
-        f'[[models]]\nname = "rerank"\npath = {json.dumps(str(model))}\nn_ctx = {N_CTX}\n'
-        f"threads = {threads}\n")
-    return await start_daemon("cpu", command=daemon_command(), config=str(config), startup_timeout_s=300,
-                              log_dir=str(log_dir))
+    return await embedding_ours(model, threads, log_dir, name="rerank",
+                                written_by="bench/bench_rerank.py: the default chat model (idle) and the reranker")
 
 
 def default_model() -> Path:
