@@ -96,6 +96,43 @@ async def timed_posts(url: str, bodies: list[dict], load: Load, unit: str, total
             "latency_p99_ms": round(sorted(latencies)[int(0.99 * (len(latencies) - 1))] * 1000, 1)}
 
 
+async def in_turns(servers: dict[str, str], loads: list[Load], unit: str, run) -> list[dict]:
+    """Each load on each server (syshaxd and llama-server), the first alternating from load to load; run(url, load,
+    i) gives timed_posts' figures. A row a load, with syshaxd's `unit` a second over llama-server's, printed too."""
+    rows = []
+    for i, load in enumerate(loads):
+        order = list(servers) if i % 2 == 0 else list(servers)[::-1]
+        row = {"load": load.name}
+        for name in order:
+            row[name] = await run(servers[name], load, i)
+        ours, peer = row["syshaxd"], row["llama-server"]
+        row["ratio"] = round(ours[f"{unit}_per_s"] / peer[f"{unit}_per_s"], 2)
+        rows.append(row)
+        print(f"{load.name:<24} syshaxd {ours[f'{unit}_per_s']:8.2f}/s  llama-server {peer[f'{unit}_per_s']:8.2f}/s  "
+              f"ratio {row['ratio']:.2f}x  (p50 {ours['latency_p50_ms']:.0f} / {peer['latency_p50_ms']:.0f} ms)",
+              flush=True)
+    return rows
+
+
+def arguments(description: str, name: str, model_help: str, quick_help: str) -> argparse.ArgumentParser:
+    """The command line bench_embeddings.py and bench_rerank.py share (`name`: the log folder's and results' name)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", help=model_help)
+    p.add_argument("--llama-server", help="the llama-server binary (default: built by ../shared/tools)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peer-slots", type=int, default=8, help="llama-server's -np (default 8)")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--log-dir", default=f"/tmp/{name}", help="the servers' logs")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / f"{name}.json"))
+    return p
+
+
+def write_results(out: str, results: dict) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in a fresh clone
+    Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 async def vectors(url: str, model: str, texts: list[str]) -> np.ndarray:
     async with aiohttp.ClientSession() as session:
         async with session.post(url + "/v1/embeddings", json={"model": model, "input": texts,
@@ -161,18 +198,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         results["cosine_min"] = round(float(np.min(np.sum(a * b, axis=1))), 5)
         for warm in servers.values():  # one request each, so that neither pays a first pass in the figures
             await run_load(warm, "embed", Load("warm", 8, 1, 1), documents(8, seed=1))
-        for i, load in enumerate(loads):
-            texts = documents(load.requests * load.batch, seed=100 + i)
-            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
-            row = {"load": load.name}
-            for name in order:
-                row[name] = await run_load(servers[name], "embed", load, texts)
-            row["ratio"] = round(row["syshaxd"]["embeddings_per_s"] / row["llama-server"]["embeddings_per_s"], 2)
-            results["loads"].append(row)
-            print(f"{load.name:<22} syshaxd {row['syshaxd']['embeddings_per_s']:8.1f}/s  llama-server "
-                  f"{row['llama-server']['embeddings_per_s']:8.1f}/s  ratio {row['ratio']:.2f}x  "
-                  f"(p50 {row['syshaxd']['latency_p50_ms']:.0f} / {row['llama-server']['latency_p50_ms']:.0f} ms)",
-                  flush=True)
+        results["loads"] = await in_turns(servers, loads, "embeddings", lambda url, load, i: run_load(
+            url, "embed", load, documents(load.requests * load.batch, seed=100 + i)))
     finally:
         await stop_daemon(ours.process)
         await stop_daemon(peer, grace_s=15)
@@ -180,19 +207,11 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="an embedding GGUF (default: Qwen3-Embedding-0.6B's shape in Q8_0, made once)")
-    p.add_argument("--llama-server", help="the llama-server binary (default: built by ../shared/tools)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--peer-slots", type=int, default=8, help="llama-server's -np (default 8)")
-    p.add_argument("--quick", action="store_true", help="a quarter of the requests")
-    p.add_argument("--log-dir", default="/tmp/bench_embeddings", help="the servers' logs")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_embeddings.json"))
-    args = p.parse_args(argv)
+    args = arguments(__doc__.split("\n\n")[0], "bench_embeddings", "an embedding GGUF (default: Qwen3-Embedding-0.6B's "
+                     "shape in Q8_0, made once)", "a quarter of the requests").parse_args(argv)
     results = asyncio.run(main_async(args))
     print(f"vectors of the two servers: cosine at least {results['cosine_min']}")
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
     return 0
 
 

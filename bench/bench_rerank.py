@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import aiohttp  # noqa: E402
 
-from bench_embeddings import Load, documents, timed_posts  # noqa: E402
+from bench_embeddings import Load, arguments, documents, in_turns, timed_posts, write_results  # noqa: E402
 from bench_embeddings import start_ours as embedding_ours  # noqa: E402
 from bench_embeddings import start_peer as embedding_peer  # noqa: E402
 from bench_peers import find_llama_server  # noqa: E402
@@ -99,17 +98,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         results["same_order"] = sorted(a, key=lambda i: -a[i]) == sorted(b, key=lambda i: -b[i])
         for warm in servers.values():  # one request each, so that neither pays a first pass in the figures
             await run_load(warm, Load("warm", 8, 1, 1), seed=1)
-        for i, load in enumerate(loads):
-            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
-            row = {"load": load.name}
-            for name in order:
-                row[name] = await run_load(servers[name], load, seed=100 + i)
-            row["ratio"] = round(row["syshaxd"]["pairs_per_s"] / row["llama-server"]["pairs_per_s"], 2)
-            results["loads"].append(row)
-            print(f"{load.name:<24} syshaxd {row['syshaxd']['pairs_per_s']:7.2f}/s  llama-server "
-                  f"{row['llama-server']['pairs_per_s']:7.2f}/s  ratio {row['ratio']:.2f}x  "
-                  f"(p50 {row['syshaxd']['latency_p50_ms']:.0f} / {row['llama-server']['latency_p50_ms']:.0f} ms)",
-                  flush=True)
+        results["loads"] = await in_turns(servers, loads, "pairs", lambda url, load, i: run_load(url, load, 100 + i))
     finally:
         await stop_daemon(ours.process)
         await stop_daemon(peer, grace_s=15)
@@ -117,21 +106,12 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="a reranker GGUF (default: Qwen3-Reranker-0.6B's shape in Q8_0, made once)")
-    p.add_argument("--llama-server", help="the llama-server binary (default: built by ../shared/tools)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--peer-slots", type=int, default=8, help="llama-server's -np (default 8)")
-    p.add_argument("--quick", action="store_true", help="half the requests")
-    p.add_argument("--log-dir", default="/tmp/bench_rerank", help="the servers' logs")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_rerank.json"))
-    args = p.parse_args(argv)
+    args = arguments(__doc__.split("\n\n")[0], "bench_rerank", "a reranker GGUF (default: Qwen3-Reranker-0.6B's shape "
+                     "in Q8_0, made once)", "half the requests").parse_args(argv)
     results = asyncio.run(main_async(args))
     print(f"scores of the two servers: at most {results['score_diff_max']} apart, the same order: "
           f"{results['same_order']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
     return 0
 
 

@@ -84,6 +84,11 @@ class EntryModel:
         return self.entry.name
 
     @property
+    def kind_name(self) -> str:
+        """What logs and errors call it: "chat model", "embedding model" (a reranker says so: embedders.py)."""
+        return f"{self.kind} model"
+
+    @property
     def keep_alive(self) -> float:
         """Seconds idle before it is unloaded (-1: never): its last request's keep_alive, else its entry's."""
         return self.entry.keep_alive if self.keep_alive_asked is None else self.keep_alive_asked
@@ -151,7 +156,7 @@ class EntryModel:
             await room(self, deadline)
             if stopping():
                 return
-            log.info("%s model %s: loading (started again by itself)", self.kind, self.name)
+            log.info("%s %s: loading (started again by itself)", self.kind_name, self.name)
             self.start()
 
     async def load(self, deadline: float, room: Room, retry: bool = False) -> Loaded:
@@ -164,7 +169,7 @@ class EntryModel:
                 try:  # an unload waiting for a request in use holds the lock: wait for it within the deadline
                     await asyncio.wait_for(self._changing.acquire(), max(0.0, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
-                    raise EngineUnavailable(f"{self.kind} model {self.name} is being unloaded; retry shortly") from None
+                    raise EngineUnavailable(f"{self.kind_name} {self.name} is being unloaded; retry shortly") from None
                 try:
                     if self.handle is not None and (self._restartable(self.handle) or (
                             retry and self.handle.state == HandleState.FAILED)):
@@ -172,7 +177,7 @@ class EntryModel:
                         await asyncio.shield(old.stop())  # to its end, even when the request waiting leaves
                     if self.handle is None:
                         await room(self, deadline)
-                        log.info("%s model %s: loading (%s)", self.kind, self.name,
+                        log.info("%s %s: loading (%s)", self.kind_name, self.name,
                                  "on its first request" if not self.loads else "asked for again")
                         self.start()
                     handle = self.handle
@@ -189,10 +194,10 @@ class EntryModel:
     async def _ready(self, handle: Loaded, deadline: float) -> None:
         while handle.state != HandleState.READY and self.handle is handle:
             if handle.state == HandleState.FAILED:
-                raise EngineUnavailable(f"{self.kind} model {self.name} failed to load: {handle.error}", final=True)
+                raise EngineUnavailable(f"{self.kind_name} {self.name} failed to load: {handle.error}", final=True)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise EngineUnavailable(f"{self.kind} model {self.name} is still {handle.state}; retry shortly")
+                raise EngineUnavailable(f"{self.kind_name} {self.name} is still {handle.state}; retry shortly")
             try:
                 await asyncio.wait_for(handle.ready.wait(), min(left, 0.25))
             except asyncio.TimeoutError:
@@ -212,7 +217,7 @@ class EntryModel:
             self.unloads += 1
             self.keep_alive_asked = None  # its next load starts from its entry's again
             await handle.stop()
-            log.info("%s model %s: unloaded (%s); its %d MiB given back", self.kind, self.name, why, rss)
+            log.info("%s %s: unloaded (%s); its %d MiB given back", self.kind_name, self.name, why, rss)
             return True
 
     def idle_for(self, now: float) -> float | None:
@@ -297,7 +302,7 @@ class EntryModels:
                 await asyncio.shield(idle[0].unload(why))
                 continue
             if time.monotonic() >= deadline:
-                raise EngineUnavailable(f"{model.kind} model {model.name} cannot load: the {self.room} models of "
+                raise EngineUnavailable(f"{model.kind_name} {model.name} cannot load: the {self.room} models of "
                                         "[[models]] loaded beside the daemon's own (max_loaded_models = "
                                         f"{self.max_loaded}) all stay busy; retry shortly")
             await asyncio.sleep(0.1)
@@ -314,7 +319,7 @@ class EntryModels:
                 try:
                     await model.unload(f"idle for {idle:.0f}s, keep_alive {keep:g}s")
                 except Exception:  # one model's failed stop must not end keep_alive for every model
-                    log.exception("%s model %s: the unload after keep_alive failed", model.kind, model.name)
+                    log.exception("%s %s: the unload after keep_alive failed", model.kind_name, model.name)
             await asyncio.sleep(every)
 
     async def keep_started(self, timeout: float, every: float = 0.5) -> None:
@@ -332,13 +337,13 @@ class EntryModels:
                 served = model.served_for()
                 delay = model.restart_delay(served)
                 if delay is None:
-                    log.error("%s model %s: what served it died %d times in a row within %gs of serving; not "
+                    log.error("%s %s: what served it died %d times in a row within %gs of serving; not "
                               "started again by itself: see its lines above, mend the cause, then `syshax models "
-                              "load %s` (or its next request loads it)", model.kind, model.name, QUICK_DEATHS,
+                              "load %s` (or its next request loads it)", model.kind_name, model.name, QUICK_DEATHS,
                               QUICK_DEATH, model.name)
                     continue
-                log.warning("%s model %s: what served it died%s; starting it again in %gs (load = \"start\")",
-                            model.kind, model.name, f" after serving {served:.0f}s" if served is not None else "",
+                log.warning("%s %s: what served it died%s; starting it again in %gs (load = \"start\")",
+                            model.kind_name, model.name, f" after serving {served:.0f}s" if served is not None else "",
                             delay)
                 task = asyncio.ensure_future(self._restart(model, delay, timeout))
                 self._restarts[model.name] = task
@@ -353,8 +358,8 @@ class EntryModels:
         try:
             await model.restart(time.monotonic() + timeout, self.make_room, lambda: self.stopping)
         except EngineUnavailable as exc:
-            log.error("%s model %s: not started again now: %s; its next request loads it, or `syshax models load "
-                      "%s`", model.kind, model.name, exc, model.name)
+            log.error("%s %s: not started again now: %s; its next request loads it, or `syshax models load "
+                      "%s`", model.kind_name, model.name, exc, model.name)
 
     async def stop(self) -> None:
         self.stopping = True  # keep_started starts nothing again from here on

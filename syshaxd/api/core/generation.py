@@ -123,7 +123,7 @@ def _refuse_embedding_model(request: web.Request, body: dict) -> None:
     entries = request.app[SCHEDULER].entries
     if isinstance(model, str) and model in entries and entries[model].kind == "embedding":
         what = ("a reranker: it scores documents against a query (POST /v1/rerank)"
-                if getattr(getattr(entries[model], "file", None), "reranker", False)
+                if entries[model].kind_name == "reranker"
                 else "an embedding model: it makes vectors (POST /v1/embeddings)")
         raise invalid(f"`{model}` is {what}, not text. Send this request to `{request.app[MODEL_NAME]}`.",
                       param="model", code="model_not_supported")

@@ -79,7 +79,7 @@ def type_error(name: str, expected: str, value: Any) -> APIError:
                    code="invalid_type")
 
 
-def _text(name: str, value: str) -> str:
+def valid_text(name: str, value: str) -> str:
     """value, if it can be encoded as UTF-8 (JSON's \\ud800 escapes can make lone surrogates that cannot)."""
     if not value.isascii():
         try:
@@ -142,7 +142,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise invalid(f"Invalid 'stop': at most {MAX_STOP} stop sequences are allowed, got {len(value)}.", param="stop")
     if any(s == "" for s in value):
         raise invalid("Invalid 'stop': stop sequences must not be empty strings.", param="stop")
-    return tuple(_text("stop", s) for s in value)
+    return tuple(valid_text("stop", s) for s in value)
 
 
 def _common(body: dict, served_model: str) -> tuple[str, SamplingParams, bool, bool, tuple[str, ...], bool, int]:
@@ -219,7 +219,7 @@ def _one_prompt(p: Any) -> tuple[str | None, tuple[int, ...] | None] | None:
     if isinstance(p, str):
         if p == "":
             raise invalid("Invalid 'prompt': the prompt must not be empty.", param="prompt")
-        return _text("prompt", p), None
+        return valid_text("prompt", p), None
     if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         if not p:
             raise invalid("Invalid 'prompt': the prompt must not be empty.", param="prompt")
@@ -323,7 +323,7 @@ def parse_message(i: int, m: Any) -> dict:
         content = "".join(parts)
     if not isinstance(content, str):
         raise type_error(f"{where}.content", "a string or an array of text parts", content)
-    out = {"role": role, "content": _text(f"{where}.content", content)}
+    out = {"role": role, "content": valid_text(f"{where}.content", content)}
     if role == "assistant" and m.get("tool_calls") is not None:
         calls = _tool_calls(where, m["tool_calls"])
         if calls:
@@ -357,7 +357,7 @@ def _reasoning(where: str, m: dict) -> str | None:
     for name in names:
         if not isinstance(m[name], str):
             raise type_error(f"{where}.{name}", "a string", m[name])
-    texts = {_text(f"{where}.{name}", m[name]) for name in names}
+    texts = {valid_text(f"{where}.{name}", m[name]) for name in names}
     if len(texts) > 1:
         raise invalid(f"Invalid '{where}.reasoning': it differs from '{where}.reasoning_content'; send the thinking "
                       "once (either name).", param=f"{where}.reasoning")
@@ -377,8 +377,8 @@ def _tool_calls(where: str, calls: Any) -> list[dict]:
             raise invalid(f"Invalid '{at}': expected {{\"id\": ..., \"type\": \"function\", \"function\": "
                           "{\"name\": ..., \"arguments\": <JSON text>}}.", param=at)
         out.append({"id": call["id"], "type": "function",
-                    "function": {"name": _text(f"{at}.function.name", fn["name"]),
-                                 "arguments": _text(f"{at}.function.arguments", fn["arguments"])}})
+                    "function": {"name": valid_text(f"{at}.function.name", fn["name"]),
+                                 "arguments": valid_text(f"{at}.function.arguments", fn["arguments"])}})
     return out
 
 

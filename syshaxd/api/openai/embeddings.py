@@ -21,7 +21,7 @@ from syshaxd.api.core.generation import read_body
 from syshaxd.api.core.model_proxy import ask_keep_alive
 from syshaxd.api.core.outputs import client_gone
 from syshaxd.api.core.state import Draining
-from syshaxd.api.core.validate import _text, type_error
+from syshaxd.api.core.validate import type_error, valid_text
 from syshaxd.engine import embedders
 from syshaxd.engine.embedders import EmbeddingModel
 from syshaxd.engine.engine_handle import EngineUnavailable
@@ -62,7 +62,7 @@ def parse_inputs(value) -> tuple[str | tuple[int, ...], ...]:
             if not item:
                 raise invalid(f"Invalid '{where}': an input must not be an empty string.", param="input")
             texts += 1
-            inputs.append(_text(where, item))
+            inputs.append(valid_text(where, item))
         elif isinstance(item, list) and all(_is_id(t) for t in item):
             if not item:
                 raise invalid(f"Invalid '{where}': an array of token ids must not be empty.", param="input")

@@ -17,7 +17,7 @@ from aiohttp import web
 from syshaxd.api.core.errors import invalid
 from syshaxd.api.core.generation import read_body
 from syshaxd.api.core.model_proxy import ask_keep_alive
-from syshaxd.api.core.validate import _text, type_error
+from syshaxd.api.core.validate import type_error, valid_text
 from syshaxd.api.openai.embeddings import MAX_INPUTS, answer_of, chosen_model, counted
 from syshaxd.engine.embedders import EmbeddingModel
 from syshaxd.sdk.types import EmbedRequest
@@ -37,11 +37,7 @@ def _parse(request: web.Request, body: dict) -> tuple[EmbeddingModel, str, tuple
     if query is None:
         raise invalid("you must provide 'query': the text the documents are scored against", param="query",
                       code="missing_required_parameter")
-    if not isinstance(query, str):
-        raise type_error("query", "a string", query)
-    if not query:
-        raise invalid("Invalid 'query': it must not be an empty string.", param="query")
-    _text("query", query)
+    _one_text(query, "query", "query")
     documents = body.get("documents")
     if documents is None:
         raise invalid("you must provide 'documents': an array of the texts to score", param="documents",
@@ -54,11 +50,7 @@ def _parse(request: web.Request, body: dict) -> tuple[EmbeddingModel, str, tuple
         raise invalid(f"Invalid 'documents': at most {MAX_INPUTS} documents are allowed in one request, got "
                       f"{len(documents)}; split them over several requests.", param="documents")
     for i, document in enumerate(documents):
-        if not isinstance(document, str):
-            raise type_error(f"documents[{i}]", "a string", document)
-        if not document:
-            raise invalid(f"Invalid 'documents[{i}]': a document must not be an empty string.", param="documents")
-        _text(f"documents[{i}]", document)
+        _one_text(document, f"documents[{i}]", "documents")
     top_n = body.get("top_n")
     if top_n is None:
         top_n = len(documents)
@@ -72,15 +64,20 @@ def _parse(request: web.Request, body: dict) -> tuple[EmbeddingModel, str, tuple
     return model, query, tuple(documents), top_n, return_documents
 
 
+def _one_text(value, where: str, param: str) -> None:
+    """The query or a document: a non-empty string of valid Unicode, else a 400 that names it."""
+    if not isinstance(value, str):
+        raise type_error(where, "a string", value)
+    if not value:
+        what = "a document" if param == "documents" else "it"
+        raise invalid(f"Invalid '{where}': {what} must not be an empty string.", param=param)
+    valid_text(where, value)
+
+
+@routes.post("/rerank")  # llama-server's other path
 @routes.post("/v1/rerank")
 async def rerank(request: web.Request) -> web.Response:
     """Documents scored against a query by a reranker of [[models]], best first."""
-    return await counted(request, _answered)
-
-
-@routes.post("/rerank")
-async def rerank_plain(request: web.Request) -> web.Response:
-    """The same as POST /v1/rerank, at llama-server's other path."""
     return await counted(request, _answered)
 
 
