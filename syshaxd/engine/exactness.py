@@ -56,8 +56,9 @@ def _why_not(worker: ProvingEngine, file_type: str = "") -> str:
         return (f"{worker.name} runs {worker.spec.backend}, which computes KV its own way (its handoffs are judged "
                 "teacher-forced: top-1 agreement and KL)")
     if attention == "llama.cpp":
-        return (f"{worker.name} runs llama.cpp's own attention (tiled_attention = false, or a CPU without AVX-512 or "
-                "AVX2 with F16C and FMA): a near-tie can flip")
+        why = worker.info.get("attention_why") or ("tiled_attention = false, or a CPU without AVX-512 or AVX2 with "
+                                                   "F16C and FMA")
+        return f"{worker.name} runs llama.cpp's own attention ({why}): a near-tie can flip"
     unproven = [t for t in worker.info.get("weight_types", []) if t not in ROW_EXACT_TYPES]
     if unproven:
         return (f"{worker.name}'s warm-up found that a decode step gives other bits than a prompt chunk with this "

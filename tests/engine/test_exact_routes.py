@@ -101,6 +101,7 @@ def test_without_tiled_attention_the_status_says_what_is_not_exact(default_model
     try:
         exact = d.status()["exact"]
         assert exact["hetero_equals_cpu"] is False and exact["resume_exact"] is False
-        assert any(line.startswith("decode0 runs llama.cpp's own attention") for line in exact["why"]), exact
+        assert any(line.startswith("decode0 runs llama.cpp's own attention (tiled_attention = false in the config)")
+                   for line in exact["why"]), exact
     finally:
         assert d.stop() == 0, d.log()

@@ -68,7 +68,7 @@ def test_the_arm_features_choose_repacking_and_llama_cpps_own_attention():
     """Kunpeng 920 has NEON and dot product (asimddp), no AVX: llama.cpp's ARM repacking of q4_0 serves, and a
     decode step's tiled attention would pack K a scalar at a time, so the workers take llama.cpp's own attention
     (contexts.load_model says so in the log; the status names it in `exact.why`)."""
-    flags = kernels.read_cpu_flags(str(FIXTURE / "proc-cpuinfo"))
+    flags = kernels.read_cpu_flags(str(FIXTURE / "proc-cpuinfo"), "aarch64")
     assert {"asimd", "asimddp", "fphp", "asimdhp"} <= flags and not any(f.startswith("avx") for f in flags)
     assert "sve" not in flags and "i8mm" not in flags
     assert not kernels.tiles_decode_cheaply(flags)

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import MODEL_NAME, http_json, start_daemon, wait_for
 from syshax_llamacpp.kernels import (KernelChoice, choose, cpu_flags, extra_buffer_types, read_cpu_flags,
-                                     tiles_decode_cheaply)
+                                     tiles_decode_cheaply, why_not_tiled)
 from syshaxd.config import ConfigError, from_mapping
 from syshaxd.sdk import faults
 
@@ -40,10 +40,24 @@ def test_every_rows_attention_is_tiled_only_where_k_packs_in_vectors():
 def test_cpu_flags_are_read_from_x86_and_arm_cpuinfo():
     x86 = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 amx_int8 amx_tile\nbogomips\t: 1\n"
     arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve i8mm\nCPU implementer\t: 0x41\n"
-    assert cpu_flags(x86) == {"fpu", "avx2", "amx_int8", "amx_tile"}
-    assert cpu_flags(arm) == {"fp", "asimd", "sve", "i8mm"}
+    assert cpu_flags(x86) == cpu_flags(x86, "x86_64") == {"fpu", "avx2", "amx_int8", "amx_tile"}
+    assert cpu_flags(arm) == cpu_flags(arm, "aarch64") == {"fp", "asimd", "sve", "i8mm"}
     assert cpu_flags("") == frozenset()
     assert read_cpu_flags("/nonexistent/cpuinfo") == frozenset()
+
+
+def test_an_arm_process_under_qemu_does_not_take_the_x86_hosts_flags_for_its_own(tmp_path):
+    """qemu-user (make test-arm) shows an arm64 process the x86 host's /proc/cpuinfo: its AVX-512 must not make the
+    ARM llama.cpp's decode steps take the tiled attention that is cheap only with AVX."""
+    host = tmp_path / "cpuinfo"
+    host.write_text("processor\t: 0\nflags\t\t: fpu avx2 f16c fma avx512f amx_int8\n")
+    assert read_cpu_flags(str(host), "aarch64") == frozenset()
+    assert not tiles_decode_cheaply(read_cpu_flags(str(host), "aarch64"))
+    assert tiles_decode_cheaply(read_cpu_flags(str(host), "x86_64"))
+    # and the status says why, naming the architecture
+    assert why_not_tiled(read_cpu_flags(str(host), "aarch64"), "aarch64").startswith("this aarch64 CPU: ")
+    assert why_not_tiled(read_cpu_flags(str(host), "x86_64"), "x86_64") == ""
+    assert why_not_tiled(frozenset({"avx2", "fma"}), "x86_64").startswith("this CPU has neither AVX-512 nor AVX2")
 
 
 def test_auto_repacks_where_the_build_has_no_amx():

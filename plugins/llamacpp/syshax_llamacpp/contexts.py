@@ -58,6 +58,7 @@ class LoadedModel:
     model: object  # llama_model_p
     kernels: kernels.KernelChoice
     tiled_attention: bool  # every query row's attention tiled (TILED_ATTENTION_ENV)
+    attention_why: str  # why it is not ("" where it is)
     arch: str
     sliding_window: bool  # sliding-window layers: a second KV cache, which the prefix cache's blocks do not carry
     state: StateShape  # how llama.cpp writes a sequence's state: its KV caches, their cells, a recurrent state
@@ -72,10 +73,11 @@ def load_model(spec: EngineSpec) -> LoadedModel:
     # generated is kept and a resume is not exact); set before the first graph: llama.cpp reads it once per process
     # (a process's engines share one setting)
     tiled_attention = spec.tiled_attention and kernels.tiles_decode_cheaply(flags)
+    attention_why = ("" if tiled_attention else kernels.why_not_tiled(flags) if spec.tiled_attention
+                     else "tiled_attention = false in the config")
     if spec.tiled_attention and not tiled_attention:
-        log.info("tiled_attention: this CPU has neither AVX-512 nor AVX2 with F16C and FMA, so a decode step's "
-                 "tiled attention would cost more than it saves; llama.cpp's own attention runs, so nothing "
-                 "generated is kept and a resumed request may part from its undisturbed text at a near-tie")
+        log.info("tiled_attention: %s; llama.cpp's own attention runs, so nothing generated is kept and a resumed "
+                 "request may part from its undisturbed text at a near-tie", attention_why)
     os.environ[TILED_ATTENTION_ENV] = "1" if tiled_attention else "0"
     os.environ.update(ONE_KERNEL_PER_TYPE)
     llama_cpp.llama_backend_init()
@@ -105,7 +107,7 @@ def load_model(spec: EngineSpec) -> LoadedModel:
         plain = kv_layout(path).plain
     except (GGUFError, OSError):
         plain = not (state.recurrent or sliding_window)
-    return LoadedModel(path, model, choice, tiled_attention, arch, sliding_window, state,
+    return LoadedModel(path, model, choice, tiled_attention, attention_why, arch, sliding_window, state,
                        whole_state=not (plain and state.plain))
 
 

@@ -77,6 +77,7 @@ class LlamaCppEngine:
         loaded = load_model(spec)
         self.model_path, self.model, self.kernels = loaded.path, loaded.model, loaded.kernels
         self.tiled_attention = loaded.tiled_attention
+        self.attention_why = loaded.attention_why
         self.arch, self.shape = loaded.arch, loaded.state  # how a sequence's state is laid out
         self.weight_types = weight_types(self.model_path)  # what the kernels multiply: the proofs' warnings name them
         self.vocab = Vocab(model=self.model)  # tokenizing, chat template and pieces, as every engine does them
@@ -179,6 +180,7 @@ class LlamaCppEngine:
             "kernels_why": self.kernels.why,
             "exact_resume_tokens": self.prefix.exact_resume,
             "attention": "tiled" if self.tiled_attention else "llama.cpp",
+            "attention_why": self.attention_why,
             "weight_types": list(self.weight_types),
             "exact_decode": self.exact_decode,
             "keeps_generated": self.prefix.keeps_generated,

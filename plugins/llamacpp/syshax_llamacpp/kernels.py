@@ -12,6 +12,7 @@ the AMX kernels, which keeps repacking.
 from __future__ import annotations
 
 import ctypes
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,18 +31,27 @@ class KernelChoice:
     safe_repack: str = ""  # the repack setting of safer kernels, to restart with if these crash; "": none is safer
 
 
-def cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo's text ("flags" on x86, "Features" on ARM)."""
+# the line of /proc/cpuinfo that lists an architecture's features
+_FLAGS_LINE = {"x86_64": "flags", "amd64": "flags", "i686": "flags", "aarch64": "Features", "arm64": "Features",
+               "armv7l": "Features"}
+
+
+def cpu_flags(cpuinfo: str, machine: str = "") -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo's text ("flags" on x86, "Features" on ARM). Given the machine this
+    process runs as (platform.machine()), only that architecture's line counts: under qemu-user (make test-arm) an
+    arm64 process reads the x86 host's /proc/cpuinfo, whose AVX flags its ARM llama.cpp has none of."""
+    wanted = (_FLAGS_LINE[machine],) if machine in _FLAGS_LINE else ("flags", "Features")
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
+        if key.strip() in wanted:
             return frozenset(value.split())
     return frozenset()
 
 
-def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+def read_cpu_flags(path: str = "/proc/cpuinfo", machine: str | None = None) -> frozenset[str]:
+    """This CPU's flags (`machine`: the architecture to read them for; this process's by default)."""
     try:
-        return cpu_flags(Path(path).read_text(errors="replace"))
+        return cpu_flags(Path(path).read_text(errors="replace"), platform.machine() if machine is None else machine)
     except OSError:
         return frozenset()
 
@@ -132,3 +142,17 @@ def library_build() -> str:
             h.update(path.read_bytes())
     h.update(" ".join(sorted(read_cpu_flags())).encode())
     return h.hexdigest()
+
+
+def why_not_tiled(flags: frozenset[str], machine: str | None = None) -> str:
+    """Why a decode step's attention is not tiled on this CPU, in words for the log and the status ("" where it
+    is tiled cheaply)."""
+    if tiles_decode_cheaply(flags):
+        return ""
+    machine = platform.machine() if machine is None else machine
+    if _FLAGS_LINE.get(machine) == "Features":
+        return (f"this {machine} CPU: syshax's patches pack a tile's K with vectors on x86 only (AVX-512, or AVX2 with "
+                "F16C and FMA), and packed a scalar at a time a decode step's tiled attention costs more than it "
+                "saves")
+    return ("this CPU has neither AVX-512 nor AVX2 with F16C and FMA, so a decode step's tiled attention would cost "
+            "more than it saves")
