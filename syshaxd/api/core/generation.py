@@ -100,12 +100,15 @@ async def _served(request: web.Request, endpoint: Endpoint, timer: RequestTimer)
     try:
         _refuse_embedding_model(request, body)
         parsed = await prepared(request, endpoint.parse(body))
+        # the first token is due within request_timeout, the engine's accepting the request included: a worker reads
+        # it between two steps and answers after the next one, and a step of a big model on CPUs (or of any model
+        # under emulation) can take long
+        deadline = time.monotonic() + request.app[STATE].config.request_timeout
         try:
-            fan, accepted = await _start(request, parsed)
+            fan, accepted = await _start(request, parsed, deadline)
         except ClientGone:
             return web.Response(status=499, text="client closed the request")
         timer.accepted(sum(a.prompt_tokens for a in accepted[:: parsed.n]))
-        deadline = time.monotonic() + request.app[STATE].config.request_timeout
         try:
             return await endpoint.respond(Generation(request, parsed, fan, accepted, timer, deadline))
         except ClientGone:
@@ -177,8 +180,8 @@ def rule_fields(parsed: ParsedRequest) -> dict:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-async def _accepted(request: web.Request, stream: RequestStream) -> Accepted:
-    event = await next_event(request, stream, time.monotonic() + 30.0)
+async def _accepted(request: web.Request, stream: RequestStream, deadline: float) -> Accepted:
+    event = await next_event(request, stream, deadline)
     if event is None:
         raise ClientGone()
     if isinstance(event, Rejected):
@@ -231,13 +234,13 @@ async def _thinking_settled(request: web.Request, parsed: ParsedRequest) -> Pars
     return replace(parsed, thinking=thinking, generates=generates)
 
 
-async def _start(request: web.Request, parsed: ParsedRequest) -> tuple[Fanout, list[Accepted]]:
-    """Every choice of the prepared request submitted and accepted, or none left running."""
+async def _start(request: web.Request, parsed: ParsedRequest, deadline: float) -> tuple[Fanout, list[Accepted]]:
+    """Every choice of the prepared request submitted and accepted by `deadline`, or none left running."""
     streams: list[RequestStream] = []
     try:
         for generate in parsed.generates:
             streams.append(_submit(request, generate, parsed.route, parsed.fields))
-        accepted = [await _accepted(request, s) for s in streams]
+        accepted = [await _accepted(request, s, deadline) for s in streams]
     except BaseException:
         for s in streams:
             s.cancel()
