@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-test
 ROOM_TESTS := test-api test-engine test-plugins test-remote test-sdk test-e2e test-structure
 
 .PHONY: run test install install-gpu install-test model bench clean help system-deps llama-wheel docs docs-serve \
-	test-quick $(ROOM_TESTS) hf-copy
+	test-quick $(ROOM_TESTS) hf-copy test-arm
 
 help:
 	@echo "make run          create .venv, install the core and the llama.cpp backend, prepare the default model,"
@@ -25,7 +25,9 @@ help:
 	@echo "make bench        run the comparisons under bench/ (slow; prints tables)"
 	@echo "make docs         build the documentation site into site/ (docs/, mkdocs.yml)"
 	@echo "make docs-serve   serve the documentation on http://127.0.0.1:8001 while you edit it"
-	@echo "make rpm          build the RPM into rpm/build/"
+	@echo "make rpm          build the RPM into rpm/build/ (RPM_TARGET=aarch64 for ARM servers)"
+	@echo "make test-arm     install and test syshax in a Debian arm64 root under qemu (as root; about 30 minutes"
+	@echo "                  the first time, 15 after; not part of make test)"
 
 $(VENV)/bin/python:
 	@command -v $(PYTHON) >/dev/null || { echo "needs Python 3.11 ($(PYTHON) not found; set PYTHON=...)"; exit 1; }
@@ -118,6 +120,21 @@ $(ROOM_TESTS): install-test system-deps hf-copy
 
 test-quick: install-test
 	$(PY) -m pytest -x -q -m "not slow" $(PYTEST_ARGS)
+
+# syshax on aarch64 (Kunpeng) under emulation: mk/test-arm.sh makes a Debian arm64 root, installs syshax in it with
+# this Makefile, and runs make run's first curl, the status's promises and the exactness tests under qemu-user.
+# Debian packages debootstrap, qemu-user-static, binfmt-support and crossbuild-essential-arm64 (the llama.cpp wheel
+# is cross-compiled on this host: compiled under qemu it takes over an hour).
+ARM_TOOLS := debootstrap qemu-user-static binfmt-support crossbuild-essential-arm64 cmake
+test-arm: | $(VENV)/bin/python
+	@if ! command -v debootstrap >/dev/null || [ ! -x /usr/bin/qemu-aarch64-static ] \
+	    || ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v cmake >/dev/null; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(ARM_TOOLS) >/dev/null; \
+	  else echo "make test-arm needs Debian's $(ARM_TOOLS)"; exit 1; fi; \
+	fi
+	$(PIP) install -q wheel
+	mk/test-arm.sh $(PY)
 
 hf-copy: install-test
 	$(VENV)/bin/syshax model prepare --hf --model-dir $(MODEL_DIR) >/dev/null  # the torch/vLLM copy of the q4_0 GGUF, once

@@ -25,10 +25,26 @@
 # it cannot prove.
 #
 # Cache: $SYSHAX_WHEEL_CACHE (default ~/.cache/syshax/wheels). About 5 minutes on 2 cores.
+#
+# SYSHAX_LLAMA_WHEEL=FILE takes a wheel built elsewhere instead of building one: make test-arm hands the emulated
+# arm64 install the wheel mk/llama-arm-wheel.sh cross-compiled, since compiling under qemu takes over an hour.
 set -euo pipefail
 VERSION=0.3.36
 PYTHON=${1:-python3}
 CACHE=${SYSHAX_WHEEL_CACHE:-$HOME/.cache/syshax/wheels}
+
+if [ -n "${SYSHAX_LLAMA_WHEEL:-}" ]; then
+  case "$(basename "$SYSHAX_LLAMA_WHEEL")" in
+    llama_cpp_python-"$VERSION"-*.whl) ;;
+    *) echo "mk/llama-wheel.sh: SYSHAX_LLAMA_WHEEL=$SYSHAX_LLAMA_WHEEL is not a llama-cpp-python $VERSION wheel" >&2
+       exit 2 ;;
+  esac
+  [ -f "$SYSHAX_LLAMA_WHEEL" ] || { echo "mk/llama-wheel.sh: SYSHAX_LLAMA_WHEEL=$SYSHAX_LLAMA_WHEEL does not exist" >&2
+                                    exit 2; }
+  echo "mk/llama-wheel.sh: taking $SYSHAX_LLAMA_WHEEL (SYSHAX_LLAMA_WHEEL) instead of building one" >&2
+  echo "$SYSHAX_LLAMA_WHEEL"
+  exit 0
+fi
 
 arch=$(uname -m)
 cmake_args="-DGGML_NATIVE=ON"

@@ -76,15 +76,27 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CC", "build", "The C compiler mk/llama-wheel.sh builds llama.cpp with (default cc); its version is "
              "part of the wheel's cache key.", "mk/llama-wheel.sh"),
     Variable("SYSHAX_LLAMA_SDIST", "build", "A llama-cpp-python sdist that mk/llama-source.sh unpacks llama.cpp's "
-             "HF-to-GGUF converter from instead of downloading it (offline builds).", "mk/llama-source.sh"),
+             "HF-to-GGUF converter from, and mk/llama-arm-cross.sh and mk/llama-arm-wheel.sh build from, instead of "
+             "downloading it (offline builds).", "mk/llama-source.sh"),
     Variable("SYSHAX_LLAMA_SRC_CACHE", "build", "Where mk/llama-source.sh unpacks the converter (default "
              "~/.cache/syshax).", "mk/llama-source.sh"),
-    Variable("SYSHAX_ARM_ARCH", "build", "The ARM target mk/llama-arm-cross.sh cross-compiles llama.cpp for "
-             "(default armv8.2-a+dotprod+fp16, a Kunpeng 920).", "mk/llama-arm-cross.sh"),
+    Variable("SYSHAX_LLAMA_WHEEL", "build", "A llama-cpp-python wheel built elsewhere that mk/llama-wheel.sh "
+             "installs instead of compiling one (make test-arm hands its arm64 root the wheel "
+             "mk/llama-arm-wheel.sh cross-compiled).", "mk/llama-wheel.sh"),
+    Variable("SYSHAX_ARM_ARCH", "build", "The ARM target mk/llama-arm-cross.sh and mk/llama-arm-wheel.sh "
+             "cross-compile llama.cpp for (default armv8.2-a+dotprod+fp16, a Kunpeng 920).", "mk/llama-arm-cross.sh"),
     Variable("SYSHAX_X86_LLAMA_SERVER", "build", "A llama-server of this host that mk/llama-arm-cross.sh also asks "
              "for the first token's likeliest, beside the ARM build's.", "mk/llama-arm-cross.sh"),
-    Variable("SYSHAX_ARM_CACHE", "build", "Where mk/llama-arm-cross.sh keeps its ARM builds (default "
-             "~/.cache/syshax/arm).", "mk/llama-arm-cross.sh"),
+    Variable("SYSHAX_ARM_CACHE", "build", "Where mk/llama-arm-cross.sh, mk/llama-arm-wheel.sh and make test-arm "
+             "keep their ARM builds, the arm64 root and its logs (default ~/.cache/syshax/arm).",
+             "mk/llama-arm-cross.sh"),
+    Variable("DEBIAN_SUITE", "build", "The Debian release make test-arm makes its arm64 root of (default bookworm, "
+             "whose Python is 3.11).", "mk/test-arm.sh"),
+    Variable("ARM_TESTS", "build", "The tests make test-arm runs in its arm64 root, one pytest node id a line "
+             "(default: the warm-up proofs, hetero against cpu, a prefix-cache hit against a miss, speculation's "
+             "texts).", "mk/test-arm.sh"),
+    Variable("SYSHAX_TEST_SLOWDOWN", "build", "How many times longer the tests' waits are, a whole number (default "
+             "1): make test-arm sets 20 for the tests it runs under qemu.", "tests/conftest.py"),
     Variable("SYSHAX_PARENT_PID", "internal", "Set by syshaxd for the daemon of a chat model of [[models]] it "
              "starts: that daemon stops (drains, then exits) when its parent does, even after kill -9.",
              "syshaxd/daemon.py"),

@@ -31,6 +31,9 @@ from syshaxd.config import toml_text
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+# make test-arm (mk/test-arm.sh) runs tests under qemu, about 20 times slower than the hardware: there every wait the
+# suite's helpers and clients set is SYSHAX_TEST_SLOWDOWN times longer (1 elsewhere)
+SLOWDOWN = float(os.environ.get("SYSHAX_TEST_SLOWDOWN") or 1)
 
 ROOMS = ("api", "engine", "plugins", "remote", "sdk", "e2e", "structure")
 # a test module may take another's scene (test_vllm runs test_api's tests against gpu mode): every room's folder is
@@ -41,6 +44,23 @@ _STARTS_PROCESSES = ("start_daemon(", "Daemon(", "Llama(", "Engine(", "llama_cpp
                      "WorkerHandle(", "Popen(", "NodeServer(")
 _STARTING_FIXTURES = {"daemon", "plain", "hf_folder"}
 _NEEDS = {"test_remote.py": "namespaces", "test_vllm.py": "vllm"}
+
+
+def pytest_configure(config) -> None:
+    if SLOWDOWN != 1:
+        _slow_clients()
+
+
+def _slow_clients() -> None:
+    """Under emulation, the openai clients the tests make wait SLOWDOWN times their timeout."""
+    import openai
+
+    made = openai.OpenAI.__init__
+
+    def init(self, *args, timeout=600.0, **kwargs):
+        made(self, *args, timeout=timeout * SLOWDOWN if isinstance(timeout, (int, float)) else timeout, **kwargs)
+
+    openai.OpenAI.__init__ = init
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -78,7 +98,7 @@ def default_model() -> Path:
 
 def wait_for(predicate, timeout: float = 60.0, what: str = "condition", every: float = 0.2):
     """predicate()'s first truthy value, polled every `every` seconds; fails the test after `timeout`."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout * SLOWDOWN
     while time.monotonic() < deadline:
         value = predicate()
         if value:
@@ -97,7 +117,7 @@ def http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> tupl
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout * SLOWDOWN) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
@@ -150,6 +170,7 @@ class Daemon:
         return self.log_path.read_text(errors="replace")
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
+        timeout *= SLOWDOWN
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -166,7 +187,7 @@ class Daemon:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(timeout * SLOWDOWN)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -178,7 +199,10 @@ def start_daemon(tmp: Path, config: dict | None = None, args: list[str] = (), en
     """Run `python -m syshaxd` (or `command`) with a config file of its own, as a user would start it; `tables`:
     TOML arrays of tables after the keys ([[models]], [[auto.routing_rules]])."""
     # the prefix cache's disk tier in the test's own folder: a daemon never finds another test's blocks
-    cfg = {"model_dir": str(MODEL_DIR), "log_level": "info", "prefix_cache_dir": str(tmp / "prefix-disk")} | (config or {})
+    cfg = {"model_dir": str(MODEL_DIR), "log_level": "info", "prefix_cache_dir": str(tmp / "prefix-disk")}
+    if SLOWDOWN != 1:  # under emulation the daemon's own waits stretch as the tests' do (a test's own setting wins)
+        cfg |= {"request_timeout": 600 * SLOWDOWN, "worker_start_timeout": 300 * SLOWDOWN}
+    cfg |= config or {}
     path = tmp / f"syshax-{time.monotonic_ns()}.toml"
     path.write_text(toml_text(cfg) + tables)  # each key in its table, as the documented file has them
     port = free_port()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import platform
 import subprocess
 import sys
 
@@ -37,6 +38,11 @@ def guessing(default_model, tmp_path_factory):
     d = start_daemon(tmp_path_factory.mktemp("guessing"), {"model": str(default_model), **BASE,
                                                             "speculative_tokens": 8},
                      env={"SYSHAX_GUESS": "always"})
+    off_here = worker(d, "cpu0")["speculative_tokens"] == 0 and platform.machine() not in ("x86_64", "AMD64")
+    if off_here:  # ARM (make test-arm): the patch series proves decode steps exact on x86 only; on x86 this fails
+        why = "; ".join(d.status()["exact"]["why"]) or "its decode steps were not proved to give a prompt chunk's bits"
+        d.stop()
+        pytest.skip(f"speculation is off on this {platform.machine()} CPU, as its status says: {why}")
     yield d
     assert d.stop() == 0, d.log()
 
@@ -46,13 +52,13 @@ def guesses(daemon) -> tuple[int, int]:
     return stats["guessed_tokens"], stats["kept_guesses"]
 
 
-def test_the_warm_up_proves_the_guessed_rows(plain, guessing):
+def test_the_warm_up_proves_the_guessed_rows(guessing, plain):  # guessing first: where it skips, plain never starts
     assert worker(guessing, "cpu0")["speculative_tokens"] == 8
     assert worker(plain, "cpu0")["speculative_tokens"] == 0
     assert "guessed tokens a step, checked in rows that give a lone row's bits" in guessing.log()
 
 
-def test_greedy_chats_keep_their_text(plain, guessing):
+def test_greedy_chats_keep_their_text(guessing, plain):
     before = guesses(guessing)
     assert_same(answer_all(guessing), answer_all(plain), "guessing against not")
     guessed, kept = (a - b for a, b in zip(guesses(guessing), before))

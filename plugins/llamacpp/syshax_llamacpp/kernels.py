@@ -38,8 +38,9 @@ _FLAGS_LINE = {"x86_64": "flags", "amd64": "flags", "i686": "flags", "aarch64": 
 
 def cpu_flags(cpuinfo: str, machine: str = "") -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo's text ("flags" on x86, "Features" on ARM). Given the machine this
-    process runs as (platform.machine()), only that architecture's line counts: under qemu-user (make test-arm) an
-    arm64 process reads the x86 host's /proc/cpuinfo, whose AVX flags its ARM llama.cpp has none of."""
+    process runs as (platform.machine()), only that architecture's line counts: under qemu-user before 8.x (Debian
+    bookworm's 7.2, make test-arm) an arm64 process reads the x86 host's /proc/cpuinfo, whose AVX flags its ARM
+    llama.cpp has none of."""
     wanted = (_FLAGS_LINE[machine],) if machine in _FLAGS_LINE else ("flags", "Features")
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
