@@ -155,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repack", choices=("auto", "on", "off"), default="auto",
                    help="weight repacking on both servers: syshaxd's repack key; llama-server's --repack / --no-repack"
                    " (auto: its default, on) (default: auto)")
+    p.add_argument("--speculative-tokens", type=int, help="syshaxd's speculative_tokens (default: the daemon's "
+                   "default)")
     p.add_argument("--json", type=Path, help="where the figures go (default: bench/results/bench_peers.json;"
                    " bench_peers-seed.json with --set seed, ...-quick.json with --quick)")
     args = p.parse_args(argv)
@@ -258,6 +260,9 @@ async def start_ours(args: argparse.Namespace, log_dir: Path) -> Server:
         f"repack = {json.dumps(args.repack)}\n"
         f"admin_socket = {json.dumps(str(log_dir / 'admin.sock'))}\n"  # not the default one another syshaxd may hold
         'log_level = "info"\n'
+        # other benches start syshaxd with parsers of their own, which may not have the option
+        + (f"speculative_tokens = {args.speculative_tokens}\n" if getattr(args, "speculative_tokens", None) is not None
+           else "")
     )
     daemon = await start_daemon("cpu", command=daemon_command(), config=str(config), startup_timeout_s=300,
                                 log_dir=str(log_dir))
