@@ -27,7 +27,7 @@ help:
 	@echo "make docs-serve   serve the documentation on http://127.0.0.1:8001 while you edit it"
 	@echo "make rpm          build the RPM into rpm/build/ (RPM_TARGET=aarch64 for ARM servers)"
 	@echo "make test-arm     install and test syshax in a Debian arm64 root under qemu (as root; about 30 minutes"
-	@echo "                  the first time, 15 after; not part of make test)"
+	@echo "                  the first time, 20 after; not part of make test)"
 
 $(VENV)/bin/python:
 	@command -v $(PYTHON) >/dev/null || { echo "needs Python 3.11 ($(PYTHON) not found; set PYTHON=...)"; exit 1; }

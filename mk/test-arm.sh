@@ -64,12 +64,13 @@ root_pids() {  # [PATTERN]: the pids of processes whose root is the root (and wh
   done
 }
 stop_in_root() {  # PATTERN SECONDS: SIGTERM to the root's processes that match, SIGKILL to those left after SECONDS
-  local pids left i
+  local pids left i p
   pids=$(root_pids "$1")
   [ -n "$pids" ] || return 0
   kill -TERM $pids 2>/dev/null || true
   for ((i = 0; i < $2; i++)); do
-    left=$(for p in $pids; do [ -d "/proc/$p" ] && echo "$p"; done)
+    left=""
+    for p in $pids; do if [ -d "/proc/$p" ]; then left="$left $p"; fi; done
     [ -n "$left" ] || return 0
     sleep 1
   done

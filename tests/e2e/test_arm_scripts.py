@@ -1,5 +1,5 @@
 """The scripts behind `make test-arm` (mk/test-arm.sh, mk/llama-arm-wheel.sh) and the wheel mk/llama-wheel.sh takes
-from elsewhere (SYSHAX_LLAMA_WHEEL). make test-arm itself runs under qemu for 15 to 30 minutes and is not part of the
+from elsewhere (SYSHAX_LLAMA_WHEEL). make test-arm itself runs under qemu for 20 to 30 minutes and is not part of the
 suite; these check what would break it before anyone runs it."""
 
 from __future__ import annotations
