@@ -83,7 +83,7 @@ done
 if [ "$(cat "$root/.syshax-root" 2>/dev/null)" != "$SUITE $packages" ]; then
   rm -rf "$root" "$root.part"
   mkdir -p "$CACHE"
-  echo "make test-arm: making a Debian $SUITE arm64 root in $root (debootstrap, about 10 minutes)" >&2
+  echo "make test-arm: making a Debian $SUITE arm64 root in $root (debootstrap, about 5 minutes)" >&2
   debootstrap --arch=arm64 --variant=minbase --include="$packages" "$SUITE" "$root.part" \
     >"$CACHE/debootstrap.log" 2>&1 \
     || { tail -20 "$CACHE/debootstrap.log" >&2; fail "debootstrap failed; its log: $CACHE/debootstrap.log"; }
