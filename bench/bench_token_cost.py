@@ -106,21 +106,31 @@ async def main_async(args) -> None:
           f"{', '.join(f'{x:.2f}' for x in tpot)})")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=8, help="measured requests per server (default: 8)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds, each server once per round (default: 2)")
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of both servers that the c=1 benches share (this one and bench_vllm_random.py)."""
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repack", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--llama-server", dest="binary", metavar="PATH", help="the llama-server binary (default: "
                    "what ../shared/tools/llama-server.sh prints)")
-    args = p.parse_args()
+
+
+def settle_servers(args: argparse.Namespace) -> argparse.Namespace:
+    """args as bench_peers.start_peer and start_ours read them: the default model, 2,048 tokens a sequence, the
+    llama-server binary, and the threads in the environment both servers start with."""
     args.model = bench_peers.default_tokenizer_path()
     args.n_ctx = 2048
     args.binary = bench_peers.find_llama_server(args.binary)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.pop("CUSTOM_CPU_AFFINITY", None)
-    asyncio.run(main_async(args))
+    return args
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=8, help="measured requests per server (default: 8)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds, each server once per round (default: 2)")
+    add_server_arguments(p)
+    asyncio.run(main_async(settle_servers(p.parse_args())))
     return 0
 
 

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import time
-import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
 import bench_peers  # noqa: E402
-from bench_token_cost import cpu_seconds, process_tree  # noqa: E402
+from bench_token_cost import add_server_arguments, cpu_seconds, process_tree, settle_servers  # noqa: E402
 from syshaxd.benchmark.client import list_models  # noqa: E402
 
 RESULTS = HERE / "results" / "bench_vllm_random.json"
@@ -139,19 +138,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds, each server once per round (default: 2)")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repack", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--speculative-tokens", type=int, default=None,
                    help="syshaxd's speculative_tokens (default: the daemon's default)")
-    p.add_argument("--llama-server", dest="binary", metavar="PATH", help="the llama-server binary (default: "
-                   "what ../shared/tools/llama-server.sh prints)")
-    args = p.parse_args()
-    args.model = bench_peers.default_tokenizer_path()
-    args.n_ctx = 2048
-    args.binary = bench_peers.find_llama_server(args.binary)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ.pop("CUSTOM_CPU_AFFINITY", None)
-    asyncio.run(main_async(args))
+    add_server_arguments(p)
+    asyncio.run(main_async(settle_servers(p.parse_args())))
     return 0
 
 
